@@ -1,0 +1,160 @@
+"""Predicted vs measured device peak of one training step, for every zoo workload.
+
+    OMP_NUM_THREADS=1 python benchmarks/peaks.py [--size small] [--workloads gpt,moe] [--out DIR]
+
+Each workload runs in its own process (the CPU profiler and Dynamo's caches are per process):
+build at ``--size``, compile with memcompile (no budget: eager's saved set, eager inner compiler),
+train 3 warm-up steps, set gradients to None, then measure a step on the last warm-up batch (so
+nothing compiles inside the measurement) with the CPU profiler and
+compare with ``memcompile.report(...).predicted_peak``. Eager PyTorch's measured peak of the same
+step (a separate process) is shown beside it. Results go to ``benchmarks/results/peaks.{md,json}``
+with the command, the machine and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def run_one(name: str, size: str, mode: str) -> dict[str, Any]:
+    """Measure one workload in this process (``mode``: memcompile or eager)."""
+    import torch
+
+    import memcompile
+    from memcompile import zoo
+    from memcompile.runtime.measure import measure
+
+    torch.manual_seed(0)
+    wl = zoo.build(name, size=size, seed=0)
+    model = memcompile.compile(wl.model) if mode == "memcompile" else wl.model
+    opt = torch.optim.SGD(wl.model.parameters(), lr=0.01)
+    for step in range(3):
+        wl.loss(model, step).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    # Measure a batch the model has already run: a new shape would compile inside the measurement.
+    batch = wl.batch(2)
+    m = measure(lambda: model(*batch).backward(), resident=[wl.model, batch])
+    opt.zero_grad(set_to_none=True)
+    out: dict[str, Any] = {
+        "workload": name,
+        "mode": mode,
+        "measured_peak": m.peak,
+        "resident": m.resident_bytes,
+    }
+    if mode == "memcompile":
+        rep = memcompile.report(model)
+        out.update(
+            predicted_peak=rep.predicted_peak,
+            exact=rep.exact,
+            fragments=len(rep.fragments),
+            step_calls=len(rep.step),
+            fallbacks=len(rep.fallbacks),
+            per_fragment=[
+                {
+                    "fragment": f.name,
+                    "predicted": f.predicted_peak,
+                    "measured": max(
+                        (v for k, v in m.ranges.items() if k.startswith(f"memcompile:{f.name}:")),
+                        default=None,
+                    ),
+                }
+                for f in rep.fragments
+            ],
+        )
+    return out
+
+
+def _subprocess(name: str, size: str, mode: str) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, __file__, "--one", name, "--size", size, "--mode", mode]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        return {"workload": name, "mode": mode, "error": proc.stderr.strip().splitlines()[-1:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--size", default="small")
+    p.add_argument("--workloads", default="")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="memcompile", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(run_one(args.one, args.size, args.mode)))
+        return
+
+    from memcompile import zoo
+
+    names = [n for n in args.workloads.split(",") if n] or list(zoo.names())
+    rows = []
+    for name in names:
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        mc, eager = (
+            _subprocess(name, args.size, "memcompile"),
+            _subprocess(name, args.size, "eager"),
+        )
+        rows.append({"memcompile": mc, "eager": eager})
+
+    command = "OMP_NUM_THREADS=1 python " + " ".join(sys.argv)
+    cpu = platform.processor() or platform.machine()
+    machine = f"{platform.node()}: {cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    import torch
+
+    date = datetime.date.today().isoformat()
+    lines = [
+        f"# Predicted vs measured step peak (size `{args.size}`)",
+        "",
+        f"- command: `{command}`",
+        f"- machine: {machine}, torch {torch.__version__}",
+        f"- date: {date}",
+        "- measured: CPU profiler (`memcompile.measure_peak`), absolute (resident parameters, "
+        "buffers, inputs + peak above them); one process per row and mode; no budget "
+        "(memcompile keeps eager's saved set)",
+        "",
+        "| workload | fragments | calls/step | predicted MiB | measured MiB | error | exact model "
+        "| eager measured MiB | fallbacks |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mc, eg = r["memcompile"], r["eager"]
+        if "error" in mc:
+            lines.append(f"| {mc['workload']} | error: {mc['error']} | | | | | | | |")
+            continue
+        err = 100.0 * (mc["predicted_peak"] - mc["measured_peak"]) / mc["measured_peak"]
+        lines.append(
+            f"| {mc['workload']} | {mc['fragments']} | {mc['step_calls']} "
+            f"| {_mib(mc['predicted_peak'])} | {_mib(mc['measured_peak'])} | {err:+.2f}% "
+            f"| {'yes' if mc['exact'] else 'no (estimate)'} | "
+            f"{_mib(eg.get('measured_peak'))} | {mc['fallbacks']} |"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"peaks_{args.size}"
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{stem}.json").write_text(
+        json.dumps({"command": command, "machine": machine, "date": date, "rows": rows}, indent=2)
+        + "\n"
+    )
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

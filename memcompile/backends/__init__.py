@@ -1,0 +1,1 @@
+"""The Dynamo backend: fragment capture, AOTAutograd wiring, inner compilers, fallback detection."""

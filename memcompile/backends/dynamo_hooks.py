@@ -1,0 +1,85 @@
+"""Where memcompile meets Dynamo's objects: finding them, and the per-call hook.
+
+``torch.compile`` returns a module or function whose Dynamo context (``_TorchDynamoContext``)
+runs its ``enter_exit_hooks`` at the start of every call and their cleanups at the end. memcompile
+appends one hook per compiled model: it notes the fallback monitor's position when a call starts and
+claims the frames Dynamo gave up on during the call when it ends (an O(1) check unless Dynamo
+compiled something during the call).
+This is the only memcompile code that runs when Dynamo runs a frame eagerly, so it is what makes
+the warning appear in the call where the fallback happens, attributed to the right model.
+
+    ctx = dynamo_context(compiled)          # from the object torch.compile returned
+    ctx = calling_dynamo_context()          # from inside a backend call (stack walk)
+    wrapper = calling_compile_wrapper()     # the torch._TorchCompileWrapper calling the backend
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import torch
+from torch._dynamo.eval_frame import _TorchDynamoContext
+
+__all__ = [
+    "calling_compile_wrapper",
+    "calling_dynamo_context",
+    "dynamo_context",
+    "install_call_hook",
+]
+
+_HOOK_ATTR = "_memcompile_hook"
+
+
+def dynamo_context(compiled: Any) -> _TorchDynamoContext | None:
+    """The Dynamo context of what ``torch.compile`` returned (module or function), else None."""
+    ctx = getattr(compiled, "dynamo_ctx", None)
+    if isinstance(ctx, _TorchDynamoContext):
+        return ctx
+    for cell in getattr(compiled, "__closure__", None) or ():
+        try:
+            contents = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(contents, _TorchDynamoContext):
+            return contents
+    return None
+
+
+def calling_compile_wrapper(max_depth: int = 6) -> Any | None:
+    """The ``torch._TorchCompileWrapper`` on the call stack (it calls backends directly)."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch._TorchCompileWrapper):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def calling_dynamo_context(max_depth: int = 200) -> _TorchDynamoContext | None:
+    """The context whose compiled callable is running (found from inside a backend call)."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "compile_wrapper":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, _TorchDynamoContext):
+                return owner
+        frame = frame.f_back
+    return None
+
+
+def install_call_hook(ctx: _TorchDynamoContext, enter: Callable[[], Callable[[], None]]) -> bool:
+    """Run ``enter()`` at the start of every call through ``ctx`` and the function it returns at
+    the end (once per ctx: a second install is ignored). Returns whether it was installed now."""
+    if getattr(ctx, _HOOK_ATTR, None) is not None:
+        return False
+    setattr(ctx, _HOOK_ATTR, enter)
+    ctx.enter_exit_hooks.append(enter)
+    return True

@@ -1,0 +1,253 @@
+"""Detect frames Dynamo runs eagerly, so memory there is not silently left unmanaged.
+
+Dynamo records every frame it tries to compile in ``torch._dynamo.utils.get_compilation_metrics()``;
+a record with ``fail_type`` set means the frame was *not* compiled and runs eagerly from then on
+(for the recompile limit: every call that misses the existing cache entries does):
+
+    fail_reason starts with "Dynamo recompile limit exceeded"   -> kind "recompile_limit"
+    fail_reason mentions "graph break in loop"                   -> kind "skipped_frame"
+    anything else                                                 -> kind "failed_frame"
+
+:class:`FallbackMonitor` (one per process) turns new records into numbered events. A compiled
+model claims the events that appear *during one of its calls* (``cursor()`` when the call starts,
+``claim_since(cursor)`` when it ends; see dynamo_hooks.py); events from before memcompile could
+watch are claimed by function (``claim_functions``: the model's own methods; ambiguous only if the
+same class also runs under another backend in the process). Each event is claimed once and warned
+about once per (frame, kind), with an :class:`EagerFallbackWarning`. Events no memcompile model
+claims (other backends' frames) are never reported.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Any
+
+import torch._dynamo
+import torch._dynamo.utils as dynamo_utils
+from torch._dynamo.utils import get_compilation_metrics, set_compilation_metrics_limit
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "EagerFallbackWarning",
+    "Fallback",
+    "FallbackMonitor",
+    "FunctionSpan",
+    "function_span",
+    "monitor",
+]
+
+# Dynamo keeps only the last 64 records by default; keep enough to survive a burst of compiles
+# between two polls.
+_METRICS_LIMIT = 512
+
+_HINTS = {
+    "recompile_limit": (
+        "raise torch._dynamo.config.recompile_limit (now {limit}) if the recompiles are expected, "
+        "or make the changing value dynamic (torch._dynamo.mark_dynamic)"
+    ),
+    "skipped_frame": (
+        "Dynamo cannot resume after a graph break inside a loop: move the loop body into a helper "
+        "function, or orchestrate it in a @torch.compiler.disable(recursive=False) function that "
+        "calls modules Dynamo compiles"
+    ),
+    "failed_frame": "run with TORCH_LOGS=graph_breaks to see why Dynamo gave up on this frame",
+}
+
+
+class EagerFallbackWarning(UserWarning):
+    """Dynamo runs a frame eagerly; memcompile does not manage the memory it allocates."""
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A frame Dynamo did not compile.
+
+    Attributes:
+        code: ``function (file:line)`` of the frame.
+        kind: ``recompile_limit``, ``skipped_frame`` or ``failed_frame``.
+        reason: Dynamo's reason, first line.
+        compile_id: Dynamo's compile id of the failed attempt.
+        hint: what the user can do about it.
+    """
+
+    code: str
+    kind: str
+    reason: str
+    compile_id: str
+    hint: str
+
+    def message(self) -> str:
+        return (
+            f"memcompile: Dynamo runs {self.code} eagerly ({self.kind}: {self.reason}); memory "
+            f"allocated there is not managed by memcompile. Hint: {self.hint}."
+        )
+
+    def to_dict(self) -> dict[str, str]:
+        return {
+            "code": self.code,
+            "kind": self.kind,
+            "reason": self.reason,
+            "compile_id": self.compile_id,
+            "hint": self.hint,
+        }
+
+
+def _classify(reason: str) -> str:
+    if reason.startswith("Dynamo recompile limit exceeded"):
+        return "recompile_limit"
+    if "graph break in loop" in reason:
+        return "skipped_frame"
+    return "failed_frame"
+
+
+#: A function as ``(file, name, first line, last line)``.
+FunctionSpan = tuple[str, str, int, int]
+_RESUME_PREFIX = "torch_dynamo_resume_in_"
+
+
+def function_span(code: Any) -> FunctionSpan:
+    """``(file, name, first line, last line)`` of a code object."""
+    lines = [line for _, _, line in code.co_lines() if line is not None]
+    return (
+        code.co_filename,
+        code.co_name,
+        code.co_firstlineno,
+        max(lines, default=code.co_firstlineno),
+    )
+
+
+def _frame_of(compile_id: Any) -> str:
+    return str(compile_id).split("/")[0] if compile_id is not None else ""
+
+
+@dataclass
+class _Event:
+    fallback: Fallback
+    filename: str
+    function: str
+    first_line: int
+    claimed: bool = False
+
+    def defined_in(self, functions: Collection[FunctionSpan]) -> bool:
+        name, line = self.function, self.first_line
+        if name.startswith(_RESUME_PREFIX):
+            # Dynamo names f's continuation after a graph break at line N
+            # `torch_dynamo_resume_in_f_at_N`: match f and N inside f.
+            name, _, at = name.removeprefix(_RESUME_PREFIX).rpartition("_at_")
+            line = int(at) if at.isdigit() else -1
+            return any(
+                (file, fn) == (self.filename, name) and lo <= line <= hi
+                for file, fn, lo, hi in functions
+            )
+        return any((file, fn, lo) == (self.filename, name, line) for file, fn, lo, _ in functions)
+
+
+class FallbackMonitor:
+    """Process-wide reader of Dynamo's compilation records (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: set[tuple[Any, ...]] = set()
+        # frame id -> ("function (file:line)", file, function, first line)
+        self._frames: dict[str, tuple[str, str, str, int]] = {}
+        self._events: list[_Event] = []
+        self._warned: set[tuple[str, str]] = set()
+        self._stamp: tuple[int, int, int] = (0, 0, 0)
+        self._installed = False
+
+    def install(self) -> None:
+        """Enlarge Dynamo's record buffer; older records are not memcompile's (idempotent)."""
+        with self._lock:
+            if self._installed:
+                return
+            set_compilation_metrics_limit(max(_METRICS_LIMIT, len(get_compilation_metrics())))
+            for rec in get_compilation_metrics():
+                self._ingest(rec)
+            self._events.clear()
+            self._stamp = self._records_stamp()
+            self._installed = True
+
+    def _ingest(self, rec: Any) -> None:
+        # Called with the lock held.
+        key = (rec.compile_id, rec.start_time_us, rec.co_name, rec.fail_type)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        frame = _frame_of(rec.compile_id)
+        if rec.co_name:
+            # Frame ids restart after torch._dynamo.reset(): the latest record names the frame.
+            loc = f"{rec.co_name} ({rec.co_filename}:{rec.co_firstlineno})"
+            self._frames[frame] = (
+                loc,
+                rec.co_filename or "",
+                rec.co_name,
+                rec.co_firstlineno or -1,
+            )
+        if rec.fail_type is None or rec.is_forward is False:
+            return
+        reason = (rec.fail_reason or rec.fail_type).strip().splitlines()[0]
+        kind = _classify(rec.fail_reason or "")
+        code, filename, function, first_line = self._frames.get(
+            frame, (f"<frame {frame}>", "", "", -1)
+        )
+        hint = _HINTS[kind].format(limit=torch._dynamo.config.recompile_limit)
+        fallback = Fallback(code, kind, reason, str(rec.compile_id), hint)
+        self._events.append(_Event(fallback, filename, function, first_line))
+
+    @staticmethod
+    def _records_stamp() -> tuple[int, int, int]:
+        # O(1) change detector on Dynamo's record deque (which set_compilation_metrics_limit may
+        # replace): a new record changes its length or its last element.
+        records = dynamo_utils._compilation_metrics
+        return id(records), len(records), id(records[-1]) if records else 0
+
+    def _poll_locked(self) -> None:
+        stamp = self._records_stamp()
+        if stamp != self._stamp:  # Dynamo compiled (or failed) something since the last poll
+            for rec in get_compilation_metrics():
+                self._ingest(rec)
+            self._stamp = stamp
+
+    def cursor(self) -> int:
+        """Position after every event so far (cheap unless Dynamo just compiled something)."""
+        with self._lock:
+            self._poll_locked()
+            return len(self._events)
+
+    def _claim(self, select: Callable[[int, _Event], bool]) -> list[Fallback]:
+        with self._lock:
+            self._poll_locked()
+            claimed, first_seen = [], []
+            for i, e in enumerate(self._events):
+                if not e.claimed and select(i, e):
+                    e.claimed = True
+                    claimed.append(e.fallback)
+                    key = (e.fallback.code, e.fallback.kind)
+                    if key not in self._warned:
+                        self._warned.add(key)
+                        first_seen.append(e.fallback)
+        for fb in claimed:
+            log.info("eager fallback: %s", fb)
+        for fb in first_seen:
+            warnings.warn(fb.message(), EagerFallbackWarning, stacklevel=4)
+        return claimed
+
+    def claim_since(self, cursor: int) -> list[Fallback]:
+        """Claim the unclaimed events that happened after ``cursor`` (one model call)."""
+        return self._claim(lambda i, _: i >= cursor)
+
+    def claim_functions(self, functions: Collection[FunctionSpan]) -> list[Fallback]:
+        """Claim unclaimed events of frames of the given functions (or of Dynamo's resume
+        functions derived from them)."""
+        return self._claim(lambda _, e: e.defined_in(functions))
+
+
+#: The process-wide monitor. It starts watching when memcompile is imported (for the entry point:
+#: at torch.compile(backend="memcompile") time), so earlier records are not attributed to it.
+monitor = FallbackMonitor()
+monitor.install()

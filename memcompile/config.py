@@ -1,0 +1,244 @@
+"""Options: the frozen :class:`MemConfig`, validated once, at compile time.
+
+    MemConfig.from_options({"budget": "6GiB", "inner": "eager"})
+    MemConfig(budget=6442450944, ..., inner='eager', ...)
+
+Every key DESIGN.md names is accepted. Unknown keys and bad values raise ``ValueError`` /
+``TypeError`` whose message names the key; values that need a feature which has not landed yet
+raise ``NotImplementedError`` naming that feature, never a silent no-op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DEVICE_PROFILES", "MemConfig", "parse_bytes"]
+
+#: Cost-model profiles ``device_profile`` may name.
+DEVICE_PROFILES: tuple[str, ...] = ("auto", "cpu", "h100", "a100")
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | str, *, key: str = "budget") -> int:
+    """Bytes from an int or a string such as ``"512MiB"``, ``"6GB"``, ``"1.5 GiB"``.
+
+    ``KB/MB/GB/TB`` are decimal (10**3…), ``KiB/MiB/GiB/TiB`` binary (2**10…), case-insensitive.
+
+    Raises:
+        TypeError: ``value`` is neither int nor str (bools included).
+        ValueError: the string does not parse, or the amount is not a positive whole byte count.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(
+            f"memcompile option {key!r} must be an int number of bytes or a string like '6GiB'; "
+            f"got {type(value).__name__} {value!r}"
+        )
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _BYTES_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(
+                f"memcompile option {key!r}: cannot read {value!r} as a size; use bytes or a "
+                "number with a unit: B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB "
+                "(powers of 1024), e.g. '512MiB' or '6GB'"
+            )
+        amount = float(m.group(1)) * _UNITS[unit]
+        if amount != int(amount):
+            raise ValueError(f"memcompile option {key!r}: {value!r} is not a whole number of bytes")
+        n = int(amount)
+    if n <= 0:
+        raise ValueError(f"memcompile option {key!r} must be a positive size; got {value!r}")
+    return n
+
+
+def _nearest_existing_dir(path: str) -> str:
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return p
+
+
+def _check_writable_path(key: str, value: Any, *, is_dir: bool) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(
+            f"memcompile option {key!r} must be a path (str or os.PathLike) or None; "
+            f"got {type(value).__name__}"
+        )
+    path = os.fspath(value)
+    if not path:
+        raise ValueError(f"memcompile option {key!r} must not be an empty path")
+    if os.path.exists(path):
+        if is_dir and not os.path.isdir(path):
+            raise ValueError(f"memcompile option {key!r}: {path!r} exists and is not a directory")
+        if not is_dir and os.path.isdir(path):
+            raise ValueError(f"memcompile option {key!r}: {path!r} is a directory, not a file")
+        target = path if is_dir else os.path.dirname(os.path.abspath(path))
+    else:
+        target = _nearest_existing_dir(
+            os.path.dirname(os.path.abspath(path)) if not is_dir else path
+        )
+        if not os.path.isdir(target):
+            raise ValueError(
+                f"memcompile option {key!r}: {target!r} (parent of {path!r}) is not a directory"
+            )
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise ValueError(f"memcompile option {key!r}: {path!r} is not writable")
+    return path
+
+
+def _choice(key: str, value: Any, choices: tuple[Any, ...]) -> Any:
+    # `True in ("auto", True, False)` is fine, but 1 == True would sneak in: compare types too.
+    for c in choices:
+        if type(value) is type(c) and value == c:
+            return value
+    shown = ", ".join(repr(c) for c in choices)
+    raise ValueError(f"memcompile option {key!r} must be one of {shown}; got {value!r}")
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"memcompile option {key!r} must be True or False; got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class MemConfig:
+    """Validated options of one ``torch.compile(..., backend="memcompile")`` call.
+
+    Build it with :meth:`from_options`; the constructor does not validate.
+    See DESIGN.md's option table for the meaning of each field.
+    """
+
+    budget: int | None = None
+    recompute: bool = True
+    swap: bool = True
+    reorder: bool = True
+    offload_to: Literal["host", "disk"] = "host"
+    disk_path: str | None = None
+    offload_params: Literal["auto"] | bool = "auto"
+    pilot: Literal["auto", "lightgbm", "markov", "off"] = "auto"
+    prefetch_depth: int = 2
+    inner: Literal["eager", "inductor"] = "eager"
+    device_profile: str = "auto"
+    on_infeasible: Literal["error", "best_effort"] = "error"
+    trace_path: str | None = None
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | MemConfig | None = None) -> MemConfig:
+        """Validate ``options`` (as given to ``torch.compile(options=...)``) into a config.
+
+        Raises:
+            TypeError: ``options`` is not a mapping, or a value has the wrong type.
+            ValueError: an unknown key, or a value out of range; the message names the key.
+            NotImplementedError: the value needs a feature that has not landed yet.
+        """
+        if options is None:
+            options = {}
+        if isinstance(options, MemConfig):
+            return options
+        if not isinstance(options, Mapping):
+            raise TypeError(f"memcompile options must be a dict; got {type(options).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in options:
+            if key not in names:
+                close = difflib.get_close_matches(str(key), names, n=1)
+                hint = (
+                    f"; did you mean {close[0]!r}?"
+                    if close
+                    else f"; valid options: {', '.join(names)}"
+                )
+                raise ValueError(f"unknown memcompile option {key!r}{hint}")
+        o = dict(options)
+        budget = o.get("budget")
+        prefetch_depth = o.get("prefetch_depth", 2)
+        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int):
+            raise TypeError(
+                f"memcompile option 'prefetch_depth' must be an int; got {prefetch_depth!r}"
+            )
+        if prefetch_depth < 1:
+            raise ValueError(
+                f"memcompile option 'prefetch_depth' must be >= 1; got {prefetch_depth}"
+            )
+        device_profile = o.get("device_profile", "auto")
+        if not isinstance(device_profile, str):
+            raise TypeError(
+                f"memcompile option 'device_profile' must be a string; got {device_profile!r}"
+            )
+        cfg = cls(
+            budget=None if budget is None else parse_bytes(budget, key="budget"),
+            recompute=_bool("recompute", o.get("recompute", True)),
+            swap=_bool("swap", o.get("swap", True)),
+            reorder=_bool("reorder", o.get("reorder", True)),
+            offload_to=_choice("offload_to", o.get("offload_to", "host"), ("host", "disk")),
+            disk_path=_check_writable_path("disk_path", o.get("disk_path"), is_dir=True),
+            offload_params=_choice(
+                "offload_params", o.get("offload_params", "auto"), ("auto", True, False)
+            ),
+            pilot=_choice("pilot", o.get("pilot", "auto"), ("auto", "lightgbm", "markov", "off")),
+            prefetch_depth=prefetch_depth,
+            inner=_choice("inner", o.get("inner", "eager"), ("eager", "inductor")),
+            device_profile=_choice("device_profile", device_profile, DEVICE_PROFILES),
+            on_infeasible=_choice(
+                "on_infeasible", o.get("on_infeasible", "error"), ("error", "best_effort")
+            ),
+            trace_path=_check_writable_path("trace_path", o.get("trace_path"), is_dir=False),
+        )
+        cfg._check_landed()
+        log.debug("memcompile config: %s", cfg)
+        return cfg
+
+    def _check_landed(self) -> None:
+        # Values whose feature is a later issue: refuse loudly instead of ignoring them.
+        pending = {
+            "budget": (self.budget is not None, "byte-budget planning (the planner issue)"),
+            "offload_to": (self.offload_to != "host", "the disk tier (the planner issue)"),
+            "disk_path": (self.disk_path is not None, "the disk tier (the planner issue)"),
+            "offload_params": (
+                self.offload_params is True,
+                "parameters on the host (the planner issue)",
+            ),
+            "pilot": (
+                self.pilot in ("lightgbm", "markov"),
+                "the dynamic-network pilot (the dynamic issue)",
+            ),
+            "trace_path": (self.trace_path is not None, "block traces (the dynamic issue)"),
+        }
+        for key, (needs, feature) in pending.items():
+            if needs:
+                raise NotImplementedError(
+                    f"memcompile option {key}={getattr(self, key)!r} needs {feature}, which is not "
+                    "implemented in this version of memcompile"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of every option."""
+        return dataclasses.asdict(self)

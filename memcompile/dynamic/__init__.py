@@ -1,0 +1,1 @@
+"""Dynamic networks: block traces and the prefetch pilot (the dynamic-networks issue)."""

@@ -1,0 +1,49 @@
+"""Exceptions memcompile raises on purpose.
+
+Bad options raise the built-in ``ValueError``/``TypeError`` (naming the option); everything
+memcompile itself cannot do raises a subclass of :class:`MemcompileError`.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MemcompileError", "MemoryBudgetError", "format_bytes"]
+
+
+def format_bytes(n: int | float) -> str:
+    """``format_bytes(3 * 2**20) == "3.00 MiB"``: binary units, two decimals."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+class MemcompileError(RuntimeError):
+    """Base class of memcompile's own runtime errors."""
+
+
+class MemoryBudgetError(MemcompileError):
+    """No plan fits the requested budget.
+
+    Attributes:
+        budget: the requested device peak, bytes.
+        min_feasible: the smallest peak any plan found reaches, bytes.
+        hint: what would help (e.g. ``offload_params=True``), or ``""``.
+    """
+
+    def __init__(self, budget: int, min_feasible: int, hint: str = "") -> None:
+        self.budget = budget
+        self.min_feasible = min_feasible
+        self.hint = hint
+        msg = (
+            f"no memory plan fits budget={format_bytes(budget)} ({budget} bytes); the smallest "
+            f"peak found is {format_bytes(min_feasible)} ({min_feasible} bytes)"
+        )
+        if hint:
+            msg += f"; {hint}"
+        super().__init__(msg)
+
+    def __reduce__(self) -> tuple[type, tuple[int, int, str]]:
+        # Keep the attributes through pickling (multiprocessing, pytest-xdist).
+        return (type(self), (self.budget, self.min_feasible, self.hint))

@@ -1,0 +1,1 @@
+"""Graph analyses and (later) planning and rewrite passes over AOT forward/backward graphs."""

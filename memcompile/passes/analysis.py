@@ -1,0 +1,446 @@
+"""Graph analysis: what each node allocates, when it is freed, and the live-bytes curve.
+
+Reads an AOT forward or backward ``fx.GraphModule`` (functional aten, ``meta['val']`` on every
+node) and returns a frozen :class:`GraphProfile`; it never changes the graph.
+
+The memory model is the one the eager inner compiler (FX with boxed codegen) executes:
+
+    node i runs        live = (everything not yet freed) + (storages node i creates)
+    after node i       every value whose last use was node i is dropped (``x = None``)
+
+Bytes are counted per *storage*, taken from the fake tensors in ``meta['val']``: a view, a
+``getitem`` or an op that returns an alias of its input creates nothing new, and a storage is
+freed only after the last use of every node that aliases it. Storages that a caller holds (graph
+inputs marked persistent, and anything aliasing them) are not tracked; graph outputs live past the
+end. Measured against the CPU allocator the model is exact for the zoo's single-fragment workloads
+(see tests/test_analysis.py and the closing notes); it does not see scratch space allocated and
+freed inside one kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.flop_counter import flop_registry
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "GraphProfile",
+    "NodeProfile",
+    "StorageIds",
+    "StorageProfile",
+    "profile_graph",
+    "sym_to_int",
+    "tensor_vals",
+]
+
+GraphKind = Literal["forward", "backward", "inference"]
+
+# Unbacked symbolic sizes (data-dependent, e.g. nonzero) have no hint; count them as this many
+# elements and mark the profile approximate.
+_UNBACKED_FALLBACK = 0
+
+
+def sym_to_int(x: int | torch.SymInt) -> tuple[int, bool]:
+    """``(value, approximate)``: an int, or a SymInt evaluated by its hint (the example input)."""
+    if isinstance(x, int):
+        return x, False
+    node = x.node
+    hint = node.hint
+    if hint is None:
+        try:
+            hint = node.shape_env.size_hint(node.expr, allow_none=True)
+        except Exception:  # an unbacked symbol: no example value exists
+            hint = None
+    return (int(hint) if hint is not None else _UNBACKED_FALLBACK), True
+
+
+def tensor_vals(val: Any) -> list[torch.Tensor]:
+    """The tensors in a node's ``meta['val']`` (a tensor, or a tuple/list of them)."""
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        out: list[torch.Tensor] = []
+        for v in val:
+            out.extend(tensor_vals(v))
+        return out
+    return []
+
+
+class StorageIds:
+    """Small integer ids for the fake storages behind ``meta['val']`` tensors.
+
+    One instance is shared by the forward and backward graphs of a fragment, so a tensor saved by
+    the forward and read by the backward has one id in both. It keeps the tensors alive while in
+    use so that weak storage references cannot be recycled.
+    """
+
+    def __init__(self) -> None:
+        self._ids: dict[StorageWeakRef, int] = {}
+        self._nbytes: list[int] = []
+        self._approx: list[bool] = []
+        self._keepalive: list[torch.Tensor] = []
+
+    def id_of(self, t: torch.Tensor) -> int:
+        """The id of ``t``'s storage (new ids are numbered in first-seen order)."""
+        key = StorageWeakRef(t.untyped_storage())
+        sid = self._ids.get(key)
+        if sid is None:
+            sid = len(self._nbytes)
+            self._ids[key] = sid
+            nbytes, approx = sym_to_int(t.untyped_storage().nbytes())
+            self._nbytes.append(nbytes)
+            self._approx.append(approx)
+            self._keepalive.append(t)
+        return sid
+
+    def nbytes(self, sid: int) -> int:
+        return self._nbytes[sid]
+
+    def approximate(self, sid: int) -> bool:
+        return self._approx[sid]
+
+    def ids_of(self, val: Any) -> tuple[int, ...]:
+        """Storage ids of every tensor in ``val``, deduplicated, in order."""
+        seen: dict[int, None] = {}
+        for t in tensor_vals(val):
+            seen[self.id_of(t)] = None
+        return tuple(seen)
+
+
+@dataclass(frozen=True)
+class StorageProfile:
+    """One tracked storage: who allocates it and when it is freed.
+
+    ``alloc_index`` is -1 for storages live on entry (freeable graph inputs); ``free_index`` is the
+    index of the node after which it is dropped, or ``None`` if it survives the graph (an output).
+    """
+
+    id: int
+    nbytes: int
+    producer: str
+    alloc_index: int
+    free_index: int | None
+
+
+@dataclass(frozen=True)
+class NodeProfile:
+    """One node of the schedule.
+
+    Attributes:
+        name, op, target: as in the FX graph (``target`` as a qualified string).
+        storages: storage ids of the node's tensor outputs (aliases included).
+        new_bytes: bytes of tracked storages this node allocates.
+        workspace_bytes: scratch its kernel allocates and frees within the call (measured, see
+            passes/workspace.py).
+        freed_bytes: bytes dropped right after it.
+        live_bytes: tracked bytes live while it runs (inputs still held + its new outputs +
+            its workspace).
+        flops: from ``torch.utils.flop_counter`` (0 for ops it has no formula for).
+        bytes_moved: bytes read plus written (logical sizes; 0 for views).
+    """
+
+    name: str
+    op: str
+    target: str
+    storages: tuple[int, ...]
+    new_bytes: int
+    workspace_bytes: int
+    freed_bytes: int
+    live_bytes: int
+    flops: int
+    bytes_moved: int
+
+
+@dataclass(frozen=True)
+class GraphProfile:
+    """Memory and cost profile of one graph under its current schedule (node order).
+
+    All byte counts are *tracked* bytes: storages the graph itself owns (created by its nodes,
+    or freeable inputs such as saved activations in a backward graph), never persistent inputs.
+    """
+
+    kind: GraphKind
+    nodes: tuple[NodeProfile, ...]
+    storages: tuple[StorageProfile, ...]
+    start_bytes: int
+    end_bytes: int
+    peak_bytes: int
+    peak_index: int
+    flops: int
+    bytes_moved: int
+    approximate: bool
+    workspace_measured: bool = True
+    persistent: frozenset[int] = field(default_factory=frozenset)
+
+    @property
+    def peak_node(self) -> str:
+        """Name of the node during which the peak occurs."""
+        return self.nodes[self.peak_index].name if self.nodes else ""
+
+    @property
+    def live_curve(self) -> tuple[int, ...]:
+        """Live bytes while each node runs, in schedule order."""
+        return tuple(n.live_bytes for n in self.nodes)
+
+    def storage_bytes(self, ids: Iterable[int]) -> int:
+        """Total bytes of the given tracked storage ids (unknown ids count 0)."""
+        by_id = {s.id: s.nbytes for s in self.storages}
+        return sum(by_id.get(i, 0) for i in dict.fromkeys(ids))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (per-node rows included)."""
+        return {
+            "kind": self.kind,
+            "start_bytes": self.start_bytes,
+            "end_bytes": self.end_bytes,
+            "peak_bytes": self.peak_bytes,
+            "peak_node": self.peak_node,
+            "flops": self.flops,
+            "bytes_moved": self.bytes_moved,
+            "approximate": self.approximate,
+            "workspace_measured": self.workspace_measured,
+            "nodes": [
+                {
+                    "name": n.name,
+                    "op": n.op,
+                    "target": n.target,
+                    "new_bytes": n.new_bytes,
+                    "workspace_bytes": n.workspace_bytes,
+                    "freed_bytes": n.freed_bytes,
+                    "live_bytes": n.live_bytes,
+                    "flops": n.flops,
+                    "bytes_moved": n.bytes_moved,
+                }
+                for n in self.nodes
+            ],
+        }
+
+
+def target_name(target: Any) -> str:
+    """A stable, qualified name for an FX node target."""
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    mod = getattr(target, "__module__", None) or ""
+    qual = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
+    if qual is None:
+        return type(target).__name__
+    return f"{mod}.{qual}" if mod else qual
+
+
+def _flops(node: fx.Node) -> tuple[int, bool]:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return 0, False
+    fn = flop_registry.get(target._overloadpacket)
+    if fn is None:
+        return 0, False
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
+    try:
+        count = fn(*args, **kwargs, out_val=node.meta.get("val"))
+    except Exception as e:  # a formula that cannot read symbolic/None args: no estimate
+        log.debug("flop formula for %s failed: %s", target, e)
+        return 0, True
+    return sym_to_int(count)
+
+
+def _logical_bytes(vals: Iterable[torch.Tensor]) -> tuple[int, bool]:
+    total, approx = 0, False
+    for t in vals:
+        n, a = sym_to_int(t.numel() * t.element_size())
+        total += n
+        approx |= a
+    return total, approx
+
+
+def _input_vals(node: fx.Node) -> Iterator[torch.Tensor]:
+    for a in node.all_input_nodes:
+        yield from tensor_vals(a.meta.get("val"))
+
+
+@dataclass(frozen=True)
+class _Lifetimes:
+    node_sids: dict[fx.Node, tuple[int, ...]]
+    first: dict[int, int]  # storage -> index of the node creating it (-1: live on entry)
+    free_at: dict[int, int | None]  # storage -> index of the node after which it is dropped
+    producer: dict[int, str]
+    alloc_by_node: dict[int, list[int]]
+    free_by_node: dict[int, list[int]]
+    approximate: bool
+
+
+def _lifetimes(
+    nodes: list[fx.Node], ids: StorageIds, persistent: Collection[int], held: Collection[fx.Node]
+) -> _Lifetimes:
+    # FX drops a value right after its last user runs; a storage goes when every value that
+    # aliases it is gone. Outputs and held inputs survive the graph.
+    last_use: dict[fx.Node, int] = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last_use[a] = i
+    outputs = {a for out in nodes if out.op == "output" for a in out.all_input_nodes}
+    node_sids: dict[fx.Node, tuple[int, ...]] = {}
+    first: dict[int, int] = {}
+    free_at: dict[int, int | None] = {}
+    producer: dict[int, str] = {}
+    approx = False
+    for i, n in enumerate(nodes):
+        if n.op == "output":
+            continue
+        sids = ids.ids_of(n.meta.get("val"))
+        node_sids[n] = sids
+        end = None if n in outputs or n in held else last_use.get(n, i)
+        for sid in sids:
+            if sid in persistent:
+                continue
+            if sid not in first:
+                first[sid] = -1 if n.op == "placeholder" else i
+                producer[sid] = n.name
+                free_at[sid] = end
+            elif (prev := free_at[sid]) is not None:
+                free_at[sid] = None if end is None else max(prev, end)
+            approx |= ids.approximate(sid)
+    alloc_by_node: dict[int, list[int]] = {}
+    free_by_node: dict[int, list[int]] = {}
+    for sid, i in first.items():
+        alloc_by_node.setdefault(i, []).append(sid)
+        if (end := free_at[sid]) is not None:
+            free_by_node.setdefault(end, []).append(sid)
+    return _Lifetimes(node_sids, first, free_at, producer, alloc_by_node, free_by_node, approx)
+
+
+def _node_cost(n: fx.Node, ids: StorageIds) -> tuple[int, int, bool]:
+    # (FLOPs, bytes moved, approximate); an op whose outputs all alias its inputs moves nothing.
+    flops, approx = _flops(n)
+    if n.op != "call_function":
+        return flops, 0, approx
+    outs = tensor_vals(n.meta.get("val"))
+    ins = list(_input_vals(n))
+    in_sids = {ids.id_of(t) for t in ins}
+    if outs and all(ids.id_of(t) in in_sids for t in outs):
+        return flops, 0, approx
+    moved, m_approx = _logical_bytes([*ins, *outs])
+    return flops, moved, approx or m_approx
+
+
+def profile_graph(
+    gm: fx.GraphModule,
+    *,
+    kind: GraphKind,
+    persistent_inputs: Collection[int] = (),
+    held_inputs: Collection[int] = (),
+    persistent_storages: Collection[int] = (),
+    ids: StorageIds | None = None,
+    workspace: Mapping[str, int] | None = None,
+) -> GraphProfile:
+    """Profile ``gm`` as the eager inner compiler would run it.
+
+    Args:
+        gm: an AOT forward/backward/inference graph with ``meta['val']`` on its nodes.
+        kind: which graph this is (recorded in the profile).
+        persistent_inputs: positions of placeholders that the caller keeps alive (parameters,
+            buffers, user inputs). Their storages, and anything aliasing them, are not tracked.
+            Other placeholders are live on entry and freed after their last use (boxed calling
+            convention), unless listed in ``held_inputs``.
+        held_inputs: positions of placeholders the caller holds until the graph returns, though
+            they are the graph's to count (a backward's incoming gradients: autograd holds them).
+        persistent_storages: storage ids (from ``ids``) that are never tracked, e.g. the forward's
+            persistent inputs when profiling the matching backward.
+        ids: a shared :class:`StorageIds` to keep ids consistent across graphs.
+        workspace: scratch bytes per node name (``passes.workspace.probe_workspaces``), live
+            only while that node runs; ``None``: not measured (the profile says so).
+    """
+    workspace_measured = workspace is not None
+    workspace = workspace or {}
+    ids = ids if ids is not None else StorageIds()
+    nodes = list(gm.graph.nodes)
+    persistent: dict[int, None] = dict.fromkeys(persistent_storages)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    held = {placeholders[pos] for pos in held_inputs}
+    for pos in persistent_inputs:
+        for sid in ids.ids_of(placeholders[pos].meta.get("val")):
+            persistent[sid] = None
+    for n in nodes:
+        if n.op == "get_attr":  # constants and buffers owned by the module itself
+            for sid in ids.ids_of(n.meta.get("val")):
+                persistent[sid] = None
+
+    life = _lifetimes(nodes, ids, persistent, held)
+    live = sum(ids.nbytes(s) for s in life.alloc_by_node.get(-1, []))
+    start = live
+    peak, peak_index = live, 0
+    total_flops = total_moved = 0
+    approx = life.approximate
+    profiles: list[NodeProfile] = []
+    for i, n in enumerate(nodes):
+        new = sum(ids.nbytes(s) for s in life.alloc_by_node.get(i, []) if n.op != "placeholder")
+        scratch = workspace.get(n.name, 0)
+        live += new
+        if live + scratch > peak:
+            peak, peak_index = live + scratch, i
+        freed = sum(ids.nbytes(s) for s in life.free_by_node.get(i, []))
+        flops, moved, cost_approx = _node_cost(n, ids)
+        approx |= cost_approx
+        total_flops += flops
+        total_moved += moved
+        profiles.append(
+            NodeProfile(
+                name=n.name,
+                op=n.op,
+                target=target_name(n.target),
+                storages=life.node_sids.get(n, ()),
+                new_bytes=new,
+                workspace_bytes=scratch,
+                freed_bytes=freed,
+                live_bytes=live + scratch,
+                flops=flops,
+                bytes_moved=moved,
+            )
+        )
+        live -= freed
+
+    storages = tuple(
+        StorageProfile(
+            id=sid,
+            nbytes=ids.nbytes(sid),
+            producer=life.producer[sid],
+            alloc_index=first,
+            free_index=life.free_at[sid],
+        )
+        for sid, first in life.first.items()
+    )
+    profile = GraphProfile(
+        kind=kind,
+        nodes=tuple(profiles),
+        storages=storages,
+        start_bytes=start,
+        end_bytes=live,
+        peak_bytes=peak,
+        peak_index=peak_index,
+        flops=total_flops,
+        bytes_moved=total_moved,
+        approximate=approx,
+        workspace_measured=workspace_measured,
+        persistent=frozenset(persistent),
+    )
+    log.debug(
+        "%s graph: %d nodes, start %d B, peak %d B at %s, end %d B, %d FLOPs%s",
+        kind,
+        len(nodes),
+        start,
+        peak,
+        profile.peak_node,
+        live,
+        total_flops,
+        " (approximate: symbolic sizes)" if approx else "",
+    )
+    return profile

@@ -1,0 +1,219 @@
+"""Joint accounting of a fragment's forward and backward graphs.
+
+:func:`profile_fragment` profiles both graphs with one shared storage namespace and derives what
+crosses the forward→backward boundary. With ``R`` the bytes of every forward input (parameters,
+buffers, user inputs), one training step of a single-fragment model peaks at
+
+    R + max( forward peak,
+             held outputs + backward peak,      # the loss the caller holds during backward
+             held outputs + backward end + largest AccumulateGrad clone )
+
+which is :meth:`FragmentProfile.step_peak`. The backward graph's peak already includes the saved
+activations (live on entry, freed at last use) and the gradients it has produced so far.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+from memcompile.passes.analysis import GraphProfile, StorageIds, profile_graph, sym_to_int
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FragmentProfile", "profile_fragment"]
+
+
+@dataclass(frozen=True)
+class FragmentProfile:
+    """Memory facts of one compiled fragment (forward, and backward when it trains).
+
+    Attributes:
+        forward: the forward (or inference) graph's profile.
+        backward: the backward graph's profile, ``None`` for inference graphs.
+        input_bytes: distinct storage bytes of all forward inputs (held by the caller).
+        static_input_bytes: of which parameters and buffers.
+        saved_bytes: forward outputs read by the backward (new storages), live between the two.
+        held_output_bytes: user-visible outputs not saved for backward; the caller holds them.
+        grad_bytes: storages of gradients for parameters/buffers (they become ``.grad``).
+        clone_bytes: largest gradient AccumulateGrad copies because its layout differs from the
+            parameter's, plus the copy's measured scratch (transient), 0 if none.
+    """
+
+    forward: GraphProfile
+    backward: GraphProfile | None
+    input_bytes: int
+    static_input_bytes: int
+    saved_bytes: int
+    held_output_bytes: int
+    grad_bytes: int
+    clone_bytes: int
+
+    @property
+    def training(self) -> bool:
+        return self.backward is not None
+
+    @property
+    def approximate(self) -> bool:
+        """Sizes were symbolic (evaluated at the example inputs) or kernel workspaces unmeasured."""
+        graphs = [self.forward] + ([self.backward] if self.backward is not None else [])
+        return any(g.approximate or not g.workspace_measured for g in graphs)
+
+    def phase_peaks(self) -> dict[str, int]:
+        """Tracked peak of each phase, relative to the forward inputs ``R``."""
+        peaks = {"forward": self.forward.peak_bytes}
+        if self.backward is not None:
+            peaks["backward"] = self.held_output_bytes + self.backward.peak_bytes
+            peaks["accumulate"] = (
+                self.held_output_bytes + self.backward.end_bytes + self.clone_bytes
+            )
+        return peaks
+
+    def step_peak(self) -> int:
+        """Absolute device peak of a step whose only fragment is this one (grads start as None)."""
+        return self.input_bytes + max(self.phase_peaks().values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "input_bytes": self.input_bytes,
+            "static_input_bytes": self.static_input_bytes,
+            "saved_bytes": self.saved_bytes,
+            "held_output_bytes": self.held_output_bytes,
+            "grad_bytes": self.grad_bytes,
+            "clone_bytes": self.clone_bytes,
+            "phase_peaks": self.phase_peaks(),
+            "approximate": self.approximate,
+            "forward": self.forward.to_dict(),
+            "backward": self.backward.to_dict() if self.backward is not None else None,
+        }
+
+
+def _output_vals(gm: fx.GraphModule) -> list[Any]:
+    out = gm.graph.find_nodes(op="output")[0]
+    args = out.args[0]
+    return [a.meta.get("val") if isinstance(a, fx.Node) else None for a in args]
+
+
+def _distinct_bytes(ids: StorageIds, vals: Sequence[Any]) -> int:
+    seen: dict[int, None] = {}
+    for v in vals:
+        for sid in ids.ids_of(v):
+            seen[sid] = None
+    return sum(ids.nbytes(s) for s in seen)
+
+
+def _needs_clone(grad: torch.Tensor, param: torch.Tensor) -> bool:
+    # AccumulateGrad steals a gradient only if it "obeys the layout contract": the parameter's
+    # strides when the parameter is non-overlapping and dense, contiguous otherwise.
+    try:
+        if is_non_overlapping_and_dense_or_false(param):
+            return tuple(grad.stride()) != tuple(param.stride())
+        return not grad.is_contiguous()
+    except Exception:  # symbolic strides that cannot be compared: assume it is stolen
+        log.debug("cannot compare gradient and parameter layouts; assuming no clone")
+        return False
+
+
+def profile_fragment(
+    fw_gm: fx.GraphModule,
+    bw_gm: fx.GraphModule | None,
+    *,
+    static_input_indices: Sequence[int],
+    num_mutated_inputs: int,
+    num_user_outputs: int,
+    forward_workspace: Mapping[str, int] | None = None,
+    backward_workspace: Mapping[str, int] | None = None,
+    clone_workspace: Callable[[torch.Tensor], int | None] | None = None,
+) -> FragmentProfile:
+    """Profile a fragment's graphs as AOTAutograd hands them to the inner compiler.
+
+    Args:
+        fw_gm: forward (or inference) graph; its placeholders are the fragment's flat inputs.
+        bw_gm: backward graph, or ``None`` for an inference fragment.
+        static_input_indices: positions of parameters and buffers among the inputs.
+        num_mutated_inputs: leading forward outputs that are new values of mutated inputs
+            (copied back by AOT's epilogue, then dropped).
+        num_user_outputs: the user-visible outputs after those (intermediate bases included).
+        forward_workspace, backward_workspace: measured kernel scratch per node name of each
+            graph (see passes/workspace.py); ``None``: not measured (the profile says so).
+        clone_workspace: measures the scratch of AccumulateGrad's copy of a gradient (a fake
+            tensor) into its parameter's layout; counted with the largest such copy.
+    """
+    ids = StorageIds()
+    placeholders = fw_gm.graph.find_nodes(op="placeholder")
+    all_inputs = range(len(placeholders))
+    fw = profile_graph(
+        fw_gm,
+        kind="forward" if bw_gm is not None else "inference",
+        persistent_inputs=all_inputs,
+        ids=ids,
+        workspace=forward_workspace,
+    )
+    in_vals = [p.meta.get("val") for p in placeholders]
+    input_bytes = _distinct_bytes(ids, in_vals)
+    static = [in_vals[i] for i in static_input_indices if i < len(in_vals)]
+    static_input_bytes = _distinct_bytes(ids, static)
+
+    outs = _output_vals(fw_gm)
+    user = outs[num_mutated_inputs : num_mutated_inputs + num_user_outputs]
+    tracked_user = [sid for v in user for sid in ids.ids_of(v) if sid not in fw.persistent]
+    if bw_gm is None:
+        held = sum(ids.nbytes(s) for s in dict.fromkeys(tracked_user))
+        return FragmentProfile(fw, None, input_bytes, static_input_bytes, 0, held, 0, 0)
+
+    fw_out_ids = {sid for v in outs for sid in ids.ids_of(v)} - fw.persistent
+    bw_placeholders = bw_gm.graph.find_nodes(op="placeholder")
+    # Backward inputs that are not saved forward values are incoming gradients (tangents):
+    # autograd holds them until the backward call returns.
+    tangents = [
+        i
+        for i, p in enumerate(bw_placeholders)
+        if not set(ids.ids_of(p.meta.get("val"))) & (fw_out_ids | fw.persistent)
+    ]
+    bw = profile_graph(
+        bw_gm,
+        kind="backward",
+        held_inputs=tangents,
+        persistent_storages=fw.persistent,
+        ids=ids,
+        workspace=backward_workspace,
+    )
+    bw_in_ids = [sid for p in bw_placeholders for sid in ids.ids_of(p.meta.get("val"))]
+    saved = dict.fromkeys(s for s in bw_in_ids if s in fw_out_ids)
+    saved_bytes = sum(ids.nbytes(s) for s in saved)
+    held = sum(ids.nbytes(s) for s in dict.fromkeys(tracked_user) if s not in saved)
+
+    # Backward outputs line up with the forward inputs (None where no gradient flows).
+    grads = _output_vals(bw_gm)
+    static_set = set(static_input_indices)
+    grad_sids: dict[int, None] = {}
+    clone = 0
+    for i, g in enumerate(grads[: len(in_vals)]):
+        if i not in static_set or not isinstance(g, torch.Tensor):
+            continue
+        for sid in ids.ids_of(g):
+            grad_sids[sid] = None
+        param = in_vals[i]
+        if isinstance(param, torch.Tensor) and _needs_clone(g, param):
+            n, _ = sym_to_int(g.numel() * g.element_size())
+            scratch = clone_workspace(g) if clone_workspace is not None else 0
+            clone = max(clone, n + (scratch or 0))
+    grad_bytes = sum(ids.nbytes(s) for s in grad_sids)
+    log.debug(
+        "fragment: inputs %d B (static %d B), saved %d B, held %d B, grads %d B, clone %d B",
+        input_bytes,
+        static_input_bytes,
+        saved_bytes,
+        held,
+        grad_bytes,
+        clone,
+    )
+    return FragmentProfile(
+        fw, bw, input_bytes, static_input_bytes, saved_bytes, held, grad_bytes, clone
+    )

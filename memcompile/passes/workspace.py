@@ -1,0 +1,208 @@
+"""Measured kernel workspace: scratch memory an op allocates and frees inside one call.
+
+``meta['val']`` shows an op's outputs, not the temporaries its kernel uses: oneDNN reorders in
+``convolution_backward``, the float noise behind ``native_dropout``'s mask, SDPA's buffers. They
+count toward the device peak when the op runs at the peak, so they are measured, not guessed:
+
+    for each distinct (op, input shapes/strides/dtypes) in the graph:
+        build inputs of that metadata (zeros for integer tensors, so indices stay in range)
+        run the op once under the allocator's eye       (CPU profiler / CUDA peak stats)
+        workspace = peak inside the op - bytes of its new outputs
+
+Probes of one graph share one profiler session; results are cached per process. The global RNG
+is forked around the probes, so random ops do not shift the user's random stream. Only ``aten``
+and ``prims`` ops with tensor outputs are probed; views and aliases have no kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _disable_current_modes
+
+from memcompile.passes.analysis import sym_to_int, tensor_vals
+from memcompile.runtime.measure import allocation_trace
+
+log = logging.getLogger(__name__)
+
+__all__ = ["clear_cache", "clone_workspace", "probe_workspaces"]
+
+_PROBED_NAMESPACES = ("aten", "prims")
+_RANGE_PREFIX = "memcompile_probe:"
+_cache: dict[tuple[Any, ...], int] = {}
+
+
+def clear_cache() -> None:
+    """Forget measured workspaces (tests)."""
+    _cache.clear()
+
+
+def _sym_key(xs: Any) -> tuple[Any, ...]:
+    return tuple(str(s) if isinstance(s, torch.SymInt) else s for s in xs)
+
+
+def _meta_key(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        offset = x.storage_offset()
+        return ("T", _sym_key(x.shape), _sym_key(x.stride()), str(offset), x.dtype, x.device.type)
+    if isinstance(x, (list, tuple)):
+        return tuple(_meta_key(a) for a in x)
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("S", str(x))
+    return repr(x)
+
+
+def _concrete(x: Any) -> Any:
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        value, _ = sym_to_int(x) if isinstance(x, torch.SymInt) else (x.node.hint, True)
+        if value is None:
+            raise ValueError("unbacked symbol")
+        return value
+    if isinstance(x, (list, tuple)):
+        return type(x)(_concrete(a) for a in x)
+    return x
+
+
+def _materialize(v: Any, device: torch.device) -> Any:
+    if isinstance(v, torch.Tensor):
+        shape, stride = _concrete(tuple(v.shape)), _concrete(tuple(v.stride()))
+        numel = _concrete(v.untyped_storage().nbytes()) // v.element_size()
+        if v.dtype.is_floating_point or v.dtype.is_complex:
+            base = torch.randn(numel, dtype=v.dtype, device=device)
+        else:
+            base = torch.zeros(numel, dtype=v.dtype, device=device)
+        return base.as_strided(shape, stride, _concrete(v.storage_offset()))
+    if isinstance(v, (list, tuple)):
+        return type(v)(_materialize(a, device) for a in v)
+    return _concrete(v)
+
+
+def _probeable(node: fx.Node) -> bool:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target.namespace not in _PROBED_NAMESPACES or target.is_view:
+        return False
+    outs = tensor_vals(node.meta.get("val"))
+    if not outs or any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in outs):
+        return False
+    inputs = {
+        StorageWeakRef(t.untyped_storage())
+        for a in node.all_input_nodes
+        for t in tensor_vals(a.meta.get("val"))
+    }
+    return not all(
+        StorageWeakRef(t.untyped_storage()) in inputs for t in outs
+    )  # aliases: no kernel
+
+
+def _run_probes(
+    jobs: Sequence[tuple[tuple[Any, ...], fx.Node]], device: torch.device
+) -> dict[tuple[Any, ...], int]:
+    results: dict[tuple[Any, ...], int] = {}
+    calls: list[tuple[tuple[Any, ...], Callable[[], Any], int]] = []
+    for key, node in jobs:
+        try:
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
+            args, kwargs = _materialize(args, device), _materialize(kwargs, device)
+        except Exception as e:  # unbacked sizes, unsupported metadata: no probe
+            log.debug("no workspace probe for %s: %s", node.target, e)
+            results[key] = 0
+            continue
+        out_bytes = sum(
+            _concrete(t.untyped_storage().nbytes()) for t in tensor_vals(node.meta["val"])
+        )
+        assert isinstance(node.target, torch._ops.OpOverload)  # _probeable checked it
+        calls.append((key, functools.partial(node.target, *args, **kwargs), out_bytes))
+
+    if device.type == "cuda":
+        for key, call, out_bytes in calls:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            try:
+                call()  # the outputs are freed at once; the peak stat keeps the high-water mark
+            except Exception as e:
+                log.debug("workspace probe %s failed: %s", key[0], e)
+                results[key] = 0
+                continue
+            torch.cuda.synchronize()
+            results[key] = max(0, torch.cuda.max_memory_allocated() - start - out_bytes)
+        return results
+
+    from torch.profiler import ProfilerActivity, profile
+
+    failed: set[int] = set()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for i, (key, call, _) in enumerate(calls):
+            with torch.profiler.record_function(f"{_RANGE_PREFIX}{i}"):
+                try:
+                    out = call()
+                    del out
+                except Exception as e:
+                    log.debug("workspace probe %s failed: %s", key[0], e)
+                    failed.add(i)
+    levels, ranges = allocation_trace(prof, _RANGE_PREFIX)
+    for name, t0, t1 in ranges:
+        i = int(name[len(_RANGE_PREFIX) :])
+        key, _, out_bytes = calls[i]
+        before = [lv for t, lv in levels if t < t0]
+        start = before[-1] if before else 0
+        inside = [lv for t, lv in levels if t0 <= t <= t1]
+        peak = max(inside, default=start) - start
+        results[key] = 0 if i in failed else max(0, peak - out_bytes)
+    return results
+
+
+def probe_workspaces(gm: fx.GraphModule) -> dict[str, int] | None:
+    """Workspace bytes of each node of ``gm`` that has some (node name -> bytes).
+
+    Returns ``None`` when the workspaces cannot be measured now: a profiler session is already
+    running (the CPU probe needs its own, and nesting them corrupts the outer one).
+    """
+    jobs: dict[tuple[Any, ...], fx.Node] = {}
+    keys: dict[str, tuple[Any, ...]] = {}
+    device = torch.device("cpu")
+    for node in gm.graph.nodes:
+        if not _probeable(node):
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
+        key = (str(node.target), _meta_key(args), _meta_key(kwargs))
+        keys[node.name] = key
+        if key not in _cache and key not in jobs:
+            jobs[key] = node
+            outs = tensor_vals(node.meta.get("val"))
+            device = outs[0].device
+    if jobs and device.type == "cpu" and torch.autograd.profiler._is_profiler_enabled:
+        log.info("kernel workspaces not measured: a profiler session is active")
+        return None
+    if jobs:
+        # Random ops must not advance the user's random stream (bit-identity with eager).
+        devices = [device] if device.type == "cuda" else []
+        # Backends run under AOTAutograd's fake mode: probes need real tensors and kernels.
+        with _disable_current_modes(), torch.random.fork_rng(devices=devices), torch.no_grad():
+            _cache.update(_run_probes(list(jobs.items()), device))
+        log.debug("probed %d distinct ops for workspace", len(jobs))
+    return {name: _cache[key] for name, key in keys.items() if _cache.get(key, 0) > 0}
+
+
+def clone_workspace(grad: torch.Tensor) -> int | None:
+    """Scratch of copying ``grad`` (a fake tensor) into a contiguous tensor: AccumulateGrad's
+    clone of a gradient whose layout differs from its (contiguous) parameter's. ``None`` if it
+    cannot be measured now."""
+    graph = fx.Graph()
+    src = graph.placeholder("grad")
+    src.meta["val"] = grad
+    node = graph.call_function(
+        torch.ops.aten.clone.default, (src,), {"memory_format": torch.contiguous_format}
+    )
+    node.meta["val"] = grad.clone(memory_format=torch.contiguous_format)
+    graph.output(node)
+    found = probe_workspaces(fx.GraphModule({}, graph))
+    return None if found is None else found.get(node.name, 0)

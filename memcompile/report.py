@@ -1,0 +1,278 @@
+"""``memcompile.report(compiled)``: what memcompile did, read from the backend's own records.
+
+    r = memcompile.report(compiled)
+    r.predicted_peak            # bytes: absolute device peak of one training step
+    r.fragments[0].predicted_peak, r.fallbacks, r.to_dict()
+    print(r)                    # a table
+
+The report never recompiles or re-profiles anything: it reads ``MemCompiler.fragments`` and the
+last observed step, and predicts the step peak with :func:`memcompile.passes.step.simulate_step`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._dynamo.eval_frame import innermost_backend
+
+from memcompile.backends.compiler import MemCompiler, StepEvent
+from memcompile.backends.dynamo_hooks import dynamo_context
+from memcompile.backends.entry import COMPILER_ATTR
+from memcompile.backends.fallbacks import Fallback, FunctionSpan, function_span
+from memcompile.backends.fragments import FragmentRecord
+from memcompile.config import MemConfig
+from memcompile.errors import format_bytes
+from memcompile.passes.fragment import FragmentProfile
+from memcompile.passes.step import simulate_step
+from memcompile.runtime.measure import storage_sizes
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FragmentReport", "MemReport", "find_compiler", "report"]
+
+_SHORT = {"forward": "fw", "backward": "bw", "inference": "inf"}
+
+
+@dataclass(frozen=True)
+class FragmentReport:
+    """One fragment as the report shows it (see ``memcompile.backends.fragments.FragmentRecord``).
+
+    ``predicted_peak`` is the predicted absolute device peak while this fragment's graphs run in
+    the observed step (``None`` if it did not run in that step).
+    """
+
+    name: str
+    id: str
+    code: str
+    reason: str
+    break_at: str
+    compile_id: str
+    forward_calls: int
+    backward_calls: int
+    inference_calls: int
+    predicted_peak: int | None
+    training: bool
+    approximate: bool
+    profile: FragmentProfile | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "id": self.id,
+            "code": self.code,
+            "reason": self.reason,
+            "break_at": self.break_at,
+            "compile_id": self.compile_id,
+            "forward_calls": self.forward_calls,
+            "backward_calls": self.backward_calls,
+            "inference_calls": self.inference_calls,
+            "predicted_peak": self.predicted_peak,
+            "training": self.training,
+            "approximate": self.approximate,
+            "profile": self.profile.to_dict() if self.profile is not None else None,
+        }
+
+
+@dataclass(frozen=True)
+class MemReport:
+    """Fragments, predicted peak and eager fallbacks of one compiled model.
+
+    Attributes:
+        config: the options in force.
+        fragments: one entry per compiled fragment, in compile order.
+        predicted_peak: predicted absolute device peak of one training step that starts with
+            gradients set to None (parameters, buffers, inputs, activations, gradients), bytes;
+            ``None`` before anything was compiled.
+        resident_bytes: parameters and buffers counted as resident for the whole step.
+        exact: the step is a single fragment run by the eager inner compiler, for which the
+            prediction is exact; otherwise it is an estimate.
+        step: the fragment calls of the step the prediction replays, e.g. ``("F0.fw", "F0.bw")``.
+        steps_observed: complete training steps the backend has seen.
+        fallbacks: frames Dynamo ran eagerly while this model ran.
+    """
+
+    config: MemConfig
+    fragments: tuple[FragmentReport, ...]
+    predicted_peak: int | None
+    resident_bytes: int
+    exact: bool
+    step: tuple[str, ...]
+    steps_observed: int
+    fallbacks: tuple[Fallback, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return {
+            "config": self.config.to_dict(),
+            "predicted_peak": self.predicted_peak,
+            "resident_bytes": self.resident_bytes,
+            "exact": self.exact,
+            "step": list(self.step),
+            "steps_observed": self.steps_observed,
+            "fragments": [f.to_dict() for f in self.fragments],
+            "fallbacks": [f.to_dict() for f in self.fallbacks],
+        }
+
+    def __str__(self) -> str:
+        peak = "n/a" if self.predicted_peak is None else format_bytes(self.predicted_peak)
+        kind = "exact" if self.exact else "estimate"
+        lines = [
+            f"memcompile report: {len(self.fragments)} fragment(s), predicted step peak {peak} "
+            f"({kind}), {len(self.fallbacks)} eager fallback(s)",
+            f"  {'frag':<5} {'id':<16} {'fw':>5} {'bw':>5} {'inf':>5} {'pred. peak':>12}"
+            "  code / reason",
+        ]
+        for f in self.fragments:
+            p = "-" if f.predicted_peak is None else format_bytes(f.predicted_peak)
+            lines.append(
+                f"  {f.name:<5} {f.id:<16} {f.forward_calls:>5} {f.backward_calls:>5} "
+                f"{f.inference_calls:>5} {p:>12}  {f.code}: {f.reason}"
+            )
+        for fb in self.fallbacks:
+            lines.append(f"  EAGER {fb.code}: {fb.kind}: {fb.reason}")
+        return "\n".join(lines)
+
+
+def _own_functions(compiled: Any, model: torch.nn.Module | None) -> set[FunctionSpan]:
+    """The model's methods (or the compiled function) as ``(file, name, first, last line)``."""
+    funcs: list[Any] = []
+    for cls in {type(m) for m in model.modules()} if model is not None else ():
+        # Methods the class resolves (an overridden base-class method never runs for it).
+        names = {
+            n
+            for klass in cls.__mro__
+            if not klass.__module__.startswith("torch.")
+            for n in vars(klass)
+        }
+        funcs.extend(getattr(cls, n, None) for n in sorted(names))
+    funcs.append(getattr(compiled, "_torchdynamo_orig_callable", compiled))
+    out = set()
+    for f in funcs:
+        code = getattr(getattr(f, "__func__", f), "__code__", None)
+        if code is not None:
+            out.add(function_span(code))
+    return out
+
+
+def find_compiler(compiled: Any) -> tuple[MemCompiler, torch.nn.Module | None]:
+    """The :class:`MemCompiler` behind ``compiled`` and the module it wraps, if any.
+
+    ``compiled`` is what ``torch.compile(..., backend="memcompile")`` or ``memcompile.compile``
+    returned (a module or a function), or a ``MemCompiler``. If the backend has not been called
+    for it yet (nothing compiled, or every frame failed), the compiler is created now.
+
+    Raises:
+        TypeError: ``compiled`` was not produced by ``torch.compile`` with the memcompile backend.
+    """
+    if isinstance(compiled, MemCompiler):
+        return compiled, None
+    model = getattr(compiled, "_orig_mod", None)
+    ctx = dynamo_context(compiled)
+    callback = getattr(ctx, "callback", None)
+    if not callable(callback):
+        raise TypeError(
+            "memcompile.report() needs the object returned by "
+            "torch.compile(..., backend='memcompile') "
+            f"or memcompile.compile(...); got {type(compiled).__name__}"
+        )
+    wrapper = innermost_backend(callback)
+    backend = getattr(wrapper, "compiler_fn", wrapper)
+    if isinstance(backend, MemCompiler):
+        return backend, model
+    from memcompile.backends.entry import memcompile_backend
+
+    if backend is memcompile_backend:
+        compiler = getattr(wrapper, COMPILER_ATTR, None)
+        if compiler is None:
+            compiler = MemCompiler(getattr(wrapper, "kwargs", {}).get("options"))
+            setattr(wrapper, COMPILER_ATTR, compiler)
+        if compiler.attach(ctx):
+            # Attached only now: earlier failed frames of the model's own methods are its.
+            compiler.claim_fallbacks_of(_own_functions(compiled, model))
+        return compiler, model
+    name = getattr(wrapper, "compiler_name", type(backend).__name__)
+    raise TypeError(f"this model was compiled with backend {name!r}, not memcompile")
+
+
+def _step_sequence(
+    compiler: MemCompiler, records: Sequence[FragmentRecord]
+) -> tuple[StepEvent, ...]:
+    seq = compiler.current_step()
+    if seq and not any(kind == "backward" for _, kind, _ in seq):
+        # Forward seen but not the backward yet: the backward runs in reverse forward order.
+        training = {r.index for r in records if r.profile is not None and r.profile.training}
+        seq = seq + tuple(
+            (i, "backward", b) for i, k, b in reversed(seq) if k == "forward" and i in training
+        )
+    return seq
+
+
+def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) -> MemReport:
+    """Report of ``compiler`` (``model``, when known, adds its unused parameters to the resident
+    set)."""
+    records = compiler.records()
+    static: dict[int, int] = {}
+    for r in records:
+        static.update(r.static_storages)
+    if model is not None:
+        static.update(storage_sizes([*model.parameters(), *model.buffers()]))
+    resident = sum(static.values())
+
+    seq = _step_sequence(compiler, records)
+    profiles = {r.index: r.profile for r in records}
+    prediction = simulate_step(profiles, seq, resident_bytes=resident) if seq else None
+    per_fragment = prediction.fragment_peaks(seq) if prediction is not None else {}
+    eager = compiler.config.inner == "eager"
+
+    fragments = tuple(
+        FragmentReport(
+            name=r.name,
+            id=r.id,
+            code=r.code,
+            reason=r.reason,
+            break_at=r.break_at,
+            compile_id=r.compile_id,
+            forward_calls=r.stats.forward_calls,
+            backward_calls=r.stats.backward_calls,
+            inference_calls=r.stats.inference_calls,
+            predicted_peak=per_fragment.get(r.index),
+            training=r.profile is not None and r.profile.training,
+            approximate=r.profile is not None and r.profile.approximate,
+            profile=r.profile,
+        )
+        for r in records
+    )
+    exact = bool(
+        prediction is not None
+        and prediction.exact
+        and eager
+        and not any(f.approximate for f in fragments)
+    )
+    return MemReport(
+        config=compiler.config,
+        fragments=fragments,
+        predicted_peak=prediction.peak if prediction is not None else None,
+        resident_bytes=resident,
+        exact=exact,
+        step=tuple(f"F{i}.{_SHORT[k]}" for i, k, _ in seq),
+        steps_observed=compiler.steps_observed,
+        fallbacks=tuple(compiler.fallbacks),
+    )
+
+
+def report(compiled: Any) -> MemReport:
+    """Fragments, predicted step peak and eager fallbacks of a memcompile-compiled model.
+
+    Args:
+        compiled: what ``torch.compile(model, backend="memcompile")`` or ``memcompile.compile``
+            returned.
+
+    Raises:
+        TypeError: ``compiled`` was not compiled with memcompile.
+    """
+    compiler, model = find_compiler(compiled)
+    return build_report(compiler, model)

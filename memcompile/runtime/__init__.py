@@ -1,0 +1,1 @@
+"""Runtime pieces: measurement of device peaks (and, later, swap ops and tiered stores)."""

@@ -1,0 +1,287 @@
+"""Measured device peak of running a function: the number every prediction is checked against.
+
+    peak = memcompile.measure_peak(step)            # bytes, absolute, like max_memory_allocated
+    m = memcompile.runtime.measure.measure(step)    # + resident bytes, per-range peaks, result
+
+CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``: already absolute.
+
+CPU: torch's CPU allocator reports to the profiler (``profile_memory=True``), whose "Total
+Allocated" counts only from its own start. So the peak is
+
+    resident bytes at the start  +  max over allocation events of (total allocated − level at start)
+
+where the resident bytes are the distinct storages of every tensor the function can reach:
+its arguments, the parameters, buffers and gradients of modules it can reach, optimizer state,
+and what ``fn`` refers to through its closure, ``self`` or module globals (or what is passed as
+``resident=``). A block allocated before the measurement and freed during it is invisible to the
+profiler; :func:`measure` warns when reachable tensors vanish that way (free them first, e.g.
+``zero_grad(set_to_none=True)``). Never a ``TorchDispatchMode`` tracker: Dynamo silently runs
+compiled frames eagerly while one is active.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memcompile.errors import format_bytes
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "PeakMeasurement",
+    "allocation_trace",
+    "measure",
+    "measure_peak",
+    "reachable_tensors",
+    "resident_bytes",
+    "storage_sizes",
+]
+
+_RANGE_PREFIX = "memcompile:"
+_MAX_DEPTH = 4
+
+
+@dataclass(frozen=True)
+class PeakMeasurement:
+    """What :func:`measure` saw.
+
+    Attributes:
+        peak: absolute device peak while ``fn`` ran, bytes.
+        resident_bytes: bytes resident at the start (CPU: reachable storages; CUDA: allocated).
+        device: ``"cpu"`` or ``"cuda"``.
+        ranges: absolute peak inside each ``memcompile:*`` profiler range (fragment calls),
+            keyed by range name (CPU only).
+        unseen_free_bytes: bytes of reachable tensors allocated before the measurement that were
+            freed during it; the CPU peak may be overstated by up to this much.
+        result: what ``fn`` returned.
+    """
+
+    peak: int
+    resident_bytes: int
+    device: str
+    ranges: dict[str, int] = field(default_factory=dict)
+    unseen_free_bytes: int = 0
+    result: Any = None
+
+
+def _walk(obj: Any, out: dict[int, torch.Tensor], seen: set[int], depth: int) -> None:
+    if depth > _MAX_DEPTH or id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        out.setdefault(id(obj), obj)
+        if obj.grad is not None:
+            out.setdefault(id(obj.grad), obj.grad)
+        return
+    if isinstance(obj, nn.Module):
+        for t in (*obj.parameters(), *obj.buffers()):
+            _walk(t, out, seen, depth + 1)
+        return
+    if isinstance(obj, torch.optim.Optimizer):
+        for group in obj.param_groups:
+            for p in group["params"]:
+                _walk(p, out, seen, depth + 1)
+        for state in obj.state.values():
+            _walk(state, out, seen, depth + 1)
+        return
+    if isinstance(obj, dict):
+        for v in obj.values():
+            _walk(v, out, seen, depth + 1)
+        return
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        for v in obj:
+            _walk(v, out, seen, depth + 1)
+        return
+    if isinstance(obj, functools.partial):
+        _walk(obj.func, out, seen, depth + 1)
+        _walk(obj.args, out, seen, depth + 1)
+        _walk(obj.keywords, out, seen, depth + 1)
+        return
+    if callable(obj):
+        # What a function can reach: its bound object, closure cells and referenced globals.
+        owner = getattr(obj, "__self__", None)
+        if owner is not None:
+            _walk(owner, out, seen, depth + 1)
+        fn = getattr(obj, "__func__", obj)
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                _walk(cell.cell_contents, out, seen, depth + 1)
+            except ValueError:  # an empty cell
+                pass
+        code, globs = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+        if code is not None and globs is not None:
+            for name in code.co_names:
+                if name in globs:
+                    _walk(globs[name], out, seen, depth + 1)
+
+
+def reachable_tensors(*objects: Any) -> list[torch.Tensor]:
+    """Tensors reachable from ``objects`` (see the module docstring), each once."""
+    out: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    for obj in objects:
+        _walk(obj, out, seen, 0)
+    return list(out.values())
+
+
+def storage_sizes(tensors: Iterable[Any], device: str | None = None) -> dict[int, int]:
+    """``{storage address: nbytes}`` of the real tensors among ``tensors`` (on ``device`` if
+    given): shared storages appear once. Fake and meta tensors have no memory and are skipped."""
+    found: dict[int, int] = {}
+    for t in tensors:
+        if (
+            not isinstance(t, torch.Tensor)
+            or isinstance(t, torch._subclasses.FakeTensor)
+            or t.device.type == "meta"
+            or (device is not None and t.device.type != device)
+        ):
+            continue
+        s = t.untyped_storage()
+        if s.nbytes():
+            found[s.data_ptr()] = s.nbytes()
+    return found
+
+
+def resident_bytes(*objects: Any, device: str = "cpu") -> int:
+    """Distinct storage bytes on ``device`` of the tensors reachable from ``objects``."""
+    return sum(storage_sizes(reachable_tensors(*objects), device).values())
+
+
+def _pick_device(tensors: list[torch.Tensor], device: str | torch.device | None) -> str:
+    if device is not None:
+        kind = torch.device(device).type
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"measure_peak: device must be 'cpu' or 'cuda'; got {device!r}")
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ValueError("measure_peak: device='cuda' but CUDA is not available")
+        return kind
+    return "cuda" if any(t.device.type == "cuda" for t in tensors) else "cpu"
+
+
+def _measure_cuda(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> PeakMeasurement:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    result = fn(*args, **kwargs)
+    torch.cuda.synchronize()
+    return PeakMeasurement(torch.cuda.max_memory_allocated(), start, "cuda", result=result)
+
+
+def allocation_trace(
+    prof: torch.profiler.profile, range_prefix: str = _RANGE_PREFIX
+) -> tuple[list[tuple[int, int]], list[tuple[str, int, int]]]:
+    """CPU allocation levels and named ranges of a finished ``profile_memory=True`` session.
+
+    Returns ``(levels, ranges)``: ``levels`` is ``(time_ns, bytes allocated since the session
+    started)`` after each allocation or free the profiler saw, in time order; ``ranges`` is
+    ``(name, start_ns, end_ns)`` of every ``record_function`` whose name starts with
+    ``range_prefix``.
+    """
+    from torch._C._profiler import _EventType, _ExtraFields_Allocation
+
+    allocs: list[tuple[int, int, int, int]] = []
+    ranges: list[tuple[str, int, int]] = []
+    results = prof.profiler.kineto_results if prof.profiler is not None else None
+    if results is None:
+        raise RuntimeError("the profiler session has not finished (no results to read)")
+    stack = list(results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        ef = e.extra_fields
+        if isinstance(ef, _ExtraFields_Allocation):
+            if ef.device.type == "cpu":
+                allocs.append((e.start_time_ns, e.id, ef.alloc_size, ef.total_allocated))
+        elif e.tag == _EventType.TorchOp and e.name.startswith(range_prefix):
+            ranges.append((e.name, e.start_time_ns, e.end_time_ns))
+        stack.extend(e.children)
+    if not allocs:
+        return [], ranges
+    allocs.sort()
+    # The profiler's running total includes blocks from before the session: subtract the level
+    # just before its first event.
+    _, _, size0, total0 = allocs[0]
+    start = total0 - size0
+    return [(t, total - start) for t, _, _, total in allocs], ranges
+
+
+def _measure_cpu(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], roots: tuple[Any, ...]
+) -> PeakMeasurement:
+    from torch.profiler import ProfilerActivity, profile
+
+    # Keep storage addresses only: holding the tensors would keep e.g. old gradients alive.
+    before = storage_sizes(reachable_tensors(*roots), "cpu")
+    resident = sum(before.values())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn(*args, **kwargs)
+    levels, ranges = allocation_trace(prof)
+    above = max((level for _, level in levels), default=0)
+    above = max(above, 0)
+
+    per_range: dict[str, int] = {}
+    for name, t0, t1 in ranges:
+        # Level when the range opens (last event before it), then every event inside it.
+        inside = [lv for t, lv in levels if t0 <= t <= t1]
+        opening = [lv for t, lv in levels if t < t0]
+        level = max([opening[-1] if opening else 0, *inside])
+        per_range[name] = max(per_range.get(name, 0), resident + level)
+
+    # Reachable storages from before that are gone now were freed without a profiler event.
+    after = storage_sizes(reachable_tensors(*roots), "cpu")
+    vanished = sum(n for ptr, n in before.items() if ptr not in after)
+    if vanished:
+        warnings.warn(
+            f"measure_peak: {format_bytes(vanished)} of tensors allocated before the measurement "
+            "were freed during it; the CPU profiler does not see those frees, so the peak may be "
+            "overstated by up to that much. Free them before measuring "
+            "(e.g. optimizer.zero_grad(set_to_none=True)).",
+            stacklevel=3,
+        )
+    return PeakMeasurement(resident + above, resident, "cpu", per_range, vanished, result)
+
+
+def measure(
+    fn: Callable[..., Any],
+    *args: Any,
+    resident: Iterable[Any] | None = None,
+    device: str | torch.device | None = None,
+    **kwargs: Any,
+) -> PeakMeasurement:
+    """Run ``fn(*args, **kwargs)`` once and measure its absolute device peak.
+
+    Args:
+        fn: the function to run (e.g. one training step).
+        resident: extra objects (tensors, modules, optimizers) resident during ``fn`` that it
+            cannot reach by itself; they are added to the resident bytes (CPU).
+        device: ``"cpu"`` or ``"cuda"``; by default CUDA if any reachable tensor is on CUDA.
+
+    ``resident`` and ``device`` are keyword-only and are not passed on to ``fn``.
+    """
+    if not callable(fn):
+        raise TypeError(f"measure_peak: fn must be callable; got {type(fn).__name__}")
+    roots = (fn, args, kwargs, list(resident) if resident is not None else [])
+    kind = _pick_device(reachable_tensors(*roots), device)
+    m = _measure_cuda(fn, args, kwargs) if kind == "cuda" else _measure_cpu(fn, args, kwargs, roots)
+    log.debug("measured peak %d B (resident %d B) on %s", m.peak, m.resident_bytes, m.device)
+    return m
+
+
+def measure_peak(
+    fn: Callable[..., Any],
+    *args: Any,
+    resident: Iterable[Any] | None = None,
+    device: str | torch.device | None = None,
+    **kwargs: Any,
+) -> int:
+    """Absolute device peak in bytes of running ``fn(*args, **kwargs)`` (see :func:`measure`)."""
+    return measure(fn, *args, resident=resident, device=device, **kwargs).peak

@@ -1,0 +1,1 @@
+"""Drawings and plots of fragments and plans (the inspection issue)."""

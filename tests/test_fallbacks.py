@@ -1,0 +1,118 @@
+"""Frames Dynamo runs eagerly are detected, warned about once, and counted in the report."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import memcompile
+from memcompile import EagerFallbackWarning
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+class ModeSwitch(nn.Module):
+    """Hits the recompile limit: each new string ``mode`` fails a guard and recompiles."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mode: str) -> torch.Tensor:
+        return self.lin(x).mul(len(mode)).sum()
+
+
+class LoopBreak(nn.Module):
+    """A graph break inside a loop: Dynamo skips the whole frame."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+            torch._dynamo.graph_break()
+        return x.sum()
+
+
+def _fallback_warnings(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, EagerFallbackWarning)]
+
+
+def test_recompile_limit_is_detected_warned_once_and_reported() -> None:
+    compiled = memcompile.compile(ModeSwitch())
+    x = torch.randn(2, 8)
+    with torch._dynamo.config.patch(recompile_limit=3), warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for i in range(8):  # modes 4..7 exceed the limit and run eagerly
+            compiled(x, "m" * (i + 1)).backward()
+    msgs = _fallback_warnings(rec)
+    assert len(msgs) == 1, msgs
+    assert "Dynamo runs forward (" in msgs[0] and "test_fallbacks.py" in msgs[0]
+    assert "recompile_limit: Dynamo recompile limit exceeded" in msgs[0]
+    assert "raise torch._dynamo.config.recompile_limit (now 3)" in msgs[0]
+    rep = memcompile.report(compiled)
+    assert [(f.kind, f.code.split(" ")[0]) for f in rep.fallbacks] == [
+        ("recompile_limit", "forward")
+    ]
+    assert len(rep.fragments) == 3  # the three compiles before the limit
+    assert rep.to_dict()["fallbacks"][0]["kind"] == "recompile_limit"
+    assert "EAGER forward" in str(rep)
+
+
+def test_graph_break_in_a_loop_is_reported_as_a_skipped_frame() -> None:
+    compiled = memcompile.compile(LoopBreak())
+    with pytest.warns(
+        EagerFallbackWarning,
+        match=r"skipped_frame: .*Hint: Dynamo cannot resume after a graph break inside a loop",
+    ):
+        for _ in range(2):
+            compiled(torch.randn(2, 8)).backward()
+    rep = memcompile.report(compiled)
+    assert [f.kind for f in rep.fallbacks] == ["skipped_frame"]
+    assert rep.fallbacks[0].code.startswith("forward (")
+
+
+def test_a_clean_model_reports_no_fallbacks() -> None:
+    compiled = memcompile.compile(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            compiled(torch.randn(2, 4)).sum().backward()
+    assert _fallback_warnings(rec) == []
+    assert memcompile.report(compiled).fallbacks == ()
+
+
+def test_fallbacks_under_another_backend_are_not_claimed() -> None:
+    eager_loop = torch.compile(LoopBreak(), backend="eager")
+    eager_loop(torch.randn(2, 8))  # fails under the "eager" backend: not memcompile's business
+    compiled = memcompile.compile(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        compiled(torch.randn(2, 8)).sum().backward()
+        eager_loop(torch.randn(2, 8))
+        compiled(torch.randn(2, 8)).sum().backward()
+    assert _fallback_warnings(rec) == []
+    assert memcompile.report(compiled).fallbacks == ()
+
+
+class LoopBreak2(LoopBreak):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x).relu()
+            torch._dynamo.graph_break()
+        return x.sum()
+
+
+def test_torch_compile_path_reports_a_model_whose_every_frame_fails() -> None:
+    # The backend is never called (no frame compiles), yet the report shows the fallback.
+    compiled = torch.compile(LoopBreak2(), backend="memcompile")
+    compiled(torch.randn(2, 8))  # no memcompile code runs: nothing can warn yet
+    with pytest.warns(EagerFallbackWarning, match=r"Dynamo runs forward \(.*test_fallbacks.py"):
+        rep = memcompile.report(compiled)  # the report finds the model's failed frame
+    assert rep.fragments == ()
+    assert [f.kind for f in rep.fallbacks] == ["skipped_frame"]

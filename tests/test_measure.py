@@ -1,0 +1,152 @@
+"""measure_peak on known allocation patterns (CPU: resident bytes + profiler peak above start)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memcompile
+from memcompile.runtime.measure import measure, reachable_tensors, resident_bytes
+
+MB = 1_000_000
+GLOBAL_WEIGHT = torch.zeros(250_000)  # 1 MB, reachable through a module global
+
+
+def _alloc(n_bytes: int) -> torch.Tensor:
+    return torch.empty(n_bytes, dtype=torch.uint8)
+
+
+def test_sequential_allocations_peak_is_the_largest_live_set() -> None:
+    def fn() -> None:
+        a = _alloc(4 * MB)
+        del a
+        b = _alloc(2 * MB)
+        c = _alloc(1 * MB)
+        del b, c
+
+    assert measure_no_resident(fn) == 4 * MB
+
+
+def test_overlapping_allocations_add_up() -> None:
+    def fn() -> torch.Tensor:
+        a = _alloc(3 * MB)
+        b = _alloc(2 * MB)
+        return a[:1] + b[:1]  # both live until the add
+
+    m = measure(fn)
+    assert m.peak == 5 * MB + 1
+    assert m.result.shape == (1,) and m.result.dtype == torch.uint8  # fn's result is returned
+
+
+def measure_no_resident(fn) -> int:
+    m = measure(fn)
+    assert m.resident_bytes == 0
+    return m.peak
+
+
+def test_arguments_and_modules_count_as_resident() -> None:
+    x = _alloc(1 * MB)
+    model = torch.nn.Linear(1000, 500)  # 500500 floats
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+
+    def fn(x: torch.Tensor, model: torch.nn.Module) -> None:
+        _alloc(2 * MB)
+
+    m = measure(fn, x, model)
+    assert m.resident_bytes == 1 * MB + param_bytes
+    assert m.peak == 1 * MB + param_bytes + 2 * MB
+
+
+def test_closures_bound_methods_and_globals_are_reachable() -> None:
+    model = torch.nn.Linear(10, 10)
+
+    def uses_closure() -> None:
+        model.weight.sum()
+
+    def uses_global() -> None:
+        GLOBAL_WEIGHT.sum()
+
+    closure_bytes = 110 * 4
+    assert measure(uses_closure).resident_bytes == closure_bytes
+    assert measure(uses_global).resident_bytes == 1 * MB
+    assert measure(model.forward, torch.zeros(1, 10)).resident_bytes == closure_bytes + 40
+
+
+def test_gradients_and_optimizer_state_are_resident() -> None:
+    model = torch.nn.Linear(100, 100)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 100)).sum().backward()
+    opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    # params + grads + exp_avg + exp_avg_sq, plus Adam's two 0-dim step counters (4 B each)
+    assert resident_bytes(opt) == 4 * n * 4 + 2 * 4
+
+
+def test_shared_storages_are_counted_once() -> None:
+    base = _alloc(1 * MB)
+    views = [base[:10], base[10:], base.view(2, -1)]
+    assert resident_bytes(views) == 1 * MB
+    assert len(reachable_tensors(views)) == 3
+
+
+def test_explicit_resident_objects_are_added() -> None:
+    hidden = _alloc(3 * MB)
+
+    def fn() -> None:
+        _alloc(1 * MB)
+
+    assert measure(fn, resident=[hidden]).peak == 4 * MB
+
+
+def test_peak_is_absolute_like_max_memory_allocated() -> None:
+    x = _alloc(2 * MB)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()  # 2 MB more, returned (still counted at the peak)
+
+    assert memcompile.measure_peak(fn, x) == 4 * MB
+
+
+def test_per_range_peaks_are_measured() -> None:
+    def fn() -> None:
+        a = _alloc(1 * MB)
+        with torch.profiler.record_function("memcompile:F0:forward"):
+            b = _alloc(2 * MB)
+            del b
+        with torch.profiler.record_function("memcompile:F1:forward"):
+            c = _alloc(MB // 2)
+            del c
+        del a
+
+    m = measure(fn)
+    assert m.ranges == {"memcompile:F0:forward": 3 * MB, "memcompile:F1:forward": 3 * MB // 2}
+
+
+def test_freeing_preexisting_tensors_warns_about_overstatement() -> None:
+    model = torch.nn.Linear(500, 500)
+    model(torch.randn(1, 500)).sum().backward()  # grads allocated before the measurement
+    grad_bytes = sum(p.grad.numel() * 4 for p in model.parameters())
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)  # frees them inside: the profiler cannot see it
+
+    with pytest.warns(
+        UserWarning, match="freed during it; the CPU profiler does not see those frees"
+    ):
+        m = measure(step)
+    assert m.unseen_free_bytes == grad_bytes
+
+
+def test_bad_arguments_have_clear_messages() -> None:
+    with pytest.raises(TypeError, match="measure_peak: fn must be callable; got int"):
+        memcompile.measure_peak(3)
+    with pytest.raises(
+        ValueError, match="measure_peak: device must be 'cpu' or 'cuda'; got 'meta'"
+    ):
+        memcompile.measure_peak(lambda: None, device="meta")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_requested_without_cuda() -> None:
+    with pytest.raises(ValueError, match="device='cuda' but CUDA is not available"):
+        memcompile.measure_peak(lambda: None, device="cuda")
