@@ -8,6 +8,7 @@ peak = memcompile.measure_peak(step_fn)                 # measured device peak, 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -17,7 +18,7 @@ from memcompile.backends.compiler import MemCompiler
 from memcompile.backends.dynamo_hooks import dynamo_context
 from memcompile.backends.fallbacks import EagerFallbackWarning, Fallback
 from memcompile.config import MemConfig, parse_bytes
-from memcompile.errors import MemcompileError, MemoryBudgetError
+from memcompile.errors import MemcompileError, MemoryBudgetError, MemoryBudgetWarning
 from memcompile.report import FragmentReport, MemReport, report
 from memcompile.runtime.measure import PeakMeasurement, measure, measure_peak
 
@@ -32,6 +33,7 @@ __all__ = [
     "MemReport",
     "MemcompileError",
     "MemoryBudgetError",
+    "MemoryBudgetWarning",
     "PeakMeasurement",
     "__version__",
     "compile",
@@ -63,6 +65,8 @@ def compile(
         NotImplementedError: an option value whose feature has not landed yet.
     """
     compiler = MemCompiler(MemConfig.from_options(options))
+    if isinstance(model, torch.nn.Module):
+        compiler.model = weakref.ref(model)
     compiled = torch.compile(model, backend=compiler, fullgraph=fullgraph, dynamic=dynamic)
     ctx = dynamo_context(compiled)
     if ctx is not None:  # warn about eager fallbacks in the very call where Dynamo gives up

@@ -6,7 +6,9 @@ memcompile itself cannot do raises a subclass of :class:`MemcompileError`.
 
 from __future__ import annotations
 
-__all__ = ["MemcompileError", "MemoryBudgetError", "format_bytes"]
+from torch._dynamo.exc import ShortenTraceback
+
+__all__ = ["MemcompileError", "MemoryBudgetError", "MemoryBudgetWarning", "format_bytes"]
 
 
 def format_bytes(n: int | float) -> str:
@@ -19,8 +21,16 @@ def format_bytes(n: int | float) -> str:
     raise AssertionError("unreachable")
 
 
-class MemcompileError(RuntimeError):
-    """Base class of memcompile's own runtime errors."""
+class MemcompileError(ShortenTraceback):
+    """Base class of memcompile's own runtime errors (a ``RuntimeError``).
+
+    It derives from Dynamo's ``ShortenTraceback`` because Dynamo re-raises those from a backend
+    unchanged: users catch ``memcompile.MemoryBudgetError`` itself, not a
+    ``BackendCompilerFailed`` wrapping it.
+    """
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args, first_useful_frame=None)
 
 
 class MemoryBudgetError(MemcompileError):
@@ -47,3 +57,8 @@ class MemoryBudgetError(MemcompileError):
     def __reduce__(self) -> tuple[type, tuple[int, int, str]]:
         # Keep the attributes through pickling (multiprocessing, pytest-xdist).
         return (type(self), (self.budget, self.min_feasible, self.hint))
+
+
+class MemoryBudgetWarning(UserWarning):
+    """A plan does not meet the budget (``on_infeasible="best_effort"``, or a prediction that the
+    built graphs exceed it): the step may peak above the budget."""

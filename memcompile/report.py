@@ -12,23 +12,20 @@ last observed step, and predicts the step peak with :func:`memcompile.passes.ste
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch._dynamo.eval_frame import innermost_backend
 
-from memcompile.backends.compiler import MemCompiler, StepEvent
+from memcompile.backends.compiler import MemCompiler
 from memcompile.backends.dynamo_hooks import dynamo_context
 from memcompile.backends.entry import COMPILER_ATTR
 from memcompile.backends.fallbacks import Fallback, FunctionSpan, function_span
-from memcompile.backends.fragments import FragmentRecord
 from memcompile.config import MemConfig
 from memcompile.errors import format_bytes
 from memcompile.passes.fragment import FragmentProfile
-from memcompile.passes.step import simulate_step
-from memcompile.runtime.measure import storage_sizes
+from memcompile.passes.plan import FragmentPlan, MemoryPlan
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +55,7 @@ class FragmentReport:
     training: bool
     approximate: bool
     profile: FragmentProfile | None
+    plan: FragmentPlan | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -74,6 +72,7 @@ class FragmentReport:
             "training": self.training,
             "approximate": self.approximate,
             "profile": self.profile.to_dict() if self.profile is not None else None,
+            "plan": self.plan.to_dict() if self.plan is not None else None,
         }
 
 
@@ -93,6 +92,7 @@ class MemReport:
         step: the fragment calls of the step the prediction replays, e.g. ``("F0.fw", "F0.bw")``.
         steps_observed: complete training steps the backend has seen.
         fallbacks: frames Dynamo ran eagerly while this model ran.
+        over_budget: a budget is set and the step is predicted to exceed it (memcompile warned).
     """
 
     config: MemConfig
@@ -103,11 +103,28 @@ class MemReport:
     step: tuple[str, ...]
     steps_observed: int
     fallbacks: tuple[Fallback, ...]
+    over_budget: bool = False
+
+    @property
+    def budget(self) -> int | None:
+        return self.config.budget
+
+    @property
+    def plan(self) -> MemoryPlan:
+        """The memory plans applied, one per planned fragment (empty without a budget)."""
+        return MemoryPlan(
+            budget=self.config.budget,
+            device_profile=self.config.device_profile,
+            fragments=tuple(
+                replace(f.plan, fragment=f.id) for f in self.fragments if f.plan is not None
+            ),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
         return {
             "config": self.config.to_dict(),
+            "over_budget": self.over_budget,
             "predicted_peak": self.predicted_peak,
             "resident_bytes": self.resident_bytes,
             "exact": self.exact,
@@ -120,9 +137,14 @@ class MemReport:
     def __str__(self) -> str:
         peak = "n/a" if self.predicted_peak is None else format_bytes(self.predicted_peak)
         kind = "exact" if self.exact else "estimate"
+        budget = ""
+        if self.budget is not None:
+            budget = f", budget {format_bytes(self.budget)}" + (
+                " EXCEEDED" if self.over_budget else ""
+            )
         lines = [
             f"memcompile report: {len(self.fragments)} fragment(s), predicted step peak {peak} "
-            f"({kind}), {len(self.fallbacks)} eager fallback(s)",
+            f"({kind}){budget}, {len(self.fallbacks)} eager fallback(s)",
             f"  {'frag':<5} {'id':<16} {'fw':>5} {'bw':>5} {'inf':>5} {'pred. peak':>12}"
             "  code / reason",
         ]
@@ -198,33 +220,12 @@ def find_compiler(compiled: Any) -> tuple[MemCompiler, torch.nn.Module | None]:
     raise TypeError(f"this model was compiled with backend {name!r}, not memcompile")
 
 
-def _step_sequence(
-    compiler: MemCompiler, records: Sequence[FragmentRecord]
-) -> tuple[StepEvent, ...]:
-    seq = compiler.current_step()
-    if seq and not any(kind == "backward" for _, kind, _ in seq):
-        # Forward seen but not the backward yet: the backward runs in reverse forward order.
-        training = {r.index for r in records if r.profile is not None and r.profile.training}
-        seq = seq + tuple(
-            (i, "backward", b) for i, k, b in reversed(seq) if k == "forward" and i in training
-        )
-    return seq
-
-
 def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) -> MemReport:
     """Report of ``compiler`` (``model``, when known, adds its unused parameters to the resident
     set)."""
     records = compiler.records()
-    static: dict[int, int] = {}
-    for r in records:
-        static.update(r.static_storages)
-    if model is not None:
-        static.update(storage_sizes([*model.parameters(), *model.buffers()]))
-    resident = sum(static.values())
-
-    seq = _step_sequence(compiler, records)
-    profiles = {r.index: r.profile for r in records}
-    prediction = simulate_step(profiles, seq, resident_bytes=resident) if seq else None
+    extra = [*model.parameters(), *model.buffers()] if model is not None else []
+    prediction, seq, resident = compiler.predict_step(extra)
     per_fragment = prediction.fragment_peaks(seq) if prediction is not None else {}
     eager = compiler.config.inner == "eager"
 
@@ -243,6 +244,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
             training=r.profile is not None and r.profile.training,
             approximate=r.profile is not None and r.profile.approximate,
             profile=r.profile,
+            plan=r.plan,
         )
         for r in records
     )
@@ -261,6 +263,12 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
         step=tuple(f"F{i}.{_SHORT[k]}" for i, k, _ in seq),
         steps_observed=compiler.steps_observed,
         fallbacks=tuple(compiler.fallbacks),
+        over_budget=compiler.over_budget
+        or (
+            prediction is not None
+            and compiler.config.budget is not None
+            and prediction.peak > compiler.config.budget
+        ),
     )
 
 

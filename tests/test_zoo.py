@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
-from helpers import assert_same_state, train
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters, get_compilation_metrics
 from torch._functorch.partitioners import default_partition
@@ -23,6 +22,8 @@ from torch.fx.graph import _BoxedCodeGen
 
 from memcompile import zoo
 from memcompile.zoo import SIZES, Workload
+
+from helpers import assert_same_state, train
 
 NAMES = ("branchy", "early_exit", "gpt", "gpt_manual", "gru", "moe", "resnet", "treelstm")
 # Parameters that may legitimately get no gradient in a step: experts nobody was routed to,

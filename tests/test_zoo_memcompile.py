@@ -7,10 +7,11 @@ import warnings
 
 import pytest
 import torch
-from helpers import assert_same_state, train
 
 import memcompile
 from memcompile import EagerFallbackWarning, zoo
+
+from helpers import assert_same_state, train
 
 NAMES = zoo.names()
 SINGLE = [n for n in NAMES if zoo.build(n, size="tiny").single_fragment]

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 import weakref
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch._dynamo
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch import partitioners as P
 from torch._functorch.partitioners import default_partition
 
 from memcompile.backends.dynamo_hooks import calling_dynamo_context, install_call_hook
@@ -33,7 +35,15 @@ from memcompile.backends.fallbacks import Fallback, FunctionSpan, monitor
 from memcompile.backends.fragments import FragmentRecord, FragmentStats, fragment_identity
 from memcompile.backends.inner import BoxedCallable, compile_inner, decompositions
 from memcompile.config import MemConfig
-from memcompile.passes.fragment import FragmentProfile, profile_fragment
+from memcompile.errors import MemoryBudgetError, MemoryBudgetWarning, format_bytes
+from memcompile.passes.context import PassContext
+from memcompile.passes.costmodel import DeviceProfile, device_profile, resolve_profile_name
+from memcompile.passes.fragment import FragmentProfile, accumulate_clone_bytes, profile_fragment
+from memcompile.passes.joint import JointModel
+from memcompile.passes.partition import partition_pass
+from memcompile.passes.plan import FragmentPlan
+from memcompile.passes.planner import plan_fragment
+from memcompile.passes.step import StepPrediction, simulate_step
 from memcompile.passes.workspace import clone_workspace, probe_workspaces
 from memcompile.runtime.measure import storage_sizes
 
@@ -71,12 +81,16 @@ def _profiler_enabled() -> bool:
 class _FragmentBuild:
     """Closure state shared by one fragment's partition_fn and compilers (bw compiles lazily)."""
 
-    def __init__(self, compiler: MemCompiler, index: int) -> None:
+    def __init__(self, compiler: MemCompiler, index: int, example_inputs: Sequence[Any]) -> None:
         self.compiler = compiler
         self.index = index
+        self.example_inputs = example_inputs
         self.stats = FragmentStats()
         self.profile: FragmentProfile | None = None
+        self.plan: FragmentPlan | None = None
         self.static_inputs: tuple[int, ...] = ()
+        # block key -> parameter storages (address -> bytes) of the calls with that key
+        self.blocks: dict[int, dict[int, int]] = {}
         self._bw_gm: fx.GraphModule | None = None
 
     # -- AOTAutograd hooks -------------------------------------------------------------------
@@ -89,14 +103,56 @@ class _FragmentBuild:
         static_lifetime_input_indices: list[int] | None = None,
         **kwargs: Any,
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        fw, bw = default_partition(
-            joint,
-            joint_inputs,
-            num_fwd_outputs=num_fwd_outputs,
-            static_lifetime_input_indices=static_lifetime_input_indices,
-            **kwargs,
-        )
+        if self.compiler.config.budget is None:
+            fw, bw = default_partition(
+                joint,
+                joint_inputs,
+                num_fwd_outputs=num_fwd_outputs,
+                static_lifetime_input_indices=static_lifetime_input_indices,
+                **kwargs,
+            )
+        else:
+            fw, bw = self._planned_partition(
+                joint, num_fwd_outputs, static_lifetime_input_indices or []
+            )
         self._bw_gm = bw
+        return fw, bw
+
+    def _planned_partition(
+        self, joint: fx.GraphModule, num_fwd_outputs: int, static: Sequence[int]
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        config, compiler = self.compiler.config, self.compiler
+        assert config.budget is not None
+        primals = [
+            p.meta.get("val")
+            for p in joint.graph.find_nodes(op="placeholder")
+            if not P._is_tangent(p)
+        ]
+        _, bw_outs, _, _ = P._extract_fwd_bwd_outputs(joint, num_fwd_outputs=num_fwd_outputs)
+        grads = [o.meta.get("val") if isinstance(o, fx.Node) else None for o in bw_outs]
+        model = JointModel(
+            joint,
+            num_fwd_outputs=num_fwd_outputs,
+            static_input_indices=static,
+            profile=compiler.cost_profile(primals),
+            workspace=probe_workspaces(joint),
+            clone_bytes=accumulate_clone_bytes(grads, primals, set(static), clone_workspace),
+        )
+        resident = compiler.resident_bytes(self)
+        plan = plan_fragment(model, target=config.budget - resident, resident_bytes=resident)
+        if not plan.feasible:
+            compiler.infeasible(self, plan)
+        ctx = PassContext(fragment=f"F{self.index}", graph="joint")
+        fw, bw = partition_pass(joint, ctx, model=model, plan=plan)
+        self.plan = plan
+        log.info(
+            "F%d planned: recompute %d of %d saved tensors, predicted peak %s (budget %s)",
+            self.index,
+            len(plan.recomputed),
+            len(plan.decisions),
+            format_bytes(plan.predicted_peak),
+            format_bytes(config.budget),
+        )
         return fw, bw
 
     def _profile(self, gm: fx.GraphModule, bw: fx.GraphModule | None) -> None:
@@ -126,6 +182,7 @@ class _FragmentBuild:
 
     def forward_compiler(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> BoxedCallable:
         self._profile(gm, self._bw_gm)
+        self.compiler.check_budget(self)
         fn = compile_inner(
             self.compiler.config.inner,
             gm,
@@ -162,12 +219,17 @@ class _FragmentBuild:
         counter = f"{kind}_calls"
         range_name = f"memcompile:F{index}:{kind}"
         # Forward inputs start with the graph's parameters; the backward's block is its forward's.
-        key_pos = self.static_inputs[0] if self.static_inputs and kind != "backward" else -1
+        static = self.static_inputs if kind != "backward" else ()
+        key_pos = static[0] if static else -1
+        blocks = self.blocks
 
         def run(args: list[Any]) -> Any:
             # Pass the same list through: the inner callable clears it (boxed convention).
             setattr(stats, counter, getattr(stats, counter) + 1)
-            on_call(index, kind, args[key_pos].data_ptr() if key_pos >= 0 else 0)
+            block = args[key_pos].data_ptr() if key_pos >= 0 else 0
+            if block not in blocks:  # a new set of parameters (another expert): remember them
+                blocks[block] = storage_sizes(args[i] for i in static)
+            on_call(index, kind, block)
             if _profiler_enabled():
                 with torch.profiler.record_function(range_name):
                     return fn(args)
@@ -201,6 +263,10 @@ class MemCompiler:
         self._step_trains = False
         self._last_kind = ""
         self._open_blocks: dict[int, list[int]] = {}
+        self._checked_steps: set[tuple[tuple[int, str], ...]] = set()
+        self.over_budget = False
+        # The compiled module, when known (memcompile.compile): its parameters are resident.
+        self.model: weakref.ref[torch.nn.Module] | None = None
         _apply_dynamo_settings()
         _all_compilers.add(self)
 
@@ -215,7 +281,7 @@ class MemCompiler:
             # this point are claimed by report(), which knows the model's methods.)
             self.attach(ctx)
         # Dynamo compiles under its own global lock, so the next index cannot be taken meanwhile.
-        build = _FragmentBuild(self, len(self.fragments))
+        build = _FragmentBuild(self, len(self.fragments), example_inputs)
         compiled, record = self._compile_fragment(build, gm, example_inputs)
         with self._lock:
             self.fragments.append(record)
@@ -266,8 +332,10 @@ class MemCompiler:
                 ).items()
             ),
             profile=build.profile,
+            plan=build.plan,
             inner=self.config.inner,
             stats=build.stats,
+            blocks=build.blocks,
         )
         return compiled, record
 
@@ -292,7 +360,67 @@ class MemCompiler:
             self._step_trains = False
             self._last_kind = ""
             self._open_blocks.clear()
+            self._checked_steps.clear()
+            self.over_budget = False
             self.steps_observed = 0
+
+    # -- budget bookkeeping ----------------------------------------------------------------------
+    def cost_profile(self, example: Sequence[Any]) -> DeviceProfile:
+        """The cost model for graphs whose tensors look like ``example``."""
+        device = next(
+            (t.device for t in example if isinstance(t, torch.Tensor)), torch.device("cpu")
+        )
+        return device_profile(resolve_profile_name(self.config.device_profile, device))
+
+    def resident_bytes(self, build: _FragmentBuild) -> int:
+        """What counts against the budget besides ``build``'s own graphs: its inputs
+        (parameters, buffers, user inputs), other fragments' parameters, and (an upper bound,
+        for multi-fragment models) what the other training fragments save. Recompiles of the
+        same frame (new shapes) replace each other in a step and are not counted."""
+        storages = storage_sizes(build.example_inputs)
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        frame = str(compile_id).split("/")[0] if compile_id is not None else None
+        others = 0
+        for r in self.records():
+            if r.compile_id.split("/")[0] == frame:
+                continue
+            storages.update(r.static_storages)
+            if r.profile is not None and r.profile.training:
+                others += r.profile.saved_bytes
+        return sum(storages.values()) + others
+
+    def infeasible(self, build: _FragmentBuild, plan: FragmentPlan) -> None:
+        """No plan fits: raise MemoryBudgetError, or warn (``on_infeasible="best_effort"``)."""
+        budget = self.config.budget
+        assert budget is not None
+        hint = (
+            "recompute alone cannot go lower: host/disk swap and parameter offload are not "
+            "implemented in this version"
+        )
+        if self.config.on_infeasible == "error":
+            raise MemoryBudgetError(budget, plan.predicted_peak, hint)
+        warnings.warn(
+            f"memcompile: F{build.index} does not fit budget={format_bytes(budget)}; running the "
+            f"smallest plan found, predicted peak {format_bytes(plan.predicted_peak)} "
+            "(on_infeasible='best_effort')",
+            MemoryBudgetWarning,
+            stacklevel=2,
+        )
+
+    def check_budget(self, build: _FragmentBuild) -> None:
+        """Warn if the built graphs' exact profile exceeds a budget the plan claimed to meet."""
+        budget, plan, profile = self.config.budget, build.plan, build.profile
+        if budget is None or plan is None or profile is None or not plan.feasible:
+            return
+        peak = plan.resident_bytes + max(profile.phase_peaks().values())
+        if peak > budget:
+            warnings.warn(
+                f"memcompile: F{build.index}'s built graphs are predicted to peak at "
+                f"{format_bytes(peak)}, over budget={format_bytes(budget)} (the planner expected "
+                f"{format_bytes(plan.predicted_peak)})",
+                MemoryBudgetWarning,
+                stacklevel=2,
+            )
 
     # -- runtime bookkeeping ---------------------------------------------------------------------
     def attach(self, ctx: Any) -> bool:
@@ -335,6 +463,7 @@ class MemCompiler:
             self._step = step = []
             self._step_trains = False
             self._open_blocks.clear()
+            self._check_step_budget()
         if kind == "forward":
             self._open_blocks.setdefault(index, []).append(block)
         elif kind == "backward":
@@ -344,6 +473,77 @@ class MemCompiler:
         step.append((index, kind, block))
         self._step_trains |= kind == "forward"
         self._last_kind = kind
+
+    def step_sequence(self) -> tuple[StepEvent, ...]:
+        """The step predictions replay: :meth:`current_step`, with the backward assumed (reverse
+        forward order) when only the forward has been seen so far."""
+        seq = self.current_step()
+        if seq and not any(kind == "backward" for _, kind, _ in seq):
+            training = {
+                r.index for r in self.records() if r.profile is not None and r.profile.training
+            }
+            seq = seq + tuple(
+                (i, "backward", b) for i, k, b in reversed(seq) if k == "forward" and i in training
+            )
+        return seq
+
+    def predict_step(
+        self, extra_resident: Iterable[torch.Tensor] = ()
+    ) -> tuple[StepPrediction | None, tuple[StepEvent, ...], int]:
+        """(prediction, replayed calls, resident bytes) of the most recent step.
+
+        Resident: the parameters and buffers of every block that ran, of the compiled module when
+        known, and ``extra_resident``."""
+        records = self.records()
+        static: dict[int, int] = {}
+        for r in records:
+            static.update(r.static_storages)
+            for storages in list(r.blocks.values()):
+                static.update(storages)
+        model = self.model() if self.model is not None else None
+        if model is not None:
+            static.update(storage_sizes([*model.parameters(), *model.buffers()]))
+        static.update(storage_sizes(extra_resident))
+        resident = sum(static.values())
+        seq = self.step_sequence()
+        profiles = {r.index: r.profile for r in records}
+        prediction = simulate_step(profiles, seq, resident_bytes=resident) if seq else None
+        return prediction, seq, resident
+
+    def _check_step_budget(self) -> None:
+        # Fragments are planned one at a time: check the whole step once per new composition.
+        budget = self.config.budget
+        if budget is None or not self.last_step:
+            return
+        shape = tuple((i, k) for i, k, _ in self.last_step)
+        if shape in self._checked_steps:
+            return
+        self._checked_steps.add(shape)
+        prediction = self.predict_step()[0]
+        if prediction is None or prediction.peak <= budget:
+            return
+        self.over_budget = True
+        used = {i for i, _ in shape}
+        plans = [r.plan for r in self.records() if r.index in used]
+        if any(p is not None and not p.feasible for p in plans):
+            return  # an infeasible fragment plan was already reported (error or warning)
+        if len(used) > 1:
+            warnings.warn(
+                f"memcompile: a {len(self.last_step)}-call step is predicted to peak at "
+                f"{format_bytes(prediction.peak)}, over budget={format_bytes(budget)}: its "
+                f"{len(used)} fragments were planned one at a time and together exceed it "
+                "(a lower budget tightens every fragment's plan; see memcompile.report())",
+                MemoryBudgetWarning,
+                stacklevel=2,
+            )
+        else:
+            warnings.warn(
+                f"memcompile: the step is predicted to peak at {format_bytes(prediction.peak)}, "
+                f"over budget={format_bytes(budget)}, though its plan fit when it was made (the "
+                "step's shapes or resident memory changed)",
+                MemoryBudgetWarning,
+                stacklevel=2,
+            )
 
     def current_step(self) -> tuple[StepEvent, ...]:
         """The most recent step: the one in progress once it has reached its backward (or the

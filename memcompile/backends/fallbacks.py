@@ -59,6 +59,11 @@ _HINTS = {
 }
 
 
+# Failures Dynamo swallows (the frame then runs eagerly); any other error propagates to the user
+# unless torch._dynamo.config.suppress_errors is set.
+_SOFT_FAILURES = frozenset({"Unsupported", "UserError", "SkipFrame", "RecompileLimitExceeded"})
+
+
 class EagerFallbackWarning(UserWarning):
     """Dynamo runs a frame eagerly; memcompile does not manage the memory it allocates."""
 
@@ -190,6 +195,8 @@ class FallbackMonitor:
             )
         if rec.fail_type is None or rec.is_forward is False:
             return
+        if rec.fail_type not in _SOFT_FAILURES and not torch._dynamo.config.suppress_errors:
+            return  # the error reached the user: the frame did not quietly run eagerly
         reason = (rec.fail_reason or rec.fail_type).strip().splitlines()[0]
         kind = _classify(rec.fail_reason or "")
         code, filename, function, first_line = self._frames.get(

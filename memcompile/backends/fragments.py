@@ -23,6 +23,7 @@ from torch import fx
 
 from memcompile.passes.analysis import target_name
 from memcompile.passes.fragment import FragmentProfile
+from memcompile.passes.plan import FragmentPlan
 
 __all__ = ["FragmentIdentity", "FragmentRecord", "FragmentStats", "fragment_identity"]
 
@@ -80,8 +81,11 @@ class FragmentRecord:
         static_storages: ``(data_ptr, nbytes)`` of their storages at compile time, to count shared
             parameters once across fragments (no reference is kept).
         profile: forward/backward profile; ``None`` for a graph with no operations.
+        plan: the memory plan applied (with a budget), else ``None``.
         inner: the inner compiler that runs the graphs.
         stats: call counters.
+        blocks: parameter storages (address -> bytes) per block key seen at run time (one compiled
+            graph serves many parameter sets, e.g. experts).
     """
 
     index: int
@@ -93,8 +97,10 @@ class FragmentRecord:
     static_inputs: tuple[int, ...]
     static_storages: tuple[tuple[int, int], ...]
     profile: FragmentProfile | None
+    plan: FragmentPlan | None
     inner: str
     stats: FragmentStats = field(default_factory=FragmentStats, compare=False)
+    blocks: dict[int, dict[int, int]] = field(default_factory=dict, compare=False)
 
     @property
     def name(self) -> str:

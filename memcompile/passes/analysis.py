@@ -36,6 +36,7 @@ __all__ = [
     "NodeProfile",
     "StorageIds",
     "StorageProfile",
+    "node_cost",
     "profile_graph",
     "sym_to_int",
     "tensor_vals",
@@ -318,8 +319,9 @@ def _lifetimes(
     return _Lifetimes(node_sids, first, free_at, producer, alloc_by_node, free_by_node, approx)
 
 
-def _node_cost(n: fx.Node, ids: StorageIds) -> tuple[int, int, bool]:
-    # (FLOPs, bytes moved, approximate); an op whose outputs all alias its inputs moves nothing.
+def node_cost(n: fx.Node, ids: StorageIds) -> tuple[int, int, bool]:
+    """``(FLOPs, bytes moved, approximate)`` of one node; an op whose outputs all alias its
+    inputs (a view) moves nothing."""
     flops, approx = _flops(n)
     if n.op != "call_function":
         return flops, 0, approx
@@ -388,7 +390,7 @@ def profile_graph(
         if live + scratch > peak:
             peak, peak_index = live + scratch, i
         freed = sum(ids.nbytes(s) for s in life.free_by_node.get(i, []))
-        flops, moved, cost_approx = _node_cost(n, ids)
+        flops, moved, cost_approx = node_cost(n, ids)
         approx |= cost_approx
         total_flops += flops
         total_moved += moved

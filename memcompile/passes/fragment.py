@@ -15,7 +15,7 @@ activations (live on entry, freed at last use) and the gradients it has produced
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ from memcompile.passes.analysis import GraphProfile, StorageIds, profile_graph, 
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FragmentProfile", "profile_fragment"]
+__all__ = ["FragmentProfile", "accumulate_clone_bytes", "profile_fragment"]
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,31 @@ def _needs_clone(grad: torch.Tensor, param: torch.Tensor) -> bool:
         return False
 
 
+def accumulate_clone_bytes(
+    grads: Sequence[Any],
+    params: Sequence[Any],
+    static: Collection[int],
+    clone_workspace: Callable[[torch.Tensor], int | None] | None = None,
+) -> int:
+    """Largest transient of AccumulateGrad copying a gradient into its parameter's layout.
+
+    Args:
+        grads: ``meta['val']`` of the backward's outputs (aligned with the forward inputs).
+        params: ``meta['val']`` of the forward inputs.
+        static: positions of parameters and buffers (only their gradients reach AccumulateGrad).
+        clone_workspace: measures the copy kernel's scratch (``workspace.clone_workspace``).
+    """
+    clone = 0
+    for i, g in enumerate(grads[: len(params)]):
+        param = params[i]
+        if i in static and isinstance(g, torch.Tensor) and isinstance(param, torch.Tensor):
+            if _needs_clone(g, param):
+                n, _ = sym_to_int(g.numel() * g.element_size())
+                scratch = clone_workspace(g) if clone_workspace is not None else 0
+                clone = max(clone, n + (scratch or 0))
+    return clone
+
+
 def profile_fragment(
     fw_gm: fx.GraphModule,
     bw_gm: fx.GraphModule | None,
@@ -193,17 +218,10 @@ def profile_fragment(
     grads = _output_vals(bw_gm)
     static_set = set(static_input_indices)
     grad_sids: dict[int, None] = {}
-    clone = 0
     for i, g in enumerate(grads[: len(in_vals)]):
-        if i not in static_set or not isinstance(g, torch.Tensor):
-            continue
-        for sid in ids.ids_of(g):
-            grad_sids[sid] = None
-        param = in_vals[i]
-        if isinstance(param, torch.Tensor) and _needs_clone(g, param):
-            n, _ = sym_to_int(g.numel() * g.element_size())
-            scratch = clone_workspace(g) if clone_workspace is not None else 0
-            clone = max(clone, n + (scratch or 0))
+        if i in static_set and isinstance(g, torch.Tensor):
+            grad_sids.update(dict.fromkeys(ids.ids_of(g)))
+    clone = accumulate_clone_bytes(grads, in_vals, static_set, clone_workspace)
     grad_bytes = sum(ids.nbytes(s) for s in grad_sids)
     log.debug(
         "fragment: inputs %d B (static %d B), saved %d B, held %d B, grads %d B, clone %d B",

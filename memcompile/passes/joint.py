@@ -1,0 +1,444 @@
+"""Joint-graph memory model: a training step's memory for a choice of saved storages.
+
+AOTAutograd hands the partitioner one joint graph (forward, then backward). What memcompile's
+recompute planning changes is the set ``S`` of storages the forward keeps for the backward; the
+rest follows:
+
+    forward    every forward node runs in joint order; a storage in S lives past the end of the
+               forward, every other one dies after its last forward use
+    backward   walk back from the gradients to what is available (tangents, parameters and
+               inputs, S); forward nodes met on the way are recomputed
+    order      as torch's ``reordering_to_mimic_autograd_engine``: backward nodes in joint order,
+               each preceded by the not-yet-computed nodes it needs, so recomputation sits next
+               to its consumer, layer by layer
+
+:meth:`JointModel.evaluate` replays liveness over both orders with the memory model of
+``analysis.profile_graph`` (per storage, freed after last use, measured kernel workspace) in
+O(nodes), which is what lets the planner try many sets. The plan it picks is built with torch's
+partitioner (``partition.py``) and profiled again exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch._functorch import partitioners as P
+
+from memcompile.passes.analysis import StorageIds, node_cost, tensor_vals
+from memcompile.passes.costmodel import DeviceProfile
+
+log = logging.getLogger(__name__)
+
+__all__ = ["JointEval", "JointModel"]
+
+_PRIMAL, _TANGENT, _FW, _BW, _OTHER = range(5)
+
+
+def _is_random(node: fx.Node) -> bool:
+    target = node.target
+    return (
+        isinstance(target, torch._ops.OpOverload)
+        and torch.Tag.nondeterministic_seeded in target.tags
+    )
+
+
+@dataclass(frozen=True)
+class JointEval:
+    """The step under one saved set (all bytes tracked: persistent inputs excluded).
+
+    Attributes:
+        saved: storages kept from forward to backward (those the backward actually reads).
+        forward_peak, backward_peak: peak of each graph; the backward's includes the user
+            outputs the caller holds (the loss) during it.
+        accumulate_peak: after the backward, while AccumulateGrad copies mis-laid gradients.
+        peak: the largest of the three.
+        peak_phase: ``forward``, ``backward`` or ``accumulate``.
+        live_at_peak: storages live at the peak moment.
+        recompute: joint-graph indices of forward nodes the backward recomputes.
+        recompute_time: their predicted time, seconds.
+        backward_order: joint indices of the backward graph's nodes, in execution order.
+        infeasible: storages that must be saved (not recomputable) but are not in the set.
+    """
+
+    saved: frozenset[int]
+    forward_peak: int
+    backward_peak: int
+    accumulate_peak: int
+    peak: int
+    peak_phase: str
+    live_at_peak: frozenset[int]
+    recompute: tuple[int, ...]
+    recompute_time: float
+    backward_order: tuple[int, ...]
+    infeasible: frozenset[int]
+
+    @property
+    def feasible(self) -> bool:
+        return not self.infeasible
+
+
+class JointModel:
+    """Analysis of one joint graph; :meth:`evaluate` prices a saved set.
+
+    Args:
+        joint: the AOT joint graph (forward + backward, ``meta['val']`` on nodes).
+        num_fwd_outputs: how many joint outputs belong to the forward.
+        static_input_indices: positions of parameters and buffers among the primals.
+        profile: the device profile that prices each node (roofline of FLOPs and bytes).
+        workspace: measured kernel scratch per node name (``workspace.probe_workspaces``).
+        clone_bytes: transient of AccumulateGrad's gradient copies (``FragmentProfile``'s).
+    """
+
+    def __init__(
+        self,
+        joint: fx.GraphModule,
+        *,
+        num_fwd_outputs: int,
+        static_input_indices: Sequence[int],
+        profile: DeviceProfile,
+        workspace: Mapping[str, int] | None = None,
+        clone_bytes: int = 0,
+    ) -> None:
+        self.joint = joint
+        self.num_fwd_outputs = num_fwd_outputs
+        self.static_input_indices = list(static_input_indices)
+        nodes = [n for n in joint.graph.nodes if n.op != "output"]
+        self.nodes = nodes
+        self.index = {n: i for i, n in enumerate(nodes)}
+        self._by_name = {n.name: i for i, n in enumerate(nodes)}
+        info = P.classify_nodes(joint, self.static_input_indices, num_fwd_outputs)
+        self.node_info = info
+        ids = StorageIds()
+        self.ids = ids
+        fw_outs, bw_outs, fw_descs, _ = P._extract_fwd_bwd_outputs(
+            joint, num_fwd_outputs=num_fwd_outputs
+        )
+        # As torch's default partitioner: the forward is every node that does not depend on a
+        # tangent, up to the last forward output (values only the backward reads, such as SDPA's
+        # logsumexp, included).
+        last_fw = max((self.index[o] for o in fw_outs if isinstance(o, fx.Node)), default=-1)
+        kinds: list[int] = []
+        for i, n in enumerate(nodes):
+            if n.op == "placeholder":
+                kinds.append(_TANGENT if P._is_tangent(n) else _PRIMAL)
+            elif n in info.tangents_closure or n in info.required_bw_nodes:
+                kinds.append(_BW)
+            elif i <= last_fw:
+                kinds.append(_FW)
+            else:
+                kinds.append(_OTHER)
+        self.kind = kinds
+        self.inputs = [tuple(self.index[a] for a in n.all_input_nodes) for n in nodes]
+        self.storages = [ids.ids_of(n.meta.get("val")) for n in nodes]
+        self.nbytes = [ids.nbytes(s) for s in range(len(ids._nbytes))]
+        # Parameters, buffers, user inputs and module constants: held by the caller, untracked.
+        self.persistent: frozenset[int] = frozenset(
+            s
+            for i, n in enumerate(nodes)
+            if n.op in ("placeholder", "get_attr") and kinds[i] != _TANGENT
+            for s in self.storages[i]
+        )
+        # SymInts (sizes, also as graph inputs) are saved for the backward separately, for free.
+        self.is_sym = [
+            isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float))
+            for n in nodes
+        ]
+        # Multi-output ops are never saved themselves (autograd saves their getitems).
+        self.is_tuple = [isinstance(n.meta.get("val"), (tuple, list)) for n in nodes]
+        self.recomputable = [self._recomputable(n) for n in nodes]
+        # Side-effect nodes (shape asserts) torch's extraction keeps wherever they can run.
+        self.impure = [n.op == "call_function" and n.is_impure(impure_random=False) for n in nodes]
+        self.forward_only = [P._must_be_in_forward(n) for n in nodes]
+        # Outputs of random, impure or forward-only ops: saved whenever the backward needs them
+        # (recomputing dropout would draw new random numbers).
+        self._must_save = frozenset(
+            s
+            for i, k in enumerate(kinds)
+            if k == _FW and not self.recomputable[i]
+            for s in self.storages[i]
+            if s not in self.persistent
+        )
+        self.cost = [self._op_time(n, profile) for n in nodes]
+        workspace = workspace or {}
+        self.workspace = [workspace.get(n.name, 0) for n in nodes]
+        self.clone_bytes = clone_bytes
+        self.fw_outputs = [self.index[o] for o in fw_outs if isinstance(o, fx.Node)]
+        self.bw_outputs = [self.index[o] for o in bw_outs if isinstance(o, fx.Node)]
+        # User-visible outputs (not new values of mutated inputs) are held by the caller.
+        self.held_outputs = (
+            frozenset(
+                s
+                for o, d in zip(fw_outs, fw_descs, strict=True)
+                if isinstance(o, fx.Node) and type(d).__name__ != "InputMutationAOTOutput"
+                for s in self.storages[self.index[o]]
+            )
+            - self.persistent
+        )
+        self.forward_order = [
+            i for i, k in enumerate(kinds) if k in (_PRIMAL, _FW) and nodes[i].op != "placeholder"
+        ]
+        users: list[list[int]] = [[] for _ in nodes]
+        for i, ins in enumerate(self.inputs):
+            for j in ins:
+                users[j].append(i)
+        self.users = users
+        self.first_tangent_user = min(
+            (u for i, k in enumerate(kinds) if k == _TANGENT for u in users[i]), default=len(nodes)
+        )
+
+    def _op_time(self, n: fx.Node, profile: DeviceProfile) -> float:
+        if n.op != "call_function":
+            return 0.0
+        flops, moved, _ = node_cost(n, self.ids)
+        outs = tensor_vals(n.meta.get("val"))
+        return profile.op_time(flops, moved, outs[0].dtype if outs else "float32")
+
+    def _recomputable(self, n: fx.Node) -> bool:
+        if n.op != "call_function" or P._must_be_in_forward(n) or _is_random(n):
+            return False
+        if n.is_impure():
+            return False
+        val = n.meta.get("val")
+        # Sizes that only exist at run time (unbacked symbols) cannot be recreated reliably.
+        return not any(
+            isinstance(s, torch.SymInt) and s.node.hint is None and not s.node.has_hint()
+            for t in tensor_vals(val)
+            for s in t.shape
+        )
+
+    # -- the default saved set ------------------------------------------------------------------
+    def default_saved(self) -> frozenset[int]:
+        """Storages eager autograd would keep: every forward value the backward reads."""
+        out: set[int] = set()
+        for i, k in enumerate(self.kind):
+            if k == _FW and any(self.kind[u] != _FW for u in self.users[i]):
+                out.update(s for s in self.storages[i] if s not in self.persistent)
+        return frozenset(out)
+
+    def must_save(self) -> frozenset[int]:
+        """Storages of forward values that cannot be recomputed (random, mutating, impure); every
+        saved set implicitly contains those the backward needs."""
+        return self._must_save
+
+    def _available(self, i: int, saved: Collection[int]) -> bool:
+        k = self.kind[i]
+        if k in (_PRIMAL, _TANGENT):
+            return True
+        if k != _FW:
+            return False
+        if self.is_sym[i]:
+            return True  # saved as a SymInt: free
+        if self.is_tuple[i]:
+            return False
+        sids = self.storages[i]
+        return bool(sids) and all(
+            s in saved or s in self.persistent or s in self._must_save for s in sids
+        )
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def backward_nodes(self, saved: Collection[int]) -> tuple[set[int], list[int], set[int]]:
+        """(nodes the backward runs, forward nodes among them it recomputes, its inputs).
+
+        As torch's extraction: what the gradients need, walking back to available values, plus
+        side-effect nodes (shape asserts) computable from those inputs."""
+        needed: set[int] = set()
+        inputs: set[int] = set()
+
+        def walk(roots: Iterable[int]) -> None:
+            stack = list(roots)
+            while stack:
+                i = stack.pop()
+                if i in needed or i in inputs:
+                    continue
+                if self._available(i, saved):
+                    inputs.add(i)
+                    continue
+                needed.add(i)
+                stack.extend(self.inputs[i])
+
+        walk(self.bw_outputs)
+        if any(self.impure):
+            valid = set(inputs)
+            extra = []
+            for i, n in enumerate(self.nodes):
+                if i in valid or n.op != "call_function" or self.forward_only[i]:
+                    continue
+                if all(j in valid for j in self.inputs[i]):
+                    valid.add(i)
+                    if self.impure[i] and i not in needed:
+                        extra.append(i)
+            walk(extra)
+        recompute = sorted(i for i in needed if self.kind[i] == _FW)
+        return needed, recompute, inputs
+
+    def backward_order(self, needed: set[int]) -> list[int]:
+        """torch's reordering_to_mimic_autograd_engine over the needed nodes (joint indices)."""
+        done: set[int] = set()
+        order: list[int] = []
+
+        def insert(root: int) -> None:
+            todo, seen = [root], []
+            while todo:
+                i = todo.pop()
+                if i in done or i not in needed:
+                    continue
+                done.add(i)
+                seen.append(i)
+                todo.extend(self.inputs[i])
+            order.extend(sorted(seen))
+
+        ordered = sorted(needed)
+        for i in ordered:  # copy_ nodes ahead of the first backward node run first (as torch's)
+            if i < self.first_tangent_user and self.nodes[i].target is torch.ops.aten.copy_.default:
+                insert(i)
+        for i in ordered:
+            if i >= self.first_tangent_user:
+                insert(i)
+        for i in self.bw_outputs:  # outputs that do not depend on the tangents at all
+            insert(i)
+        for i in ordered:  # side-effect nodes before the first backward node
+            insert(i)
+        return order
+
+    def _replay(
+        self,
+        order: Sequence[int],
+        live_on_entry: Iterable[int],
+        keep: Collection[int],
+        held_nodes: Collection[int] = (),
+    ) -> tuple[int, int, int, frozenset[int]]:
+        """Liveness over ``order``: (peak, end, peak position, storages live at the peak)."""
+        last: dict[int, int] = {}
+        for p, i in enumerate(order):
+            for j in self.inputs[i]:
+                for s in self.storages[j]:
+                    last[s] = p
+        live: dict[int, None] = dict.fromkeys(s for s in live_on_entry if s not in self.persistent)
+        for s in live:
+            last.setdefault(s, -1)
+        held = {s for i in held_nodes for s in self.storages[i]}
+        for s in held:
+            last[s] = len(order)
+        for s in keep:
+            last[s] = len(order)
+        current = sum(self.nbytes[s] for s in live)
+        peak, peak_pos, at_peak = current, -1, frozenset(live)
+        frees: dict[int, list[int]] = {}
+        for s, p in last.items():
+            frees.setdefault(p, []).append(s)
+        for s in frees.pop(-1, []):
+            if s in live:
+                del live[s]
+                current -= self.nbytes[s]
+        for p, i in enumerate(order):
+            for s in self.storages[i]:
+                if s not in live and s not in self.persistent:
+                    live[s] = None
+                    current += self.nbytes[s]
+                    last.setdefault(s, p)
+                    if last[s] == p:  # never used after: dropped right away
+                        frees.setdefault(p, []).append(s)
+            here = current + self.workspace[i]
+            if here > peak:
+                peak, peak_pos, at_peak = here, p, frozenset(live)
+            for s in frees.get(p, []):
+                if s in live:
+                    del live[s]
+                    current -= self.nbytes[s]
+        return peak, current, peak_pos, at_peak
+
+    def evaluate(self, saved: Collection[int]) -> JointEval:
+        """The step with ``saved`` kept from forward to backward."""
+        saved = frozenset(saved) - self.persistent
+        needed, recompute, bw_inputs = self.backward_nodes(saved)
+        infeasible = frozenset(
+            s
+            for i in recompute
+            if not self.recomputable[i]
+            for s in self.storages[i]
+            if s not in self.persistent
+        )
+        used_saved = frozenset(
+            s
+            for i in bw_inputs
+            if self.kind[i] == _FW
+            for s in self.storages[i]
+            if s not in self.persistent
+        )
+        order = self.backward_order(needed)
+        fw_keep = used_saved | {s for i in self.fw_outputs for s in self.storages[i]}
+        fw_peak, _, _, fw_live = self._replay(self.forward_order, (), fw_keep)
+        tangents = [i for i in bw_inputs if self.kind[i] == _TANGENT]
+        held = self.held_outputs - used_saved
+        held_bytes = sum(self.nbytes[s] for s in held)
+        bw_entry = list(used_saved) + [s for i in tangents for s in self.storages[i]]
+        bw_keep = {s for i in self.bw_outputs for s in self.storages[i]}
+        bw_peak, bw_end, _, bw_live = self._replay(order, bw_entry, bw_keep, held_nodes=tangents)
+        phases = {
+            "forward": (fw_peak, fw_live),
+            "backward": (held_bytes + bw_peak, bw_live | held),
+            "accumulate": (held_bytes + bw_end + self.clone_bytes, frozenset()),
+        }
+        phase = max(phases, key=lambda k: phases[k][0])
+        return JointEval(
+            saved=used_saved,
+            forward_peak=fw_peak,
+            backward_peak=held_bytes + bw_peak,
+            accumulate_peak=phases["accumulate"][0],
+            peak=phases[phase][0],
+            peak_phase=phase,
+            live_at_peak=phases[phase][1],
+            recompute=tuple(recompute),
+            recompute_time=sum(self.cost[i] for i in recompute),
+            backward_order=tuple(order),
+            infeasible=infeasible,
+        )
+
+    def recompute_cost(self, storage: int, saved: Collection[int]) -> float:
+        """Seconds the backward would spend recomputing ``storage`` if it left ``saved``."""
+        rest = frozenset(saved) - {storage}
+        producers = [i for i, k in enumerate(self.kind) if k == _FW and storage in self.storages[i]]
+        seen: set[int] = set()
+        stack = producers[:1]
+        cost = 0.0
+        while stack:
+            i = stack.pop()
+            if i in seen or self._available(i, rest):
+                continue
+            if not self.recomputable[i]:
+                return float("inf")
+            seen.add(i)
+            cost += self.cost[i]
+            stack.extend(self.inputs[i])
+        return cost
+
+    def saved_nodes(self, saved: Collection[int]) -> tuple[list[fx.Node], list[fx.Node]]:
+        """(tensor nodes, SymInt nodes) to pass to torch's extraction for this saved set."""
+        _, _, inputs = self.backward_nodes(frozenset(saved) - self.persistent)
+        tensors = [
+            self.nodes[i]
+            for i in sorted(inputs)
+            if self.kind[i] in (_PRIMAL, _FW) and not self.is_sym[i]
+        ]
+        syms = [self.nodes[i] for i in sorted(inputs) if self.is_sym[i]]
+        return tensors, syms
+
+    def describe(self, storage: int) -> str:
+        """The first single-output node holding ``storage`` (a multi-output op's ``getitem``,
+        not the op): plans name storages this way, :meth:`storage_named` reads it back."""
+        for i, sids in enumerate(self.storages):
+            if sids == (storage,) and not self.is_tuple[i]:
+                return self.nodes[i].name
+        raise KeyError(f"no single-output node holds storage {storage}")
+
+    def storage_named(self, name: str) -> int:
+        """The storage a plan's tensor name refers to (see :meth:`describe`)."""
+        (storage,) = self.storages[self._by_name[name]]
+        return storage
+
+    def __repr__(self) -> str:
+        return f"JointModel({len(self.nodes)} nodes, {len(self.forward_order)} forward)"

@@ -1,0 +1,110 @@
+"""Memory plans: pure data, decided by the planner, applied by the rewrite passes.
+
+    FragmentPlan(decisions=(TensorDecision("mm_3", 2097152, "recompute"), ...),
+                 backward_order=("mm_3", "t_5", ...), predicted_peak=..., ...)
+    MemoryPlan(budget=..., fragments=(FragmentPlan(...), ...)).to_json()
+
+A plan names tensors by their node names in the fragment's joint graph, so it can be saved,
+read back (:meth:`MemoryPlan.from_json`), shown by the CLI and compared in tests without a model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+__all__ = ["Action", "FragmentPlan", "MemoryPlan", "TensorDecision"]
+
+#: What happens to a tensor the backward needs: kept from forward to backward, or recomputed.
+Action = Literal["keep", "recompute"]
+
+
+@dataclass(frozen=True)
+class TensorDecision:
+    """One forward tensor the backward reads.
+
+    Attributes:
+        tensor: name of the joint-graph node that produces it.
+        nbytes: bytes of its storage.
+        action: ``keep`` or ``recompute``.
+    """
+
+    tensor: str
+    nbytes: int
+    action: Action
+
+
+@dataclass(frozen=True)
+class FragmentPlan:
+    """The plan of one fragment.
+
+    Attributes:
+        fragment: the fragment's stable id ("" until the backend sets it).
+        decisions: one per tensor the default partition would save.
+        backward_order: node names of the backward graph in execution order.
+        target: tracked bytes the fragment's graphs may peak at (budget minus what is resident),
+            ``None`` without a budget.
+        resident_bytes: parameters, buffers, inputs and other fragments' memory counted against
+            the budget besides this fragment's own.
+        predicted_peak: absolute device peak of a step under this plan (estimate of the planner's
+            joint model; the report shows the exact profile of the built graphs).
+        baseline_peak: the same without a plan (eager's saved set).
+        recompute_time: predicted seconds the backward spends recomputing.
+        feasible: the plan meets ``target``.
+    """
+
+    fragment: str
+    decisions: tuple[TensorDecision, ...]
+    backward_order: tuple[str, ...]
+    target: int | None
+    resident_bytes: int
+    predicted_peak: int
+    baseline_peak: int
+    recompute_time: float
+    feasible: bool
+
+    @property
+    def recomputed(self) -> tuple[str, ...]:
+        return tuple(d.tensor for d in self.decisions if d.action == "recompute")
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(d.nbytes for d in self.decisions if d.action == "keep")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FragmentPlan:
+        fields = dict(data)
+        fields["decisions"] = tuple(TensorDecision(**d) for d in fields["decisions"])
+        fields["backward_order"] = tuple(fields["backward_order"])
+        return cls(**fields)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Plans of every fragment of one compiled model.
+
+    Attributes:
+        budget: the requested absolute device peak of a training step, bytes (or None).
+        device_profile: the cost model the plans were priced with.
+        fragments: one plan per planned fragment, in compile order.
+    """
+
+    budget: int | None
+    device_profile: str
+    fragments: tuple[FragmentPlan, ...] = field(default=())
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(asdict(self), **kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> MemoryPlan:
+        data = json.loads(text)
+        return cls(
+            budget=data["budget"],
+            device_profile=data["device_profile"],
+            fragments=tuple(FragmentPlan.from_dict(f) for f in data["fragments"]),
+        )

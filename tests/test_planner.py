@@ -1,0 +1,252 @@
+"""The recompute planner: joint model vs built graphs, plans, budgets, infeasible budgets."""
+
+from __future__ import annotations
+
+import random
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch import partitioners as P
+
+import memcompile
+from memcompile import MemoryBudgetError, MemoryBudgetWarning, zoo
+from memcompile.backends.inner import compile_inner
+from memcompile.passes.context import PassContext
+from memcompile.passes.costmodel import device_profile
+from memcompile.passes.fragment import profile_fragment
+from memcompile.passes.joint import JointModel
+from memcompile.passes.partition import partition_pass, reorder_pass
+from memcompile.passes.plan import FragmentPlan, MemoryPlan, TensorDecision
+from memcompile.passes.planner import plan_fragment
+from memcompile.passes.workspace import probe_workspaces
+
+from helpers import assert_same_state, train
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+SINGLE = ("branchy", "gpt", "gpt_manual", "resnet")
+
+
+def capture_joint(name: str) -> dict[str, Any]:
+    """The joint graph AOTAutograd builds for zoo workload ``name`` (tiny), and its facts."""
+    found: dict[str, Any] = {}
+
+    def partition(joint, inputs, *, num_fwd_outputs, static_lifetime_input_indices=None, **kw):
+        found.update(joint=joint, n=num_fwd_outputs, static=static_lifetime_input_indices or [])
+        return P.default_partition(
+            joint,
+            inputs,
+            num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_indices=static_lifetime_input_indices,
+        )
+
+    def fw(gm, ex):
+        return compile_inner("eager", gm, ex, role="forward")
+
+    def bw(gm, ex):
+        return compile_inner("eager", gm, ex, role="backward")
+
+    wl = zoo.build(name, size="tiny")
+    compiled = torch.compile(
+        wl.model, backend=aot_autograd(fw_compiler=fw, bw_compiler=bw, partition_fn=partition)
+    )
+    wl.loss(compiled, 0).backward()
+    joint = found["joint"]
+    _, _, descs, _ = P._extract_fwd_bwd_outputs(joint, num_fwd_outputs=found["n"])
+    found["mutated"] = sum(type(d).__name__ == "InputMutationAOTOutput" for d in descs)
+    found["model"] = JointModel(
+        joint,
+        num_fwd_outputs=found["n"],
+        static_input_indices=found["static"],
+        profile=device_profile("h100"),  # any profile: costs do not change memory
+        workspace=probe_workspaces(joint),
+    )
+    return found
+
+
+def _plan_for(model: JointModel, keep: frozenset[int]) -> FragmentPlan:
+    e = model.evaluate(keep)
+    base = model.default_saved() | e.saved
+    return FragmentPlan(
+        fragment="",
+        decisions=tuple(
+            TensorDecision(
+                model.describe(s), model.nbytes[s], "keep" if s in e.saved else "recompute"
+            )
+            for s in sorted(base)
+        ),
+        backward_order=tuple(model.nodes[i].name for i in e.backward_order),
+        target=None,
+        resident_bytes=0,
+        predicted_peak=e.peak,
+        baseline_peak=e.peak,
+        recompute_time=e.recompute_time,
+        feasible=True,
+    )
+
+
+@pytest.mark.parametrize("name", SINGLE)
+def test_joint_model_matches_built_graphs_for_random_saved_sets(name: str) -> None:
+    found = capture_joint(name)
+    model: JointModel = found["model"]
+    rng = random.Random(0)
+    base = sorted(model.default_saved() - model.must_save())
+    subsets = [frozenset(base)] + [
+        frozenset(s for s in base if rng.random() < keep) for keep in (0.8, 0.5, 0.2, 0.0)
+    ]
+    for subset in subsets:
+        keep = subset | model.must_save()
+        e = model.evaluate(keep)
+        assert e.feasible
+        fw, bw = partition_pass(
+            found["joint"], PassContext("F0"), model=model, plan=_plan_for(model, keep)
+        )
+        exact = profile_fragment(
+            fw,
+            bw,
+            static_input_indices=found["static"],
+            num_mutated_inputs=found["mutated"],
+            num_user_outputs=1,
+            forward_workspace=probe_workspaces(fw),
+            backward_workspace=probe_workspaces(bw),
+        )
+        phases = exact.phase_peaks()
+        assert (e.forward_peak, e.backward_peak) == (phases["forward"], phases["backward"]), (
+            f"{len(keep)} kept: model {e.forward_peak, e.backward_peak} vs built {phases}"
+        )
+        assert e.accumulate_peak == phases["accumulate"]
+
+
+def test_random_ops_are_never_recomputed() -> None:
+    model: JointModel = capture_joint("gpt")["model"]
+    dropout = [
+        i
+        for i, n in enumerate(model.nodes)
+        if "native_dropout" in str(n.target) and model.kind[i] == 2
+    ]
+    assert dropout and not any(model.recomputable[i] for i in dropout)
+    plan = plan_fragment(model, target=0, resident_bytes=0)  # recompute all it can
+    masks = {
+        model.describe(s) for i in dropout for s in model.storages[i] if s in model.default_saved()
+    }
+    assert masks and all(d.action == "keep" for d in plan.decisions if d.tensor in masks)
+    assert not plan.feasible and plan.recomputed
+
+
+def test_plan_json_round_trip() -> None:
+    model: JointModel = capture_joint("gpt")["model"]
+    baseline = model.evaluate(model.default_saved()).peak
+    plan = plan_fragment(model, target=int(baseline * 0.8), resident_bytes=1000)
+    assert plan.feasible and plan.recomputed and plan.predicted_peak <= int(baseline * 0.8) + 1000
+    full = MemoryPlan(budget=123, device_profile="h100", fragments=(plan,))
+    again = MemoryPlan.from_json(full.to_json())
+    assert again == full
+    assert again.fragments[0].recomputed == plan.recomputed
+
+
+def test_reorder_pass_rejects_a_bad_order() -> None:
+    found = capture_joint("branchy")
+    model: JointModel = found["model"]
+    _, bw = partition_pass(
+        found["joint"], PassContext("F0"), model=model, plan=_plan_for(model, model.default_saved())
+    )
+    names = [n.name for n in bw.graph.nodes if n.op not in ("placeholder", "output")]
+    with pytest.raises(ValueError, match=r"F7: .* is ordered before its inputs"):
+        reorder_pass(bw, PassContext("F7"), order=list(reversed(names)))
+    with pytest.raises(ValueError, match="F7: order does not match the graph's nodes"):
+        reorder_pass(bw, PassContext("F7"), order=names[1:])
+
+
+def _peak_without_budget(name: str) -> int:
+    wl = zoo.build(name, size="tiny")
+    compiled = memcompile.compile(wl.model)
+    wl.loss(compiled, 0).backward()
+    return memcompile.report(compiled).predicted_peak
+
+
+@pytest.mark.parametrize(
+    ("name", "fraction"), [("gpt", 0.8), ("gpt_manual", 0.85), ("resnet", 0.8), ("branchy", 0.8)]
+)
+def test_budget_is_met_and_training_is_bit_identical(name: str, fraction: float) -> None:
+    budget = int(_peak_without_budget(name) * fraction)
+    torch._dynamo.reset()
+    eager, comp = zoo.build(name, size="tiny"), zoo.build(name, size="tiny")
+    eager_losses = train(eager, eager.model, "adam", 3)
+    compiled = memcompile.compile(comp.model, budget=budget)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemoryBudgetWarning)
+        losses = train(comp, compiled, "adam", 3)
+    assert all(torch.equal(a, b) for a, b in zip(eager_losses, losses, strict=True))
+    assert_same_state(eager.model, comp.model)
+    comp.model.zero_grad(set_to_none=True)
+    batch = comp.batch(2)
+    measured = memcompile.measure_peak(
+        lambda: compiled(*batch).backward(), resident=[comp.model, batch]
+    )
+    rep = memcompile.report(compiled)
+    (plan,) = rep.plan.fragments
+    assert plan.recomputed and plan.feasible and plan.fragment == rep.fragments[0].id
+    assert measured <= budget * 1.02, (measured, budget)
+    assert abs(rep.predicted_peak - measured) <= 0.03 * measured
+    assert not rep.over_budget and rep.budget == budget
+
+
+def test_infeasible_budget_raises_with_the_smallest_peak_found() -> None:
+    wl = zoo.build("gpt", size="tiny")
+    compiled = memcompile.compile(wl.model, budget=1000)
+    with pytest.raises(
+        MemoryBudgetError, match=r"no memory plan fits budget=1000 B .* the smallest peak found is"
+    ) as info:
+        wl.loss(compiled, 0)
+    err = info.value
+    assert err.budget == 1000 and err.min_feasible > 1000
+    assert "recompute alone cannot go lower" in err.hint
+    # The smallest peak found is itself a budget that fits.
+    torch._dynamo.reset()
+    wl = zoo.build("gpt", size="tiny")
+    compiled = memcompile.compile(wl.model, budget=err.min_feasible)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemoryBudgetWarning)
+        wl.loss(compiled, 0).backward()
+    wl.model.zero_grad(set_to_none=True)
+    batch = wl.batch(0)
+    measured = memcompile.measure_peak(
+        lambda: compiled(*batch).backward(), resident=[wl.model, batch]
+    )
+    assert measured <= err.min_feasible * 1.02
+
+
+def test_best_effort_warns_and_runs_the_smallest_plan() -> None:
+    wl = zoo.build("gpt", size="tiny")
+    compiled = memcompile.compile(wl.model, budget="1KiB", on_infeasible="best_effort")
+    with pytest.warns(
+        MemoryBudgetWarning,
+        match="F0 does not fit budget=1.00 KiB; running the smallest plan found",
+    ):
+        wl.loss(compiled, 0).backward()
+    rep = memcompile.report(compiled)
+    assert not rep.plan.fragments[0].feasible and rep.plan.fragments[0].recomputed
+    assert rep.over_budget and "EXCEEDED" in str(rep)
+
+
+def test_multi_fragment_step_over_budget_is_warned() -> None:
+    name = "early_exit"
+    budget = int(_peak_without_budget(name) * 0.8)
+    torch._dynamo.reset()
+    wl = zoo.build(name, size="tiny")
+    compiled = memcompile.compile(wl.model, budget=budget, on_infeasible="best_effort")
+    with pytest.warns(MemoryBudgetWarning, match=r"step is predicted to peak at .* over budget="):
+        for step in range(2):
+            wl.loss(compiled, step).backward()
+    assert memcompile.report(compiled).over_budget
+
+
+def test_no_budget_means_no_plan() -> None:
+    wl = zoo.build("gpt", size="tiny")
+    compiled = memcompile.compile(wl.model)
+    wl.loss(compiled, 0).backward()
+    rep = memcompile.report(compiled)
+    assert rep.plan.fragments == () and rep.budget is None
