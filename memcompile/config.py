@@ -219,8 +219,6 @@ class MemConfig:
     def _check_landed(self) -> None:
         # Values whose feature is a later issue: refuse loudly instead of ignoring them.
         pending = {
-            "offload_to": (self.offload_to != "host", "the disk tier (the planner issue)"),
-            "disk_path": (self.disk_path is not None, "the disk tier (the planner issue)"),
             "offload_params": (
                 self.offload_params is True,
                 "parameters on the host (the planner issue)",

@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch import partitioners as P
 
+from memcompile import zoo
+from memcompile.backends.inner import compile_inner
+from memcompile.passes.costmodel import device_profile
+from memcompile.passes.joint import JointModel
+from memcompile.passes.plan import FragmentPlan, TensorDecision
+from memcompile.passes.workspace import probe_workspaces
 from memcompile.zoo import Workload
 
 
@@ -36,3 +45,61 @@ def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
     assert sa.keys() == sb.keys()
     differ = [k for k in sa if not torch.equal(sa[k], sb[k])]
     assert not differ, f"differ: {differ}"
+
+
+def capture_joint(name: str) -> dict[str, Any]:
+    """The joint graph AOTAutograd builds for zoo workload ``name`` (tiny), and its facts."""
+    found: dict[str, Any] = {}
+
+    def partition(joint, inputs, *, num_fwd_outputs, static_lifetime_input_indices=None, **kw):
+        found.update(joint=joint, n=num_fwd_outputs, static=static_lifetime_input_indices or [])
+        return P.default_partition(
+            joint,
+            inputs,
+            num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_indices=static_lifetime_input_indices,
+        )
+
+    def fw(gm, ex):
+        return compile_inner("eager", gm, ex, role="forward")
+
+    def bw(gm, ex):
+        return compile_inner("eager", gm, ex, role="backward")
+
+    wl = zoo.build(name, size="tiny")
+    compiled = torch.compile(
+        wl.model, backend=aot_autograd(fw_compiler=fw, bw_compiler=bw, partition_fn=partition)
+    )
+    wl.loss(compiled, 0).backward()
+    joint = found["joint"]
+    _, _, descs, _ = P._extract_fwd_bwd_outputs(joint, num_fwd_outputs=found["n"])
+    found["mutated"] = sum(type(d).__name__ == "InputMutationAOTOutput" for d in descs)
+    found["model"] = JointModel(
+        joint,
+        num_fwd_outputs=found["n"],
+        static_input_indices=found["static"],
+        profile=device_profile("h100"),  # any profile: costs do not change memory
+        workspace=probe_workspaces(joint),
+    )
+    return found
+
+
+def plan_for(model: JointModel, keep: frozenset[int]) -> FragmentPlan:
+    e = model.evaluate(keep)
+    base = model.default_saved() | e.saved
+    return FragmentPlan(
+        fragment="",
+        decisions=tuple(
+            TensorDecision(
+                model.describe(s), model.nbytes[s], "keep" if s in e.saved else "recompute"
+            )
+            for s in sorted(base)
+        ),
+        backward_order=tuple(model.nodes[i].name for i in e.backward_order),
+        target=None,
+        resident_bytes=0,
+        predicted_peak=e.peak,
+        baseline_peak=e.peak,
+        recompute_time=e.recompute_time,
+        feasible=True,
+    )

@@ -150,3 +150,26 @@ def test_bad_arguments_have_clear_messages() -> None:
 def test_cuda_requested_without_cuda() -> None:
     with pytest.raises(ValueError, match="device='cuda' but CUDA is not available"):
         memcompile.measure_peak(lambda: None, device="cuda")
+
+
+def test_tiny_allocations_are_measured_exactly_despite_the_canary() -> None:
+    def fn() -> torch.Tensor:
+        return torch.empty(8, dtype=torch.uint8)
+
+    m = measure(fn)
+    assert m.complete and m.peak == 8
+
+
+def test_lost_profiler_events_are_reported(monkeypatch) -> None:
+    from memcompile.runtime import measure as measure_module
+
+    real = measure_module.allocation_events
+
+    def lossy(prof, prefix="memcompile:"):  # the canary's events vanish
+        events, ranges = real(prof, prefix)
+        return [e for e in events if abs(e[1]) != measure_module._CANARY_BYTES], ranges
+
+    monkeypatch.setattr(measure_module, "allocation_events", lossy)
+    with pytest.warns(measure_module.MeasurementWarning, match="lost allocation events"):
+        m = measure(lambda: _alloc(MB))
+    assert not m.complete

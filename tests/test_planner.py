@@ -4,88 +4,25 @@ from __future__ import annotations
 
 import random
 import warnings
-from typing import Any
 
 import pytest
 import torch
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch import partitioners as P
 
 import memcompile
 from memcompile import MemoryBudgetError, MemoryBudgetWarning, zoo
-from memcompile.backends.inner import compile_inner
 from memcompile.passes.context import PassContext
-from memcompile.passes.costmodel import device_profile
 from memcompile.passes.fragment import profile_fragment
 from memcompile.passes.joint import JointModel
 from memcompile.passes.partition import partition_pass, reorder_pass
-from memcompile.passes.plan import FragmentPlan, MemoryPlan, TensorDecision
+from memcompile.passes.plan import MemoryPlan
 from memcompile.passes.planner import plan_fragment
 from memcompile.passes.workspace import probe_workspaces
 
-from helpers import assert_same_state, train
+from helpers import assert_same_state, capture_joint, plan_for, train
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 SINGLE = ("branchy", "gpt", "gpt_manual", "resnet")
-
-
-def capture_joint(name: str) -> dict[str, Any]:
-    """The joint graph AOTAutograd builds for zoo workload ``name`` (tiny), and its facts."""
-    found: dict[str, Any] = {}
-
-    def partition(joint, inputs, *, num_fwd_outputs, static_lifetime_input_indices=None, **kw):
-        found.update(joint=joint, n=num_fwd_outputs, static=static_lifetime_input_indices or [])
-        return P.default_partition(
-            joint,
-            inputs,
-            num_fwd_outputs=num_fwd_outputs,
-            static_lifetime_input_indices=static_lifetime_input_indices,
-        )
-
-    def fw(gm, ex):
-        return compile_inner("eager", gm, ex, role="forward")
-
-    def bw(gm, ex):
-        return compile_inner("eager", gm, ex, role="backward")
-
-    wl = zoo.build(name, size="tiny")
-    compiled = torch.compile(
-        wl.model, backend=aot_autograd(fw_compiler=fw, bw_compiler=bw, partition_fn=partition)
-    )
-    wl.loss(compiled, 0).backward()
-    joint = found["joint"]
-    _, _, descs, _ = P._extract_fwd_bwd_outputs(joint, num_fwd_outputs=found["n"])
-    found["mutated"] = sum(type(d).__name__ == "InputMutationAOTOutput" for d in descs)
-    found["model"] = JointModel(
-        joint,
-        num_fwd_outputs=found["n"],
-        static_input_indices=found["static"],
-        profile=device_profile("h100"),  # any profile: costs do not change memory
-        workspace=probe_workspaces(joint),
-    )
-    return found
-
-
-def _plan_for(model: JointModel, keep: frozenset[int]) -> FragmentPlan:
-    e = model.evaluate(keep)
-    base = model.default_saved() | e.saved
-    return FragmentPlan(
-        fragment="",
-        decisions=tuple(
-            TensorDecision(
-                model.describe(s), model.nbytes[s], "keep" if s in e.saved else "recompute"
-            )
-            for s in sorted(base)
-        ),
-        backward_order=tuple(model.nodes[i].name for i in e.backward_order),
-        target=None,
-        resident_bytes=0,
-        predicted_peak=e.peak,
-        baseline_peak=e.peak,
-        recompute_time=e.recompute_time,
-        feasible=True,
-    )
 
 
 @pytest.mark.parametrize("name", SINGLE)
@@ -102,7 +39,7 @@ def test_joint_model_matches_built_graphs_for_random_saved_sets(name: str) -> No
         e = model.evaluate(keep)
         assert e.feasible
         fw, bw = partition_pass(
-            found["joint"], PassContext("F0"), model=model, plan=_plan_for(model, keep)
+            found["joint"], PassContext("F0"), model=model, plan=plan_for(model, keep)
         )
         exact = profile_fragment(
             fw,
@@ -151,7 +88,7 @@ def test_reorder_pass_rejects_a_bad_order() -> None:
     found = capture_joint("branchy")
     model: JointModel = found["model"]
     _, bw = partition_pass(
-        found["joint"], PassContext("F0"), model=model, plan=_plan_for(model, model.default_saved())
+        found["joint"], PassContext("F0"), model=model, plan=plan_for(model, model.default_saved())
     )
     names = [n.name for n in bw.graph.nodes if n.op not in ("placeholder", "output")]
     with pytest.raises(ValueError, match=r"F7: .* is ordered before its inputs"):
@@ -167,15 +104,18 @@ def _peak_without_budget(name: str) -> int:
     return memcompile.report(compiled).predicted_peak
 
 
+@pytest.mark.parametrize("options", [{"swap": False}, {}], ids=["recompute", "any"])
 @pytest.mark.parametrize(
     ("name", "fraction"), [("gpt", 0.8), ("gpt_manual", 0.85), ("resnet", 0.8), ("branchy", 0.8)]
 )
-def test_budget_is_met_and_training_is_bit_identical(name: str, fraction: float) -> None:
+def test_budget_is_met_and_training_is_bit_identical(
+    name: str, fraction: float, options: dict[str, bool]
+) -> None:
     budget = int(_peak_without_budget(name) * fraction)
     torch._dynamo.reset()
     eager, comp = zoo.build(name, size="tiny"), zoo.build(name, size="tiny")
     eager_losses = train(eager, eager.model, "adam", 3)
-    compiled = memcompile.compile(comp.model, budget=budget)
+    compiled = memcompile.compile(comp.model, budget=budget, **options)
     with warnings.catch_warnings():
         warnings.simplefilter("error", MemoryBudgetWarning)
         losses = train(comp, compiled, "adam", 3)
@@ -188,7 +128,9 @@ def test_budget_is_met_and_training_is_bit_identical(name: str, fraction: float)
     )
     rep = memcompile.report(compiled)
     (plan,) = rep.plan.fragments
-    assert plan.recomputed and plan.feasible and plan.fragment == rep.fragments[0].id
+    assert plan.feasible and plan.fragment == rep.fragments[0].id
+    assert plan.recomputed if options else (plan.recomputed or plan.swapped)
+    assert not plan.swapped if options else True
     assert measured <= budget * 1.02, (measured, budget)
     assert abs(rep.predicted_peak - measured) <= 0.03 * measured
     assert not rep.over_budget and rep.budget == budget
@@ -203,7 +145,7 @@ def test_infeasible_budget_raises_with_the_smallest_peak_found() -> None:
         wl.loss(compiled, 0)
     err = info.value
     assert err.budget == 1000 and err.min_feasible > 1000
-    assert "recompute alone cannot go lower" in err.hint
+    assert "of the peak is parameters, buffers and inputs" in err.hint
     # The smallest peak found is itself a budget that fits.
     torch._dynamo.reset()
     wl = zoo.build("gpt", size="tiny")

@@ -12,6 +12,7 @@ from torch import nn
 
 import memcompile
 from memcompile import MemoryBudgetWarning
+from memcompile.runtime.measure import MeasurementWarning
 
 WIDTH = 48
 OPS = ("linear", "relu", "gelu", "tanh", "layernorm", "add", "mul", "dropout", "softmax")
@@ -67,6 +68,20 @@ def _step(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     return grads
 
 
+def _measure(step: object, model: nn.Module, x: torch.Tensor) -> int:
+    # The CPU profiler very rarely loses events in a long process (memcompile warns); the step
+    # here can simply be measured again.
+    for _ in range(3):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", MemoryBudgetWarning)  # nothing new to warn about
+            warnings.simplefilter("ignore", MeasurementWarning)
+            m = memcompile.measure(step, resident=[model, x])
+        model.zero_grad(set_to_none=True)
+        if m.complete:
+            return m.peak
+    raise AssertionError("the profiler lost events three times in a row")
+
+
 @settings(max_examples=200, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
 @given(program=programs, fraction=st.floats(0.3, 1.0), batch=st.sampled_from([16, 64]))
@@ -88,10 +103,7 @@ def test_random_network_under_random_budget(program, fraction: float, batch: int
 
     rep = memcompile.report(compiled)
     (plan,) = rep.plan.fragments
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", MemoryBudgetWarning)  # nothing new to warn about
-        measured = memcompile.measure_peak(lambda: compiled(x).backward(), resident=[model, x])
-    model.zero_grad(set_to_none=True)
+    measured = _measure(lambda: compiled(x).backward(), model, x)
     assert abs(rep.predicted_peak - measured) <= 0.03 * measured + 64, (
         rep.predicted_peak,
         measured,

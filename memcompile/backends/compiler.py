@@ -44,8 +44,10 @@ from memcompile.passes.partition import partition_pass
 from memcompile.passes.plan import FragmentPlan
 from memcompile.passes.planner import plan_fragment
 from memcompile.passes.step import StepPrediction, simulate_step
+from memcompile.passes.swap import swap_pass
 from memcompile.passes.workspace import clone_workspace, probe_workspaces
 from memcompile.runtime.measure import storage_sizes
+from memcompile.runtime.store import TieredStore, register_store
 
 log = logging.getLogger(__name__)
 
@@ -139,16 +141,31 @@ class _FragmentBuild:
             clone_bytes=accumulate_clone_bytes(grads, primals, set(static), clone_workspace),
         )
         resident = compiler.resident_bytes(self)
-        plan = plan_fragment(model, target=config.budget - resident, resident_bytes=resident)
+        plan = plan_fragment(
+            model,
+            target=config.budget - resident,
+            resident_bytes=resident,
+            recompute=config.recompute,
+            swap_tier=config.offload_to if config.swap else None,
+        )
         if not plan.feasible:
             compiler.infeasible(self, plan)
         ctx = PassContext(fragment=f"F{self.index}", graph="joint")
         fw, bw = partition_pass(joint, ctx, model=model, plan=plan)
+        if plan.swapped:
+            saved = {
+                model.storage_named(d.tensor) for d in plan.decisions if d.action != "recompute"
+            }
+            by_storage = {model.storage_named(n): tier for n, tier in plan.swapped.items()}
+            holders = model.swap_holders(saved, by_storage)
+            swaps = {holders[s]: tier for s, tier in by_storage.items()}
+            fw, bw = swap_pass(fw, bw, ctx, swaps=swaps, store=compiler.store_key)
         self.plan = plan
         log.info(
-            "F%d planned: recompute %d of %d saved tensors, predicted peak %s (budget %s)",
+            "F%d planned: recompute %d, swap %d of %d saved tensors, predicted peak %s (budget %s)",
             self.index,
             len(plan.recomputed),
+            len(plan.swapped),
             len(plan.decisions),
             format_bytes(plan.predicted_peak),
             format_bytes(config.budget),
@@ -267,6 +284,8 @@ class MemCompiler:
         self.over_budget = False
         # The compiled module, when known (memcompile.compile): its parameters are resident.
         self.model: weakref.ref[torch.nn.Module] | None = None
+        self.store = TieredStore(self.config.disk_path)
+        self.store_key = register_store(self.store)
         _apply_dynamo_settings()
         _all_compilers.add(self)
 
@@ -393,10 +412,13 @@ class MemCompiler:
         """No plan fits: raise MemoryBudgetError, or warn (``on_infeasible="best_effort"``)."""
         budget = self.config.budget
         assert budget is not None
-        hint = (
-            "recompute alone cannot go lower: host/disk swap and parameter offload are not "
-            "implemented in this version"
+        tips = [f"enable {k}=True" for k in ("recompute", "swap") if not getattr(self.config, k)]
+        tips.append(
+            f"{format_bytes(plan.resident_bytes)} of the peak is parameters, buffers and inputs, "
+            "which stay on the device (keeping parameters on the host, offload_params=True, is "
+            "not implemented in this version)"
         )
+        hint = "; ".join(tips)
         if self.config.on_infeasible == "error":
             raise MemoryBudgetError(budget, plan.predicted_peak, hint)
         warnings.warn(

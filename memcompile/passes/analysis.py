@@ -29,6 +29,8 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
+import memcompile.runtime.ops  # noqa: F401 - registers torch.ops.memcompile.*
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -43,6 +45,9 @@ __all__ = [
 ]
 
 GraphKind = Literal["forward", "backward", "inference"]
+
+# The swap-out op (runtime/ops.py): its output lives off the device.
+_OFFLOAD = torch.ops.memcompile.offload.default
 
 # Unbacked symbolic sizes (data-dependent, e.g. nonzero) have no hint; count them as this many
 # elements and mark the profile approximate.
@@ -372,7 +377,8 @@ def profile_graph(
         for sid in ids.ids_of(placeholders[pos].meta.get("val")):
             persistent[sid] = None
     for n in nodes:
-        if n.op == "get_attr":  # constants and buffers owned by the module itself
+        # Constants owned by the module, and swapped-out copies (host or disk, not the device).
+        if n.op == "get_attr" or n.target is _OFFLOAD:
             for sid in ids.ids_of(n.meta.get("val")):
                 persistent[sid] = None
 

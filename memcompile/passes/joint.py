@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 from torch._functorch import partitioners as P
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from memcompile.passes.analysis import StorageIds, node_cost, tensor_vals
 from memcompile.passes.costmodel import DeviceProfile
@@ -60,6 +61,10 @@ class JointEval:
         live_at_peak: storages live at the peak moment.
         recompute: joint-graph indices of forward nodes the backward recomputes.
         recompute_time: their predicted time, seconds.
+        swapped: storages swapped out after their last forward use and back in before their
+            first backward use, with their tier (``host``/``disk``).
+        swap_time: predicted seconds of those copies (out and back), not overlapped.
+        swappable: saved storages that could be swapped (see :meth:`JointModel.swappable`).
         backward_order: joint indices of the backward graph's nodes, in execution order.
         infeasible: storages that must be saved (not recomputable) but are not in the set.
     """
@@ -75,6 +80,14 @@ class JointEval:
     recompute_time: float
     backward_order: tuple[int, ...]
     infeasible: frozenset[int]
+    swapped: tuple[tuple[int, str], ...] = ()
+    swap_time: float = 0.0
+    swappable: frozenset[int] = frozenset()
+
+    @property
+    def time(self) -> float:
+        """Predicted seconds the plan adds to a step (recompute and copies)."""
+        return self.recompute_time + self.swap_time
 
     @property
     def feasible(self) -> bool:
@@ -162,7 +175,10 @@ class JointModel:
             for s in self.storages[i]
             if s not in self.persistent
         )
+        self.profile = profile
         self.cost = [self._op_time(n, profile) for n in nodes]
+        # Swapping copies a whole storage: only tensors that are exactly their storage qualify.
+        self.covers_storage = [self._covers_storage(n) for n in nodes]
         workspace = workspace or {}
         self.workspace = [workspace.get(n.name, 0) for n in nodes]
         self.clone_bytes = clone_bytes
@@ -177,6 +193,9 @@ class JointModel:
                 for s in self.storages[self.index[o]]
             )
             - self.persistent
+        )
+        self._fw_output_storages = (
+            frozenset(s for i in self.fw_outputs for s in self.storages[i]) - self.persistent
         )
         self.forward_order = [
             i for i, k in enumerate(kinds) if k in (_PRIMAL, _FW) and nodes[i].op != "placeholder"
@@ -196,6 +215,22 @@ class JointModel:
         flops, moved, _ = node_cost(n, self.ids)
         outs = tensor_vals(n.meta.get("val"))
         return profile.op_time(flops, moved, outs[0].dtype if outs else "float32")
+
+    @staticmethod
+    def _covers_storage(n: fx.Node) -> bool:
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor) or isinstance(val.shape, torch.SymInt):
+            return False
+        try:
+            nbytes = val.numel() * val.element_size()
+            return (
+                val.storage_offset() == 0
+                and is_non_overlapping_and_dense_or_false(val)
+                and nbytes == val.untyped_storage().nbytes()
+                and nbytes > 0
+            )
+        except Exception:  # symbolic sizes that cannot be compared: do not swap
+            return False
 
     def _recomputable(self, n: fx.Node) -> bool:
         if n.op != "call_function" or P._must_be_in_forward(n) or _is_random(n):
@@ -310,8 +345,11 @@ class JointModel:
         live_on_entry: Iterable[int],
         keep: Collection[int],
         held_nodes: Collection[int] = (),
+        late: Collection[int] = (),
     ) -> tuple[int, int, int, frozenset[int]]:
-        """Liveness over ``order``: (peak, end, peak position, storages live at the peak)."""
+        """Liveness over ``order``: (peak, end, peak position, storages live at the peak).
+
+        ``late`` storages (swapped in) become live right before their first use."""
         last: dict[int, int] = {}
         for p, i in enumerate(order):
             for j in self.inputs[i]:
@@ -335,6 +373,12 @@ class JointModel:
                 del live[s]
                 current -= self.nbytes[s]
         for p, i in enumerate(order):
+            if late:
+                for j in self.inputs[i]:
+                    for s in self.storages[j]:
+                        if s in late and s not in live:
+                            live[s] = None
+                            current += self.nbytes[s]
             for s in self.storages[i]:
                 if s not in live and s not in self.persistent:
                     live[s] = None
@@ -351,8 +395,23 @@ class JointModel:
                     current -= self.nbytes[s]
         return peak, current, peak_pos, at_peak
 
-    def evaluate(self, saved: Collection[int]) -> JointEval:
-        """The step with ``saved`` kept from forward to backward."""
+    def swappable(self, storage: int, bw_inputs: Collection[int]) -> bool:
+        """``storage`` can be swapped: one dense backward input covers it exactly, and the
+        caller does not hold it (a user output)."""
+        holders = [i for i in bw_inputs if storage in self.storages[i]]
+        return (
+            len(holders) == 1
+            and self.covers_storage[holders[0]]
+            and not self.is_tuple[holders[0]]
+            and storage not in self.held_outputs
+            and storage not in self._fw_output_storages
+        )
+
+    def evaluate(
+        self, saved: Collection[int], swapped: Mapping[int, str] | None = None
+    ) -> JointEval:
+        """The step with ``saved`` kept from forward to backward, of which ``swapped``
+        (storage -> tier) leave the device in between."""
         saved = frozenset(saved) - self.persistent
         needed, recompute, bw_inputs = self.backward_nodes(saved)
         infeasible = frozenset(
@@ -369,15 +428,20 @@ class JointModel:
             for s in self.storages[i]
             if s not in self.persistent
         )
+        eligible = frozenset(s for s in used_saved if self.swappable(s, bw_inputs))
+        swaps = {s: t for s, t in (swapped or {}).items() if s in eligible}
         order = self.backward_order(needed)
-        fw_keep = used_saved | {s for i in self.fw_outputs for s in self.storages[i]}
+        fw_keep = (used_saved - swaps.keys()) | self._fw_output_storages
         fw_peak, _, _, fw_live = self._replay(self.forward_order, (), fw_keep)
         tangents = [i for i in bw_inputs if self.kind[i] == _TANGENT]
         held = self.held_outputs - used_saved
         held_bytes = sum(self.nbytes[s] for s in held)
-        bw_entry = list(used_saved) + [s for i in tangents for s in self.storages[i]]
+        bw_entry = [s for s in used_saved if s not in swaps]
+        bw_entry += [s for i in tangents for s in self.storages[i]]
         bw_keep = {s for i in self.bw_outputs for s in self.storages[i]}
-        bw_peak, bw_end, _, bw_live = self._replay(order, bw_entry, bw_keep, held_nodes=tangents)
+        bw_peak, bw_end, _, bw_live = self._replay(
+            order, bw_entry, bw_keep, held_nodes=tangents, late=swaps.keys()
+        )
         phases = {
             "forward": (fw_peak, fw_live),
             "backward": (held_bytes + bw_peak, bw_live | held),
@@ -396,6 +460,12 @@ class JointModel:
             recompute_time=sum(self.cost[i] for i in recompute),
             backward_order=tuple(order),
             infeasible=infeasible,
+            swapped=tuple(sorted(swaps.items())),
+            swappable=eligible,
+            swap_time=sum(
+                2 * (self.profile.launch_overhead + self.profile.copy_time(self.nbytes[s], t))
+                for s, t in swaps.items()
+            ),
         )
 
     def recompute_cost(self, storage: int, saved: Collection[int]) -> float:
@@ -415,6 +485,15 @@ class JointModel:
             cost += self.cost[i]
             stack.extend(self.inputs[i])
         return cost
+
+    def swap_holders(self, saved: Collection[int], swapped: Collection[int]) -> dict[int, str]:
+        """Storage -> name of the saved node holding it (a swap copies that node's value)."""
+        _, _, inputs = self.backward_nodes(frozenset(saved) - self.persistent)
+        out: dict[int, str] = {}
+        for s in swapped:
+            (holder,) = [i for i in inputs if s in self.storages[i]]
+            out[s] = self.nodes[holder].name
+        return out
 
     def saved_nodes(self, saved: Collection[int]) -> tuple[list[fx.Node], list[fx.Node]]:
         """(tensor nodes, SymInt nodes) to pass to torch's extraction for this saved set."""

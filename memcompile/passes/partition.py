@@ -66,11 +66,12 @@ def reorder_pass(gm: fx.GraphModule, ctx: PassContext, *, order: Sequence[str]) 
 def partition_pass(
     joint: fx.GraphModule, ctx: PassContext, *, model: JointModel, plan: FragmentPlan
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Forward and backward graphs of ``joint`` keeping the plan's ``keep`` tensors.
+    """Forward and backward graphs of ``joint`` saving the plan's kept and swapped tensors.
 
     (A partition returns two graphs, so this pass breaks the one-graph rule on purpose.)
     """
-    keep = {model.storage_named(d.tensor) for d in plan.decisions if d.action == "keep"}
+    # Swapped tensors are saved too: they spend the time in between on another tier.
+    keep = {model.storage_named(d.tensor) for d in plan.decisions if d.action != "recompute"}
     tensors, syms = model.saved_nodes(keep)
     fw, bw = P._extract_fwd_bwd_modules(
         joint,

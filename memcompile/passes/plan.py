@@ -16,8 +16,9 @@ from typing import Any, Literal
 
 __all__ = ["Action", "FragmentPlan", "MemoryPlan", "TensorDecision"]
 
-#: What happens to a tensor the backward needs: kept from forward to backward, or recomputed.
-Action = Literal["keep", "recompute"]
+#: What happens to a tensor the backward needs: kept on the device from forward to backward,
+#: recomputed in the backward, or swapped to the host or disk tier in between.
+Action = Literal["keep", "recompute", "host", "disk"]
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class TensorDecision:
     Attributes:
         tensor: name of the joint-graph node that produces it.
         nbytes: bytes of its storage.
-        action: ``keep`` or ``recompute``.
+        action: ``keep``, ``recompute``, ``host`` or ``disk``.
     """
 
     tensor: str
@@ -51,6 +52,7 @@ class FragmentPlan:
             joint model; the report shows the exact profile of the built graphs).
         baseline_peak: the same without a plan (eager's saved set).
         recompute_time: predicted seconds the backward spends recomputing.
+        swap_time: predicted seconds of the swaps' copies (out and back, not overlapped).
         feasible: the plan meets ``target``.
     """
 
@@ -63,10 +65,16 @@ class FragmentPlan:
     baseline_peak: int
     recompute_time: float
     feasible: bool
+    swap_time: float = 0.0
 
     @property
     def recomputed(self) -> tuple[str, ...]:
         return tuple(d.tensor for d in self.decisions if d.action == "recompute")
+
+    @property
+    def swapped(self) -> dict[str, str]:
+        """Tensor name -> tier of the swapped tensors."""
+        return {d.tensor: d.action for d in self.decisions if d.action in ("host", "disk")}
 
     @property
     def saved_bytes(self) -> int:

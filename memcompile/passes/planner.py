@@ -2,12 +2,14 @@
 
 Greedy on the joint model (``joint.py``), by bytes saved per second of recompute:
 
-    S = eager's saved set;  e = evaluate(S)
+    S = eager's saved set;  W = {} (swaps);  e = evaluate(S, W)
     while e.peak > target:
-        candidates = storages in S live at the peak moment, recomputable
-        for s in candidates by  nbytes(s) / recompute_time(s | S)  (best first):
-            e' = evaluate(S - {s})
-            if e' is better (its phase peaks, largest first, compare lower): S -= {s}; break
+        moves = for each storage s in S live at the peak moment:
+                    recompute s  (cost: recompute_time(s | S))     if recompute is allowed
+                    swap s       (cost: copy out + copy back)      if a tier is allowed
+        for the move with the most bytes per second first:
+            e' = evaluate after the move
+            if e' is better (its phase peaks, largest first, compare lower): apply it; break
         else: stop            # nothing live at the peak can go: this is the smallest peak found
 
 It never trades memory it does not need: with the peak at or under the target it stops, and
@@ -21,7 +23,7 @@ from __future__ import annotations
 import logging
 
 from memcompile.passes.joint import JointEval, JointModel
-from memcompile.passes.plan import FragmentPlan, TensorDecision
+from memcompile.passes.plan import Action, FragmentPlan, TensorDecision
 
 log = logging.getLogger(__name__)
 
@@ -34,59 +36,84 @@ def _rank(e: JointEval) -> tuple[int, int, int]:
 
 
 class SearchResult:
-    """The saved set the search ended with, its evaluation and the eager baseline's."""
+    """The saved set and swaps the search ended with, its evaluation and the eager baseline's."""
 
-    def __init__(self, saved: frozenset[int], final: JointEval, baseline: JointEval) -> None:
-        self.saved = saved
+    def __init__(self, final: JointEval, baseline: JointEval) -> None:
         self.final = final
         self.baseline = baseline
 
 
-def search_saved_set(model: JointModel, target: int | None) -> SearchResult:
-    """Greedy search for a saved set whose tracked peak is at most ``target`` (see module doc).
+def search_saved_set(
+    model: JointModel,
+    target: int | None,
+    *,
+    recompute: bool = True,
+    swap_tier: str | None = None,
+) -> SearchResult:
+    """Greedy search for a saved set (and swaps) whose tracked peak is at most ``target``.
 
-    With ``target=None`` the eager saved set is returned unchanged.
+    Args:
+        model: the fragment's joint model.
+        target: tracked bytes; ``None`` keeps eager's saved set.
+        recompute: recomputing saved tensors is allowed.
+        swap_tier: swap saved tensors to this tier (``host``/``disk``), or never (``None``).
     """
-    saved = model.default_saved() | model.must_save()
-    baseline = current = model.evaluate(saved)
+    baseline = current = model.evaluate(model.default_saved() | model.must_save())
     if target is None or current.peak <= target:
-        return SearchResult(current.saved, current, baseline)
+        return SearchResult(current, baseline)
     must = model.must_save()
-    rejected: set[int] = set()
+    swapped: dict[int, str] = {}
+    rejected: set[tuple[int, str]] = set()
     steps = 0
     while current.peak > target:
-        candidates = [
-            s for s in current.live_at_peak & current.saved if s not in must and s not in rejected
-        ]
-        scored = []
-        for s in candidates:
-            cost = model.recompute_cost(s, current.saved)
-            if cost == float("inf"):
-                rejected.add(s)
+        moves: list[tuple[float, int, str]] = []
+        for s in sorted(current.live_at_peak & current.saved):
+            if s in swapped:
                 continue
-            scored.append((-model.nbytes[s] / max(cost, 1e-12), s))
-        scored.sort()
-        for _, s in scored:
-            trial = model.evaluate(current.saved - {s})
+            if recompute and s not in must and (s, "recompute") not in rejected:
+                cost = model.recompute_cost(s, current.saved)
+                if cost < float("inf"):
+                    moves.append((-model.nbytes[s] / max(cost, 1e-12), s, "recompute"))
+            if swap_tier is not None and s in current.swappable and (s, "swap") not in rejected:
+                # Each copy also pays a fixed launch cost: tiny tensors are not worth a swap.
+                copy = model.profile.launch_overhead + model.profile.copy_time(
+                    model.nbytes[s], swap_tier
+                )
+                moves.append((-model.nbytes[s] / (2 * copy), s, "swap"))
+        moves.sort(key=lambda m: (m[0], -model.nbytes[m[1]], m[1]))  # ties: larger first
+        for _, s, kind in moves:
+            if kind == "recompute":
+                trial = model.evaluate(current.saved - {s}, swapped)
+            else:
+                trial = model.evaluate(current.saved, {**swapped, s: swap_tier})  # type: ignore[dict-item]
             steps += 1
             if trial.feasible and _rank(trial) < _rank(current):
                 current = trial
+                swapped = dict(trial.swapped)
                 break
-            rejected.add(s)
+            rejected.add((s, kind))
         else:
             break
     log.debug(
-        "planner: %d evaluations, peak %d -> %d B (target %d B), recompute %.3f ms",
+        "planner: %d evaluations, peak %d -> %d B (target %d B), recompute %.3f ms, swap %.3f ms",
         steps,
         baseline.peak,
         current.peak,
         target,
         current.recompute_time * 1e3,
+        current.swap_time * 1e3,
     )
-    return SearchResult(current.saved, current, baseline)
+    return SearchResult(current, baseline)
 
 
-def plan_fragment(model: JointModel, *, target: int | None, resident_bytes: int) -> FragmentPlan:
+def plan_fragment(
+    model: JointModel,
+    *,
+    target: int | None,
+    resident_bytes: int,
+    recompute: bool = True,
+    swap_tier: str | None = None,
+) -> FragmentPlan:
     """Plan one fragment: the decisions, backward order and predictions for ``target``.
 
     Args:
@@ -94,15 +121,19 @@ def plan_fragment(model: JointModel, *, target: int | None, resident_bytes: int)
         target: tracked bytes the fragment may peak at (``None``: no budget).
         resident_bytes: what else counts against the budget (parameters, inputs, other fragments);
             added to the predicted peaks to make them absolute.
+        recompute, swap_tier: the techniques allowed (see :func:`search_saved_set`).
     """
-    result = search_saved_set(model, target)
+    result = search_saved_set(model, target, recompute=recompute, swap_tier=swap_tier)
     final, baseline = result.final, result.baseline
+    swapped = dict(final.swapped)
+
+    def action(s: int) -> Action:
+        if s not in final.saved:
+            return "recompute"
+        return swapped.get(s, "keep")  # type: ignore[return-value]
+
     decisions = tuple(
-        TensorDecision(
-            tensor=model.describe(s),
-            nbytes=model.nbytes[s],
-            action="keep" if s in final.saved else "recompute",
-        )
+        TensorDecision(tensor=model.describe(s), nbytes=model.nbytes[s], action=action(s))
         for s in sorted(baseline.saved | final.saved)
     )
     return FragmentPlan(
@@ -114,5 +145,6 @@ def plan_fragment(model: JointModel, *, target: int | None, resident_bytes: int)
         predicted_peak=resident_bytes + final.peak,
         baseline_peak=resident_bytes + baseline.peak,
         recompute_time=final.recompute_time,
+        swap_time=final.swap_time,
         feasible=target is None or final.peak <= target,
     )

@@ -6,7 +6,8 @@ count toward the device peak when the op runs at the peak, so they are measured,
 
     for each distinct (op, input shapes/strides/dtypes) in the graph:
         build inputs of that metadata (zeros for integer tensors, so indices stay in range)
-        run the op once under the allocator's eye       (CPU profiler / CUDA peak stats)
+        run the op once to warm it up, then once under the allocator's eye
+                                                         (CPU profiler / CUDA peak stats)
         workspace = peak inside the op - bytes of its new outputs
 
 Probes of one graph share one profiler session; results are cached per process. The global RNG
@@ -121,8 +122,16 @@ def _run_probes(
         assert isinstance(node.target, torch._ops.OpOverload)  # _probeable checked it
         calls.append((key, functools.partial(node.target, *args, **kwargs), out_bytes))
 
+    # Each op runs once unmeasured first: a kernel's first call may set up state it keeps (a
+    # oneDNN primitive cache, say), which is not scratch and which later calls do not allocate.
     if device.type == "cuda":
         for key, call, out_bytes in calls:
+            try:
+                call()
+            except Exception as e:
+                log.debug("workspace probe %s failed: %s", key[0], e)
+                results[key] = 0
+                continue
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             start = torch.cuda.memory_allocated()
@@ -139,15 +148,19 @@ def _run_probes(
     from torch.profiler import ProfilerActivity, profile
 
     failed: set[int] = set()
+    for i, (key, call, _) in enumerate(calls):
+        try:
+            call()
+        except Exception as e:
+            log.debug("workspace probe %s failed: %s", key[0], e)
+            failed.add(i)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        for i, (key, call, _) in enumerate(calls):
+        for i, (_, call, _) in enumerate(calls):
+            if i in failed:
+                continue
             with torch.profiler.record_function(f"{_RANGE_PREFIX}{i}"):
-                try:
-                    out = call()
-                    del out
-                except Exception as e:
-                    log.debug("workspace probe %s failed: %s", key[0], e)
-                    failed.add(i)
+                out = call()
+                del out
     levels, ranges = allocation_trace(prof, _RANGE_PREFIX)
     for name, t0, t1 in ranges:
         i = int(name[len(_RANGE_PREFIX) :])
@@ -156,7 +169,9 @@ def _run_probes(
         start = before[-1] if before else 0
         inside = [lv for t, lv in levels if t0 <= t <= t1]
         peak = max(inside, default=start) - start
-        results[key] = 0 if i in failed else max(0, peak - out_bytes)
+        results[key] = max(0, peak - out_bytes)
+    for i in failed:
+        results[calls[i][0]] = 0
     return results
 
 

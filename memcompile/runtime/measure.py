@@ -36,7 +36,9 @@ from memcompile.errors import format_bytes
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "MeasurementWarning",
     "PeakMeasurement",
+    "allocation_events",
     "allocation_trace",
     "measure",
     "measure_peak",
@@ -47,6 +49,11 @@ __all__ = [
 
 _RANGE_PREFIX = "memcompile:"
 _MAX_DEPTH = 4
+_CANARY_BYTES = 12_347  # an odd size no tensor of a model has
+
+
+class MeasurementWarning(UserWarning):
+    """A measurement is known to be incomplete."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,7 @@ class PeakMeasurement:
         unseen_free_bytes: bytes of reachable tensors allocated before the measurement that were
             freed during it; the CPU peak may be overstated by up to this much.
         result: what ``fn`` returned.
+        complete: the profiler recorded every allocation (CPU; checked with a canary).
     """
 
     peak: int
@@ -70,6 +78,7 @@ class PeakMeasurement:
     ranges: dict[str, int] = field(default_factory=dict)
     unseen_free_bytes: int = 0
     result: Any = None
+    complete: bool = True
 
 
 def _walk(obj: Any, out: dict[int, torch.Tensor], seen: set[int], depth: int) -> None:
@@ -187,6 +196,21 @@ def allocation_trace(
     ``(name, start_ns, end_ns)`` of every ``record_function`` whose name starts with
     ``range_prefix``.
     """
+    events, ranges = allocation_events(prof, range_prefix)
+    return [(t, level) for t, _, level in events], ranges
+
+
+def allocation_events(
+    prof: torch.profiler.profile, range_prefix: str = _RANGE_PREFIX
+) -> tuple[list[tuple[int, int, int]], list[tuple[str, int, int]]]:
+    """As :func:`allocation_trace`, with each event's size: ``(time_ns, bytes, level)``
+    (negative bytes: a free).
+
+    The level counts only blocks allocated during the session. A free of an older block (a
+    tensor from before, or garbage the collector happens to reclaim meanwhile) does not lower
+    it: such blocks were never part of the measured function's memory, and the profiler's own
+    running total would otherwise drift with whatever Python frees in between.
+    """
     from torch._C._profiler import _EventType, _ExtraFields_Allocation
 
     allocs: list[tuple[int, int, int, int]] = []
@@ -200,18 +224,22 @@ def allocation_trace(
         ef = e.extra_fields
         if isinstance(ef, _ExtraFields_Allocation):
             if ef.device.type == "cpu":
-                allocs.append((e.start_time_ns, e.id, ef.alloc_size, ef.total_allocated))
+                allocs.append((e.start_time_ns, e.id, ef.alloc_size, ef.ptr))
         elif e.tag == _EventType.TorchOp and e.name.startswith(range_prefix):
             ranges.append((e.name, e.start_time_ns, e.end_time_ns))
         stack.extend(e.children)
-    if not allocs:
-        return [], ranges
     allocs.sort()
-    # The profiler's running total includes blocks from before the session: subtract the level
-    # just before its first event.
-    _, _, size0, total0 = allocs[0]
-    start = total0 - size0
-    return [(t, total - start) for t, _, _, total in allocs], ranges
+    live: dict[int, int] = {}
+    level = 0
+    events: list[tuple[int, int, int]] = []
+    for t, _, size, ptr in allocs:
+        if size > 0:
+            live[ptr] = live.get(ptr, 0) + size
+            level += size
+        elif ptr in live:
+            level -= live.pop(ptr)
+        events.append((t, size, level))
+    return events, ranges
 
 
 def _measure_cpu(
@@ -223,8 +251,25 @@ def _measure_cpu(
     before = storage_sizes(reachable_tensors(*roots), "cpu")
     resident = sum(before.values())
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        # A canary of a size nothing else allocates: if its event is missing, the profiler lost
+        # events and the peak below cannot be trusted.
+        canary = torch.empty(_CANARY_BYTES, dtype=torch.uint8)
+        del canary
         result = fn(*args, **kwargs)
-    levels, ranges = allocation_trace(prof)
+    events, ranges = allocation_events(prof)
+    # Drop the canary's two events (they cancel out); a missing canary means lost events.
+    sizes = [size for _, size, _ in events]
+    complete = _CANARY_BYTES in sizes and -_CANARY_BYTES in sizes
+    if complete:
+        events.pop(sizes.index(_CANARY_BYTES))
+    levels = [(t, level) for t, _, level in events]
+    if not complete:
+        warnings.warn(
+            "measure_peak: the CPU profiler lost allocation events during this measurement; the "
+            "measured peak is unreliable (measure again)",
+            MeasurementWarning,
+            stacklevel=3,
+        )
     above = max((level for _, level in levels), default=0)
     above = max(above, 0)
 
@@ -247,7 +292,7 @@ def _measure_cpu(
             "(e.g. optimizer.zero_grad(set_to_none=True)).",
             stacklevel=3,
         )
-    return PeakMeasurement(resident + above, resident, "cpu", per_range, vanished, result)
+    return PeakMeasurement(resident + above, resident, "cpu", per_range, vanished, result, complete)
 
 
 def measure(

@@ -1,0 +1,162 @@
+"""Swapping saved tensors to the host and disk tiers: store, ops, planning, failures."""
+
+from __future__ import annotations
+
+import errno
+import random
+import warnings
+
+import pytest
+import torch
+
+import memcompile
+from memcompile import MemoryBudgetWarning, zoo
+from memcompile.passes.context import PassContext
+from memcompile.passes.fragment import profile_fragment
+from memcompile.passes.partition import partition_pass
+from memcompile.passes.swap import swap_pass
+from memcompile.passes.workspace import probe_workspaces
+from memcompile.report import find_compiler
+from memcompile.runtime import store as store_module
+from memcompile.runtime.store import OffloadError, TieredStore, register_store
+
+from helpers import assert_same_state, capture_joint, plan_for, train
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+@pytest.mark.parametrize("tier", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_offload_reload_round_trip_keeps_values_and_layout(tier: int, dtype: torch.dtype) -> None:
+    key = register_store(TieredStore())
+    x = (torch.arange(64 * 32) % 97).to(dtype).reshape(64, 32).t()  # dense, permuted
+    host = torch.ops.memcompile.offload(x, key, tier)
+    assert host.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    back = torch.ops.memcompile.reload(host, torch.device("cpu"), key, tier)
+    assert torch.equal(back, x) and back.stride() == x.stride() and back.dtype == dtype
+
+
+def test_host_tier_memory_is_outside_torchs_allocator() -> None:
+    key = register_store(TieredStore())
+    x = torch.randn(256, 1024)
+
+    def offload() -> torch.Tensor:
+        return torch.ops.memcompile.offload(x, key, 0)
+
+    # The profiler (torch's CPU allocator) sees nothing for the 1 MiB host copy.
+    m = memcompile.measure(offload)
+    assert m.peak == m.resident_bytes == x.numel() * 4
+    assert m.result.shape == x.shape
+
+
+def _peak_without_budget(name: str) -> int:
+    wl = zoo.build(name, size="tiny")
+    compiled = memcompile.compile(wl.model)
+    wl.loss(compiled, 0).backward()
+    return memcompile.report(compiled).predicted_peak
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_swap_only_plan_meets_budget_bit_identically(tier: str, tmp_path) -> None:
+    name = "gpt_manual"
+    budget = int(_peak_without_budget(name) * 0.85)
+    torch._dynamo.reset()
+    eager, comp = zoo.build(name, size="tiny"), zoo.build(name, size="tiny")
+    eager_losses = train(eager, eager.model, "sgd", 3)
+    compiled = memcompile.compile(
+        comp.model, budget=budget, recompute=False, offload_to=tier, disk_path=str(tmp_path)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemoryBudgetWarning)
+        losses = train(comp, compiled, "sgd", 3)
+    assert all(torch.equal(a, b) for a, b in zip(eager_losses, losses, strict=True))
+    assert_same_state(eager.model, comp.model)
+    comp.model.zero_grad(set_to_none=True)
+    batch = comp.batch(2)
+    measured = memcompile.measure_peak(
+        lambda: compiled(*batch).backward(), resident=[comp.model, batch]
+    )
+    rep = memcompile.report(compiled)
+    (plan,) = rep.plan.fragments
+    assert plan.swapped and not plan.recomputed and set(plan.swapped.values()) == {tier}
+    assert measured <= budget * 1.02 and abs(rep.predicted_peak - measured) <= 0.03 * measured
+    store = find_compiler(compiled)[0].store
+    assert store.bytes_out[tier] > 0 and store.bytes_in[tier] == store.bytes_out[tier]
+
+
+def test_swap_false_plans_recompute_only() -> None:
+    budget = int(_peak_without_budget("gpt_manual") * 0.85)
+    torch._dynamo.reset()
+    wl = zoo.build("gpt_manual", size="tiny")
+    compiled = memcompile.compile(wl.model, budget=budget, swap=False)
+    wl.loss(compiled, 0).backward()
+    (plan,) = memcompile.report(compiled).plan.fragments
+    assert plan.recomputed and not plan.swapped
+
+
+def test_full_disk_raises_offload_error_and_leaves_parameters_untouched(
+    monkeypatch, tmp_path
+) -> None:
+    budget = int(_peak_without_budget("gpt_manual") * 0.85)
+    torch._dynamo.reset()
+    wl = zoo.build("gpt_manual", size="tiny")
+    compiled = memcompile.compile(
+        wl.model, budget=budget, recompute=False, offload_to="disk", disk_path=str(tmp_path)
+    )
+    opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3)
+    wl.loss(compiled, 0).backward()  # compile and one good step
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    before = {k: v.clone() for k, v in wl.model.state_dict().items()}
+    opt_before = {k: {n: t.clone() for n, t in s.items()} for k, s in opt.state.items()}
+
+    def full(fd: int, data: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store_module.os, "write", full)
+    with pytest.raises(
+        OffloadError, match=r"disk tier: writing .* to '.*' failed: \[Errno 28\] No space left"
+    ):
+        wl.loss(compiled, 1).backward()
+        opt.step()
+    assert_same_state_dict = all(
+        torch.equal(before[k], v) for k, v in wl.model.state_dict().items()
+    )
+    assert assert_same_state_dict
+    assert all(torch.equal(opt_before[k][n], t) for k, s in opt.state.items() for n, t in s.items())
+
+
+def test_joint_model_matches_built_graphs_with_swaps() -> None:
+    found = capture_joint("gpt")
+    model = found["model"]
+    key = register_store(TieredStore())
+    rng = random.Random(1)
+    base = sorted(model.default_saved() - model.must_save())
+    for keep_fraction in (1.0, 0.6):
+        keep = frozenset(s for s in base if rng.random() < keep_fraction) | model.must_save()
+        e0 = model.evaluate(keep)
+        swaps = {s: "host" for s in sorted(e0.swappable) if rng.random() < 0.5}
+        e = model.evaluate(keep, swaps)
+        assert dict(e.swapped) == swaps and swaps
+        plan = plan_for(model, keep)
+        fw, bw = partition_pass(found["joint"], PassContext("F0"), model=model, plan=plan)
+        holders = model.swap_holders(e.saved, swaps)
+        fw, bw = swap_pass(
+            fw, bw, PassContext("F0"), swaps={holders[s]: t for s, t in swaps.items()}, store=key
+        )
+        exact = profile_fragment(
+            fw,
+            bw,
+            static_input_indices=found["static"],
+            num_mutated_inputs=found["mutated"],
+            num_user_outputs=1,
+            forward_workspace=probe_workspaces(fw),
+            backward_workspace=probe_workspaces(bw),
+        )
+        phases = exact.phase_peaks()
+        assert (e.forward_peak, e.backward_peak, e.accumulate_peak) == (
+            phases["forward"],
+            phases["backward"],
+            phases["accumulate"],
+        )
+        assert e.backward_peak < e0.backward_peak  # the swapped tensors left the device
