@@ -112,3 +112,20 @@ def test_random_network_under_random_budget(program, fraction: float, batch: int
         assert measured <= budget * 1.02, (measured, budget)
     else:
         assert rep.over_budget
+
+
+def test_reordering_keeps_random_ops_in_program_order() -> None:
+    # Found by the test above: two independent dropouts; a scheduler free to swap them would
+    # swap their masks (each draws the next numbers of the global generator).
+    program = [("linear", 0, 0)] * 4 + [("dropout", 0, 0), ("linear", 0, 0), ("dropout", 1, 0)]
+    x = torch.randn(64, WIDTH, generator=torch.Generator().manual_seed(1))
+    eager = RandomNet(program, seed=3)
+    eager_grads = _step(eager, x)
+    budget = memcompile.measure_peak(lambda: eager(x).backward()) // 2
+    for options in ({}, {"budget": budget, "on_infeasible": "best_effort"}):
+        torch._dynamo.reset()
+        compiled = memcompile.compile(RandomNet(program, seed=3), **options)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", MemoryBudgetWarning)
+            grads = _step(compiled, x)
+        assert all(torch.equal(a, b) for a, b in zip(eager_grads, grads, strict=True)), options

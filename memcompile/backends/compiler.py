@@ -105,7 +105,8 @@ class _FragmentBuild:
         static_lifetime_input_indices: list[int] | None = None,
         **kwargs: Any,
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        if self.compiler.config.budget is None:
+        config = self.compiler.config
+        if config.budget is None and not config.reorder:
             fw, bw = default_partition(
                 joint,
                 joint_inputs,
@@ -123,8 +124,8 @@ class _FragmentBuild:
     def _planned_partition(
         self, joint: fx.GraphModule, num_fwd_outputs: int, static: Sequence[int]
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        # Without a budget the plan keeps eager's saved set and only reorders (it costs nothing).
         config, compiler = self.compiler.config, self.compiler
-        assert config.budget is not None
         primals = [
             p.meta.get("val")
             for p in joint.graph.find_nodes(op="placeholder")
@@ -143,10 +144,11 @@ class _FragmentBuild:
         resident = compiler.resident_bytes(self)
         plan = plan_fragment(
             model,
-            target=config.budget - resident,
+            target=None if config.budget is None else config.budget - resident,
             resident_bytes=resident,
             recompute=config.recompute,
             swap_tier=config.offload_to if config.swap else None,
+            reorder=config.reorder,
         )
         if not plan.feasible:
             compiler.infeasible(self, plan)
@@ -168,7 +170,7 @@ class _FragmentBuild:
             len(plan.swapped),
             len(plan.decisions),
             format_bytes(plan.predicted_peak),
-            format_bytes(config.budget),
+            "none" if config.budget is None else format_bytes(config.budget),
         )
         return fw, bw
 

@@ -110,6 +110,13 @@ class StorageIds:
     def nbytes(self, sid: int) -> int:
         return self._nbytes[sid]
 
+    def fresh_copy(self, sid: int) -> int:
+        """A new id for another storage the size of ``sid`` (a recomputed node's output)."""
+        new = len(self._nbytes)
+        self._nbytes.append(self._nbytes[sid])
+        self._approx.append(self._approx[sid])
+        return new
+
     def approximate(self, sid: int) -> bool:
         return self._approx[sid]
 
@@ -299,10 +306,28 @@ def _lifetimes(
     free_at: dict[int, int | None] = {}
     producer: dict[int, str] = {}
     approx = False
+    # A node copied from another graph (a forward node recomputed in the backward) carries the
+    # original's meta['val']: its outputs would look like the storages the original made, which
+    # may be live here (saved). An output storage seen before that is not one of the node's
+    # inputs' storages (so not a view or an in-place result) is a new allocation: give it a
+    # fresh id, and let the nodes reading this node (getitems, views) follow the renaming.
+    copies: dict[int, int] = {}  # fresh id -> the id it copies
     for i, n in enumerate(nodes):
         if n.op == "output":
             continue
         sids = ids.ids_of(n.meta.get("val"))
+        if n.op == "call_function":
+            input_sids = {s for a in n.all_input_nodes for s in node_sids.get(a, ())}
+            follow = {copies[s]: s for s in input_sids if s in copies}
+            sids = tuple(follow.get(s, s) for s in sids)
+            renamed = []
+            for s in sids:
+                if s in first and s not in input_sids and s not in persistent:
+                    fresh = ids.fresh_copy(s)
+                    copies[fresh] = s
+                    s = fresh
+                renamed.append(s)
+            sids = tuple(renamed)
         node_sids[n] = sids
         end = None if n in outputs or n in held else last_use.get(n, i)
         for sid in sids:

@@ -31,6 +31,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from memcompile.passes.analysis import StorageIds, node_cost, tensor_vals
 from memcompile.passes.costmodel import DeviceProfile
+from memcompile.passes.schedule import schedule as schedule_nodes
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,17 @@ def _is_random(node: fx.Node) -> bool:
         isinstance(target, torch._ops.OpOverload)
         and torch.Tag.nondeterministic_seeded in target.tags
     )
+
+
+class _WithCopies:
+    """``nbytes`` lookups where negative keys are copies of a storage (see ``_replay``)."""
+
+    def __init__(self, nbytes: Sequence[int], copy_of: Mapping[int, int]) -> None:
+        self._nbytes = nbytes
+        self._copy_of = copy_of
+
+    def __getitem__(self, s: int) -> int:
+        return self._nbytes[self._copy_of[s] if s < 0 else s]
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,7 @@ class JointEval:
         swap_time: predicted seconds of those copies (out and back), not overlapped.
         swappable: saved storages that could be swapped (see :meth:`JointModel.swappable`).
         backward_order: joint indices of the backward graph's nodes, in execution order.
+        forward_order: joint indices of the forward graph's nodes, in execution order.
         infeasible: storages that must be saved (not recomputable) but are not in the set.
     """
 
@@ -83,6 +96,7 @@ class JointEval:
     swapped: tuple[tuple[int, str], ...] = ()
     swap_time: float = 0.0
     swappable: frozenset[int] = frozenset()
+    forward_order: tuple[int, ...] = ()
 
     @property
     def time(self) -> float:
@@ -349,12 +363,31 @@ class JointModel:
     ) -> tuple[int, int, int, frozenset[int]]:
         """Liveness over ``order``: (peak, end, peak position, storages live at the peak).
 
-        ``late`` storages (swapped in) become live right before their first use."""
+        ``late`` storages (swapped in) become live right before their first use. A forward node
+        in ``order`` after the entry (a recomputation in the backward) that also produces a
+        storage which arrives saved (or swapped in) makes a new copy of it: the copy lives as
+        long as the recomputed node's value (until its last reader here), the saved one until
+        its own last use. Copies get negative keys (never a planner's storage)."""
+        entry = set(live_on_entry) | set(late)
+        copy_of: dict[int, int] = {}  # copy key -> storage it copies
+        dup: dict[int, dict[int, int]] = {}  # recomputed node -> {storage: copy key}
+        if entry:
+            for i in order:
+                if self.kind[i] != _FW:
+                    continue
+                inputs = {s for j in self.inputs[i] for s in self.storages[j]}
+                for s in self.storages[i]:
+                    if s in entry and s not in inputs and s not in self.persistent:
+                        key = -1 - len(copy_of)
+                        copy_of[key] = s
+                        dup.setdefault(i, {})[s] = key
+        nbytes = self.nbytes if not copy_of else _WithCopies(self.nbytes, copy_of)
         last: dict[int, int] = {}
         for p, i in enumerate(order):
             for j in self.inputs[i]:
+                copies = dup.get(j, {})
                 for s in self.storages[j]:
-                    last[s] = p
+                    last[copies.get(s, s)] = p
         live: dict[int, None] = dict.fromkeys(s for s in live_on_entry if s not in self.persistent)
         for s in live:
             last.setdefault(s, -1)
@@ -363,7 +396,7 @@ class JointModel:
             last[s] = len(order)
         for s in keep:
             last[s] = len(order)
-        current = sum(self.nbytes[s] for s in live)
+        current = sum(nbytes[s] for s in live)
         peak, peak_pos, at_peak = current, -1, frozenset(live)
         frees: dict[int, list[int]] = {}
         for s, p in last.items():
@@ -378,11 +411,12 @@ class JointModel:
                     for s in self.storages[j]:
                         if s in late and s not in live:
                             live[s] = None
-                            current += self.nbytes[s]
-            for s in self.storages[i]:
+                            current += nbytes[s]
+            copies = dup.get(i, {})
+            for s in (copies.get(s, s) for s in self.storages[i]):
                 if s not in live and s not in self.persistent:
                     live[s] = None
-                    current += self.nbytes[s]
+                    current += nbytes[s]
                     last.setdefault(s, p)
                     if last[s] == p:  # never used after: dropped right away
                         frees.setdefault(p, []).append(s)
@@ -392,8 +426,8 @@ class JointModel:
             for s in frees.get(p, []):
                 if s in live:
                     del live[s]
-                    current -= self.nbytes[s]
-        return peak, current, peak_pos, at_peak
+                    current -= nbytes[s]
+        return peak, current, peak_pos, frozenset(s for s in at_peak if s >= 0)
 
     def swappable(self, storage: int, bw_inputs: Collection[int]) -> bool:
         """``storage`` can be swapped: one dense backward input covers it exactly, and the
@@ -408,10 +442,15 @@ class JointModel:
         )
 
     def evaluate(
-        self, saved: Collection[int], swapped: Mapping[int, str] | None = None
+        self,
+        saved: Collection[int],
+        swapped: Mapping[int, str] | None = None,
+        *,
+        schedule: bool = False,
     ) -> JointEval:
         """The step with ``saved`` kept from forward to backward, of which ``swapped``
-        (storage -> tier) leave the device in between."""
+        (storage -> tier) leave the device in between. With ``schedule``, each graph also
+        tries the memory-aware order (``schedule.py``) and keeps whichever peaks lower."""
         saved = frozenset(saved) - self.persistent
         needed, recompute, bw_inputs = self.backward_nodes(saved)
         infeasible = frozenset(
@@ -432,7 +471,13 @@ class JointModel:
         swaps = {s: t for s, t in (swapped or {}).items() if s in eligible}
         order = self.backward_order(needed)
         fw_keep = (used_saved - swaps.keys()) | self._fw_output_storages
-        fw_peak, _, _, fw_live = self._replay(self.forward_order, (), fw_keep)
+        fw_order = self.forward_order
+        fw_peak, _, _, fw_live = self._replay(fw_order, (), fw_keep)
+        if schedule:
+            alt = schedule_nodes(self, fw_order, keep=fw_keep)
+            alt_peak, _, _, alt_live = self._replay(alt, (), fw_keep)
+            if alt_peak < fw_peak:
+                fw_order, fw_peak, fw_live = alt, alt_peak, alt_live
         tangents = [i for i in bw_inputs if self.kind[i] == _TANGENT]
         held = self.held_outputs - used_saved
         held_bytes = sum(self.nbytes[s] for s in held)
@@ -442,6 +487,17 @@ class JointModel:
         bw_peak, bw_end, _, bw_live = self._replay(
             order, bw_entry, bw_keep, held_nodes=tangents, late=swaps.keys()
         )
+        if schedule:
+            held_storages = {s for i in tangents for s in self.storages[i]}
+            alt = schedule_nodes(
+                self, order, entry=bw_entry, keep=bw_keep | held_storages, late=swaps.keys()
+            )
+            alt_result = self._replay(
+                alt, bw_entry, bw_keep, held_nodes=tangents, late=swaps.keys()
+            )
+            if alt_result[0] < bw_peak:
+                order = alt
+                bw_peak, bw_end, _, bw_live = alt_result
         phases = {
             "forward": (fw_peak, fw_live),
             "backward": (held_bytes + bw_peak, bw_live | held),
@@ -462,6 +518,7 @@ class JointModel:
             infeasible=infeasible,
             swapped=tuple(sorted(swaps.items())),
             swappable=eligible,
+            forward_order=tuple(fw_order),
             swap_time=sum(
                 2 * (self.profile.launch_overhead + self.profile.copy_time(self.nbytes[s], t))
                 for s, t in swaps.items()

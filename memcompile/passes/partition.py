@@ -63,6 +63,47 @@ def reorder_pass(gm: fx.GraphModule, ctx: PassContext, *, order: Sequence[str]) 
     return out
 
 
+def _complete_order(gm: fx.GraphModule, planned: Sequence[str]) -> list[str]:
+    """``planned`` restricted to ``gm``'s nodes, plus the nodes the plan does not name.
+
+    Extraction adds nodes the joint model never priced (e.g. ``copy_`` epilogues writing
+    BatchNorm's running stats back into buffers). Each goes in as soon as its inputs are
+    placed and every node before it in ``gm`` is placed, so side effects keep their order.
+    """
+    body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    names = {n.name for n in body}
+    listed = [p for p in planned if p in names]
+    listed_set = set(listed)
+    done = {n for n in gm.graph.nodes if n.op == "placeholder"}
+    pos = {n: i for i, n in enumerate(body)}
+    by_name = {n.name: n for n in body}
+    pending = [n for n in body if n.name not in listed_set]
+    out: list[str] = []
+    prefix = 0  # body[:prefix] are all placed
+
+    def place(n: fx.Node) -> None:
+        nonlocal prefix
+        done.add(n)
+        out.append(n.name)
+        while prefix < len(body) and body[prefix] in done:
+            prefix += 1
+
+    def flush() -> None:
+        while pending:
+            n = pending[0]  # in graph order: a later one never goes before an earlier one
+            if pos[n] > prefix or not all(a in done for a in n.all_input_nodes):
+                return
+            pending.pop(0)
+            place(n)
+
+    flush()
+    for name in listed:
+        place(by_name[name])
+        flush()
+    out.extend(n.name for n in pending)  # only for a non-topological plan: reorder_pass names it
+    return out
+
+
 def partition_pass(
     joint: fx.GraphModule, ctx: PassContext, *, model: JointModel, plan: FragmentPlan
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -86,6 +127,8 @@ def partition_pass(
     for gm in (fw, bw):
         gm.graph.eliminate_dead_code(is_impure_node=_has_side_effect)
     fw = P.raise_getitems(fw)
+    if plan.forward_order:
+        fw = reorder_pass(fw, ctx, order=_complete_order(fw, plan.forward_order))
     bw = reorder_pass(
         bw, ctx, order=[n for n in plan.backward_order if n in {x.name for x in bw.graph.nodes}]
     )

@@ -44,6 +44,7 @@ class FragmentPlan:
         fragment: the fragment's stable id ("" until the backend sets it).
         decisions: one per tensor the default partition would save.
         backward_order: node names of the backward graph in execution order.
+        forward_order: node names of the forward graph in execution order (empty: as traced).
         target: tracked bytes the fragment's graphs may peak at (budget minus what is resident),
             ``None`` without a budget.
         resident_bytes: parameters, buffers, inputs and other fragments' memory counted against
@@ -66,6 +67,7 @@ class FragmentPlan:
     recompute_time: float
     feasible: bool
     swap_time: float = 0.0
+    forward_order: tuple[str, ...] = ()
 
     @property
     def recomputed(self) -> tuple[str, ...]:
@@ -88,6 +90,7 @@ class FragmentPlan:
         fields = dict(data)
         fields["decisions"] = tuple(TensorDecision(**d) for d in fields["decisions"])
         fields["backward_order"] = tuple(fields["backward_order"])
+        fields["forward_order"] = tuple(fields.get("forward_order", ()))
         return cls(**fields)
 
 

@@ -49,6 +49,7 @@ def search_saved_set(
     *,
     recompute: bool = True,
     swap_tier: str | None = None,
+    reorder: bool = True,
 ) -> SearchResult:
     """Greedy search for a saved set (and swaps) whose tracked peak is at most ``target``.
 
@@ -57,10 +58,12 @@ def search_saved_set(
         target: tracked bytes; ``None`` keeps eager's saved set.
         recompute: recomputing saved tensors is allowed.
         swap_tier: swap saved tensors to this tier (``host``/``disk``), or never (``None``).
+        reorder: try the memory-aware order of each graph (free: same ops, another order).
     """
     baseline = current = model.evaluate(model.default_saved() | model.must_save())
-    if target is None or current.peak <= target:
-        return SearchResult(current, baseline)
+    best = model.evaluate(current.saved, schedule=True) if reorder else current
+    if target is None or best.peak <= target:
+        return SearchResult(best, baseline)
     must = model.must_save()
     swapped: dict[int, str] = {}
     rejected: set[tuple[int, str]] = set()
@@ -90,6 +93,11 @@ def search_saved_set(
             if trial.feasible and _rank(trial) < _rank(current):
                 current = trial
                 swapped = dict(trial.swapped)
+                if reorder:  # the search prices moves in torch's order; the plan may reorder
+                    ordered = model.evaluate(current.saved, swapped, schedule=True)
+                    best = ordered if ordered.peak < current.peak else current
+                    if best.peak <= target:
+                        return SearchResult(best, baseline)
                 break
             rejected.add((s, kind))
         else:
@@ -103,6 +111,10 @@ def search_saved_set(
         current.recompute_time * 1e3,
         current.swap_time * 1e3,
     )
+    if reorder:
+        ordered = model.evaluate(current.saved, swapped, schedule=True)
+        if ordered.peak < current.peak:
+            current = ordered
     return SearchResult(current, baseline)
 
 
@@ -113,6 +125,7 @@ def plan_fragment(
     resident_bytes: int,
     recompute: bool = True,
     swap_tier: str | None = None,
+    reorder: bool = True,
 ) -> FragmentPlan:
     """Plan one fragment: the decisions, backward order and predictions for ``target``.
 
@@ -123,7 +136,9 @@ def plan_fragment(
             added to the predicted peaks to make them absolute.
         recompute, swap_tier: the techniques allowed (see :func:`search_saved_set`).
     """
-    result = search_saved_set(model, target, recompute=recompute, swap_tier=swap_tier)
+    result = search_saved_set(
+        model, target, recompute=recompute, swap_tier=swap_tier, reorder=reorder
+    )
     final, baseline = result.final, result.baseline
     swapped = dict(final.swapped)
 
@@ -140,6 +155,7 @@ def plan_fragment(
         fragment="",
         decisions=decisions,
         backward_order=tuple(model.nodes[i].name for i in final.backward_order),
+        forward_order=tuple(model.nodes[i].name for i in final.forward_order),
         target=target,
         resident_bytes=resident_bytes,
         predicted_peak=resident_bytes + final.peak,
