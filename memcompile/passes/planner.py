@@ -134,7 +134,7 @@ def plan_fragment(
         target: tracked bytes the fragment may peak at (``None``: no budget).
         resident_bytes: what else counts against the budget (parameters, inputs, other fragments);
             added to the predicted peaks to make them absolute.
-        recompute, swap_tier: the techniques allowed (see :func:`search_saved_set`).
+        recompute, swap_tier, reorder: the techniques allowed (see :func:`search_saved_set`).
     """
     result = search_saved_set(
         model, target, recompute=recompute, swap_tier=swap_tier, reorder=reorder
