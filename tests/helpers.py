@@ -103,3 +103,40 @@ def plan_for(model: JointModel, keep: frozenset[int]) -> FragmentPlan:
         recompute_time=e.recompute_time,
         feasible=True,
     )
+
+
+def predicted_peak(name: str, **options: Any) -> int:
+    """memcompile's predicted step peak of zoo workload ``name`` (tiny) after one step."""
+    import memcompile
+
+    wl = zoo.build(name, size="tiny")
+    compiled = memcompile.compile(wl.model, **options)
+    wl.loss(compiled, 0).backward()
+    return memcompile.report(compiled).predicted_peak
+
+
+def train_under_budget(
+    name: str, optimizer: str, budget: int, **options: Any
+) -> tuple[Callable[..., torch.Tensor], Workload, int]:
+    """Train ``name`` 3 steps eagerly and under memcompile with ``budget`` (no budget warning
+    allowed); assert the losses and state are bit-identical; return the compiled model, its
+    workload and the measured peak of one more step."""
+    import warnings
+
+    import memcompile
+
+    torch._dynamo.reset()
+    eager, comp = zoo.build(name, size="tiny"), zoo.build(name, size="tiny")
+    eager_losses = train(eager, eager.model, optimizer, 3)
+    compiled = memcompile.compile(comp.model, budget=budget, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memcompile.MemoryBudgetWarning)
+        losses = train(comp, compiled, optimizer, 3)
+    assert all(torch.equal(a, b) for a, b in zip(eager_losses, losses, strict=True))
+    assert_same_state(eager.model, comp.model)
+    comp.model.zero_grad(set_to_none=True)
+    batch = comp.batch(2)
+    measured = memcompile.measure_peak(
+        lambda: compiled(*batch).backward(), resident=[comp.model, batch]
+    )
+    return compiled, comp, measured

@@ -18,7 +18,7 @@ from memcompile.passes.plan import MemoryPlan
 from memcompile.passes.planner import plan_fragment
 from memcompile.passes.workspace import probe_workspaces
 
-from helpers import assert_same_state, capture_joint, plan_for, train
+from helpers import capture_joint, plan_for, predicted_peak, train_under_budget
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -99,10 +99,7 @@ def test_reorder_pass_rejects_a_bad_order() -> None:
 
 def _peak_without_budget(name: str) -> int:
     """Predicted peak of eager's plan: torch's order, eager's saved set."""
-    wl = zoo.build(name, size="tiny")
-    compiled = memcompile.compile(wl.model, reorder=False)
-    wl.loss(compiled, 0).backward()
-    return memcompile.report(compiled).predicted_peak
+    return predicted_peak(name, reorder=False)
 
 
 @pytest.mark.parametrize("options", [{"swap": False}, {}], ids=["recompute", "any"])
@@ -113,20 +110,7 @@ def test_budget_is_met_and_training_is_bit_identical(
     name: str, fraction: float, options: dict[str, bool]
 ) -> None:
     budget = int(_peak_without_budget(name) * fraction)
-    torch._dynamo.reset()
-    eager, comp = zoo.build(name, size="tiny"), zoo.build(name, size="tiny")
-    eager_losses = train(eager, eager.model, "adam", 3)
-    compiled = memcompile.compile(comp.model, budget=budget, **options)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", MemoryBudgetWarning)
-        losses = train(comp, compiled, "adam", 3)
-    assert all(torch.equal(a, b) for a, b in zip(eager_losses, losses, strict=True))
-    assert_same_state(eager.model, comp.model)
-    comp.model.zero_grad(set_to_none=True)
-    batch = comp.batch(2)
-    measured = memcompile.measure_peak(
-        lambda: compiled(*batch).backward(), resident=[comp.model, batch]
-    )
+    compiled, _, measured = train_under_budget(name, "adam", budget, **options)
     rep = memcompile.report(compiled)
     (plan,) = rep.plan.fragments
     assert plan.feasible and plan.fragment == rep.fragments[0].id

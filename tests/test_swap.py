@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import errno
 import random
-import warnings
 
 import pytest
 import torch
 
 import memcompile
-from memcompile import MemoryBudgetWarning, zoo
+from memcompile import zoo
 from memcompile.passes.context import PassContext
 from memcompile.passes.fragment import profile_fragment
 from memcompile.passes.partition import partition_pass
@@ -20,7 +19,12 @@ from memcompile.report import find_compiler
 from memcompile.runtime import store as store_module
 from memcompile.runtime.store import OffloadError, TieredStore, register_store
 
-from helpers import assert_same_state, capture_joint, plan_for, train
+from helpers import (
+    capture_joint,
+    plan_for,
+    predicted_peak,
+    train_under_budget,
+)
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -50,31 +54,15 @@ def test_host_tier_memory_is_outside_torchs_allocator() -> None:
 
 
 def _peak_without_budget(name: str) -> int:
-    wl = zoo.build(name, size="tiny")
-    compiled = memcompile.compile(wl.model)
-    wl.loss(compiled, 0).backward()
-    return memcompile.report(compiled).predicted_peak
+    return predicted_peak(name)
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_swap_only_plan_meets_budget_bit_identically(tier: str, tmp_path) -> None:
     name = "gpt_manual"
     budget = int(_peak_without_budget(name) * 0.85)
-    torch._dynamo.reset()
-    eager, comp = zoo.build(name, size="tiny"), zoo.build(name, size="tiny")
-    eager_losses = train(eager, eager.model, "sgd", 3)
-    compiled = memcompile.compile(
-        comp.model, budget=budget, recompute=False, offload_to=tier, disk_path=str(tmp_path)
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", MemoryBudgetWarning)
-        losses = train(comp, compiled, "sgd", 3)
-    assert all(torch.equal(a, b) for a, b in zip(eager_losses, losses, strict=True))
-    assert_same_state(eager.model, comp.model)
-    comp.model.zero_grad(set_to_none=True)
-    batch = comp.batch(2)
-    measured = memcompile.measure_peak(
-        lambda: compiled(*batch).backward(), resident=[comp.model, batch]
+    compiled, _, measured = train_under_budget(
+        name, "sgd", budget, recompute=False, offload_to=tier, disk_path=str(tmp_path)
     )
     rep = memcompile.report(compiled)
     (plan,) = rep.plan.fragments

@@ -11,7 +11,7 @@ import torch
 import memcompile
 from memcompile import EagerFallbackWarning, zoo
 
-from helpers import assert_same_state, train
+from helpers import assert_same_state, predicted_peak, train
 
 NAMES = zoo.names()
 SINGLE = [n for n in NAMES if zoo.build(n, size="tiny").single_fragment]
@@ -71,10 +71,7 @@ def test_multi_fragment_predictions_are_labelled_estimates() -> None:
 def test_bit_identical_to_eager_under_a_budget(name: str, fraction: float) -> None:
     """Every zoo model under budgets that force recomputation and swaps: the same losses and
     parameters as eager after Adam steps, whether or not the plan fits (best_effort)."""
-    probe = zoo.build(name, size="tiny")
-    probe_compiled = memcompile.compile(probe.model)
-    probe.loss(probe_compiled, 0).backward()
-    budget = int(memcompile.report(probe_compiled).predicted_peak * fraction)
+    budget = int(predicted_peak(name) * fraction)
     torch._dynamo.reset()
 
     eager, comp = zoo.build(name, size="tiny"), zoo.build(name, size="tiny")
