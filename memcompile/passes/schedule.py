@@ -102,6 +102,9 @@ def schedule(
             enabled[i] = clock
             heapq.heappush(ready, (delta(i), 0, position[i], i))
     order: list[int] = []
+    # Only storages a node touches can die when it runs; entry storages nobody reads go after
+    # the first node (checking the whole live set at every step is quadratic on big graphs).
+    unread_entry = [s for s in live if pending.get(s, 0) <= 0]
     while ready:
         _, neg_t, _, i = heapq.heappop(ready)
         # Scores go stale as memory changes: re-score once before committing to a node.
@@ -116,9 +119,10 @@ def schedule(
             if s in late:
                 live.add(s)
         live.update(s for s in model.storages[i] if s not in model.persistent)
-        for s in list(live):
+        for s in [*unread_entry, *inputs_storages(i), *model.storages[i]]:
             if pending.get(s, 0) <= 0 and s not in keep:
                 live.discard(s)
+        unread_entry = []
         for u in users[i]:
             waiting[u] -= 1
             if waiting[u] == 0:
