@@ -68,6 +68,8 @@ CONFIGS: dict[str, str] = {
     "mc_h15": "memcompile, budget 0.15, recompute + host tier",
     "mc_h10": "memcompile, budget 0.10, recompute + host tier",
     "mc_d15": "memcompile, budget 0.15, recompute + disk tier",
+    "mc_s50": "memcompile, budget 0.50, host tier only (no recompute)",
+    "mc_s35": "memcompile, budget 0.35, host tier only (no recompute)",
 }
 QUICK_CONFIGS = ("eager", "checkpoint", "sac", "aot_amb10", "mc_none", "mc_r25", "mc_h15")
 SWEEP_SYSTEMS = ("eager", "checkpoint", "aot_amb10", "mc_r", "mc_h")
@@ -164,6 +166,8 @@ def _memcompile_options(config: str, budget: int | None, disk_dir: str) -> dict[
     opts: dict[str, Any] = {"budget": budget, "on_infeasible": "error"}
     if tier == "r":
         opts["swap"] = False
+    elif tier == "s":
+        opts["recompute"] = False
     elif tier == "d":
         opts.update(offload_to="disk", disk_path=disk_dir)
     return opts

@@ -86,7 +86,8 @@ class MemReport:
         predicted_peak: predicted absolute device peak of one training step that starts with
             gradients set to None (parameters, buffers, inputs, activations, gradients), bytes;
             ``None`` before anything was compiled.
-        resident_bytes: parameters and buffers counted as resident for the whole step.
+        resident_bytes: parameters and buffers counted as resident for the whole step (on CUDA
+            also device memory memcompile does not own, measured at the first plan).
         exact: the step is a single fragment run by the eager inner compiler, for which the
             prediction is exact; otherwise it is an estimate.
         step: the fragment calls of the step the prediction replays, e.g. ``("F0.fw", "F0.bw")``.

@@ -22,6 +22,8 @@ from typing import Any, Literal, Protocol
 from torch import fx
 from torch.fx.graph import _BoxedCodeGen
 
+from memcompile.runtime.ops import DIRECT
+
 log = logging.getLogger(__name__)
 
 __all__ = ["BoxedCallable", "compile_inner", "decompositions"]
@@ -52,7 +54,21 @@ def decompositions(inner: InnerName) -> dict[Any, Callable[..., Any]] | None:
     return None
 
 
+def _direct_calls(gm: fx.GraphModule) -> fx.GraphModule:
+    # memcompile's own ops called as plain functions (no dispatcher), on a copy: the graph
+    # itself keeps the ops for the analysis, the report and drawing.
+    if not any(n.target in DIRECT for n in gm.graph.nodes):
+        return gm
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for n in graph.nodes:
+        if n.target in DIRECT:
+            n.target = DIRECT[n.target]
+    return fx.GraphModule(gm, graph)
+
+
 def _compile_eager(gm: fx.GraphModule) -> BoxedCallable:
+    gm = _direct_calls(gm)
     gm.graph.set_codegen(_BoxedCodeGen())
     gm.recompile()
     forward = gm.forward

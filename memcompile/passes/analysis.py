@@ -48,6 +48,7 @@ GraphKind = Literal["forward", "backward", "inference"]
 
 # The swap-out op (runtime/ops.py): its output lives off the device.
 _OFFLOAD = torch.ops.memcompile.offload.default
+_WAIT = torch.ops.memcompile.wait.default  # a stream wait: no kernel, no bytes
 
 # Unbacked symbolic sizes (data-dependent, e.g. nonzero) have no hint; count them as this many
 # elements and mark the profile approximate.
@@ -352,6 +353,8 @@ def _lifetimes(
 def node_cost(n: fx.Node, ids: StorageIds) -> tuple[int, int, bool]:
     """``(FLOPs, bytes moved, approximate)`` of one node; an op whose outputs all alias its
     inputs (a view) moves nothing."""
+    if n.target is _WAIT:
+        return 0, 0, False
     flops, approx = _flops(n)
     if n.op != "call_function":
         return flops, 0, approx

@@ -55,6 +55,10 @@ class FragmentPlan:
         recompute_time: predicted seconds the backward spends recomputing.
         swap_time: predicted seconds of the swaps' copies (out and back, not overlapped).
         feasible: the plan meets ``target``.
+        prefetch: reload node -> backward node it is issued before (``prefetch.py``), so its
+            copy overlaps compute; reloads not listed are issued right before their use.
+        swap_stall: predicted seconds the backward's compute stream waits for reloads once
+            prefetched (two-stream timeline, ``timeline.py``); ``None`` without swaps.
     """
 
     fragment: str
@@ -68,6 +72,8 @@ class FragmentPlan:
     feasible: bool
     swap_time: float = 0.0
     forward_order: tuple[str, ...] = ()
+    prefetch: tuple[tuple[str, str], ...] = ()
+    swap_stall: float | None = None
 
     @property
     def recomputed(self) -> tuple[str, ...]:
@@ -91,6 +97,7 @@ class FragmentPlan:
         fields["decisions"] = tuple(TensorDecision(**d) for d in fields["decisions"])
         fields["backward_order"] = tuple(fields["backward_order"])
         fields["forward_order"] = tuple(fields.get("forward_order", ()))
+        fields["prefetch"] = tuple(tuple(p) for p in fields.get("prefetch", ()))
         return cls(**fields)
 
 

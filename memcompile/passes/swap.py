@@ -5,7 +5,11 @@ before their first backward use.
       x = op(...)                                 x_host                       (placeholder)
       ... last use of x ...                       ...
       x_host = memcompile.offload(x, store, t)    x = memcompile.reload(x_host, device, store, t)
-      return (..., x_host, ...)   # saved         first use of x
+      return (..., x_host, ...)   # saved         memcompile.wait(x, store)
+                                                  first use of x
+
+The reload sits right before its ``wait`` here; ``prefetch.py`` later moves it earlier where the
+copy can overlap compute without raising the peak (the ``wait`` stays before the first use).
 
 The saved slot keeps its position, so AOTAutograd's bookkeeping is unchanged; the backward's
 placeholder now receives the tier's tensor. ``reload`` keeps the original value's metadata, so the
@@ -77,6 +81,9 @@ def swap_pass(
             )
         placeholder.replace_all_uses_with(rel, delete_user_cb=lambda u, rel=rel: u is not rel)
         rel.meta["val"] = val  # the same storage the forward had: the backward re-creates it
+        with bw.graph.inserting_before(first):
+            done = bw.graph.call_function(torch.ops.memcompile.wait.default, (rel, store))
+        done.meta["val"] = None
         placeholder.meta["val"] = off.meta["val"]
     out.args = (tuple(outputs), *out.args[1:])
     for gm in (fw, bw):

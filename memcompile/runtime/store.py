@@ -4,6 +4,7 @@
     h = store.put(x, "host")                     # a tensor in host memory (copy of x)
     h = store.put(x, "disk")                     # a tensor backed by a file; its pages are dropped
     y = store.get(h, device)                     # a new device tensor with x's values
+    store.wait(y)                                # (CUDA) the compute stream waits for y's copy
 
 The tensors ``put`` returns own their memory: it is released when the last reference goes (for
 a saved activation, when the backward has read it), so nothing needs an explicit free and
@@ -13,7 +14,21 @@ nothing leaks if a backward never runs.
     CPU      numpy buffer (not torch's allocator,     file in disk_path, memory-mapped; written,
              so the CPU profiler sees the saving)     flushed and its pages dropped (a real RAM
                                                       saving); read back on get
-    CUDA     pinned CPU tensor                         same as CPU
+    CUDA     pinned CPU tensor, copied on a side       same as CPU (synchronous)
+             stream (below)
+
+On CUDA the host tier's copies run on one side stream per device, so they overlap compute:
+
+    put   side stream waits for the compute stream (x is ready), copies x into a pinned buffer;
+          ``x.record_stream(side)`` keeps the allocator from reusing x's block before the copy
+          is done (x's bytes leave ``memory_allocated`` when x is freed, as on CPU)
+    get   allocates y on the compute stream, the side stream waits for the compute stream (y's
+          block may have just been freed by compute work), copies, records an event for y
+    wait  the compute stream waits for y's event; every reader of y comes after it
+
+The side stream is FIFO, so a reload always follows its tensor's offload. On CPU all three are
+synchronous and ``wait`` does nothing. ``TieredStore(asynchronous=False)`` makes the CUDA copies
+synchronous too (for benchmarks that measure what the overlap buys).
 
 Failures (disk full, I/O errors) raise :class:`OffloadError` naming the tier and path; they
 happen in the forward, before any parameter is updated.
@@ -62,15 +77,21 @@ class TieredStore:
     Args:
         disk_path: folder for the disk tier's files (created if missing); ``None``: a temporary
             folder, removed at exit.
+        asynchronous: CUDA host-tier copies run on a side stream (else on the current stream,
+            blocking the host until done).
     """
 
-    def __init__(self, disk_path: str | None = None) -> None:
+    def __init__(self, disk_path: str | None = None, *, asynchronous: bool = True) -> None:
         self._disk_path = disk_path
+        self.asynchronous = asynchronous
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._lock = threading.Lock()
         self._counter = 0
         self.bytes_out = {"host": 0, "disk": 0}
         self.bytes_in = {"host": 0, "disk": 0}
+        self._side: dict[int, torch.cuda.Stream] = {}  # device index -> copy stream
+        # Copies in flight on a side stream, by the destination's data pointer, until ``wait``.
+        self._pending: dict[int, torch.cuda.Event] = {}
 
     # -- the disk folder ------------------------------------------------------------------------
     def _folder(self) -> str:
@@ -84,13 +105,30 @@ class TieredStore:
             self._tmp = tempfile.TemporaryDirectory(prefix="memcompile-disk-")
         return self._tmp.name
 
-    # -- put / get --------------------------------------------------------------------------------
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._side.get(index)
+        if stream is None:
+            stream = self._side[index] = torch.cuda.Stream(device=index)
+        return stream
+
+    # -- put / get / wait -------------------------------------------------------------------------
     def put(self, x: torch.Tensor, tier: Tier) -> torch.Tensor:
-        """A copy of ``x`` in ``tier`` (same shape, strides, dtype; CPU device)."""
+        """A copy of ``x`` in ``tier`` (same shape, strides, dtype; CPU device).
+
+        On CUDA the host copy is asynchronous (side stream, pinned buffer); only :meth:`get`,
+        which is ordered after it on the same stream, may read the result."""
         nbytes = x.untyped_storage().nbytes()
-        if x.device.type == "cuda" and tier == "host":
+        if x.device.type == "cuda" and tier == "host" and not self.asynchronous:
             out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, pin_memory=True)
-            out.copy_(x, non_blocking=False)
+            out.copy_(x)
+        elif x.device.type == "cuda" and tier == "host":
+            out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, pin_memory=True)
+            side = self._side_stream(x.device)
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(side):
+                out.copy_(x, non_blocking=True)
+            x.record_stream(side)
         elif tier == "host":
             out = _as_torch(np.empty(nbytes, dtype=np.uint8), x)
             out.copy_(x)
@@ -101,15 +139,43 @@ class TieredStore:
         return out
 
     def get(self, h: torch.Tensor, device: torch.device, tier: Tier) -> torch.Tensor:
-        """A new tensor on ``device`` with ``h``'s values (allocated by torch)."""
+        """A new tensor on ``device`` with ``h``'s values (allocated by torch).
+
+        On CUDA from a pinned buffer the copy is asynchronous: call :meth:`wait` on the result
+        before any use."""
         out = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
         try:
-            out.copy_(h)
+            if out.device.type == "cuda" and h.is_pinned() and self.asynchronous:
+                side = self._side_stream(out.device)
+                side.wait_stream(torch.cuda.current_stream(out.device))
+                with torch.cuda.stream(side):
+                    out.copy_(h, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(side)
+                with self._lock:
+                    self._pending[out.data_ptr()] = event
+            else:
+                out.copy_(h)
         except (OSError, RuntimeError) as e:
             raise OffloadError(f"{tier} tier: reading a swapped tensor back failed: {e}") from e
         with self._lock:
             self.bytes_in[tier] += h.untyped_storage().nbytes()
         return out
+
+    def wait(self, y: torch.Tensor) -> None:
+        """Make the current stream wait until :meth:`get`'s copy into ``y`` is done (no-op on CPU
+        and for synchronous copies)."""
+        if y.device.type != "cuda":
+            return
+        with self._lock:
+            event = self._pending.pop(y.data_ptr(), None)
+        if event is not None:
+            torch.cuda.current_stream(y.device).wait_event(event)
+
+    def in_flight(self) -> int:
+        """Reloads issued whose :meth:`wait` has not run yet."""
+        with self._lock:
+            return len(self._pending)
 
     def _to_disk(self, x: torch.Tensor, nbytes: int) -> torch.Tensor:
         folder = self._folder()

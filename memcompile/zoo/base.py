@@ -12,7 +12,7 @@ compiled region, so memcompile sees (and budgets) everything the step allocates.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -49,6 +49,17 @@ class Workload:
     def batch(self, step: int) -> tuple[Any, ...]:
         """The batch for training step ``step`` (same value every call)."""
         return self.batch_fn(step)
+
+    def to(self, device: str | torch.device) -> Workload:
+        """This workload with its model moved to ``device`` (in place, as ``nn.Module.to``) and
+        batches made on the CPU as before, then copied to ``device``."""
+        target = torch.device(device)
+        fn = self.batch_fn
+
+        def batch_fn(step: int) -> tuple[Any, ...]:
+            return tuple(b.to(target) if isinstance(b, torch.Tensor) else b for b in fn(step))
+
+        return replace(self, model=self.model.to(target), batch_fn=batch_fn)
 
     def loss(self, model: Callable[..., torch.Tensor], step: int) -> torch.Tensor:
         """Loss of ``model`` (this workload's model, or a compiled copy of it) on batch ``step``."""

@@ -1,0 +1,129 @@
+"""Two-stream timeline: predicted time of a built graph whose swaps copy on a side stream.
+
+    compute stream   op1 ─ op2 ─ op3 ─ wait(x) ──stall── op4(x) ─ ...
+    copy stream        └── offload(a) ──┘   reload(x) ─────┘
+
+Each node on the compute stream takes its roofline time (``DeviceProfile.op_time`` of its FLOPs
+and bytes moved). ``offload`` and ``reload`` are issued by the compute stream and run on the
+copy stream, first in first out, starting when both the issuing point is reached and the copy
+stream is free; they take ``DeviceProfile.copy_time`` of the tensor's bytes for their tier.
+``wait`` holds the compute stream until its reload is done: that is the stall. Disk copies are
+synchronous (they go through host memory), so they hold the compute stream for their whole time.
+
+On CPU the copies really are synchronous; the timeline is then the GPU estimate for the device
+profile given (the report says which).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from memcompile.passes.analysis import StorageIds, node_cost, tensor_vals
+from memcompile.passes.costmodel import DeviceProfile
+from memcompile.runtime.ops import TIERS
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Timeline", "copy_seconds", "node_seconds", "simulate"]
+
+OFFLOAD = torch.ops.memcompile.offload.default
+RELOAD = torch.ops.memcompile.reload.default
+WAIT = torch.ops.memcompile.wait.default
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Predicted times of one graph run, seconds.
+
+    Attributes:
+        compute: time the compute stream spends in ops (no stalls).
+        copy: time the copy stream spends copying (asynchronous copies only).
+        sync_copy: time of synchronous copies (disk tier), spent on the compute stream.
+        stall: time the compute stream waits for reloads.
+        total: when both streams are done.
+        exposed: per reload name, its stall seconds (0 when fully hidden).
+    """
+
+    compute: float
+    copy: float
+    sync_copy: float
+    stall: float
+    total: float
+    exposed: tuple[tuple[str, float], ...] = ()
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "compute_s": self.compute,
+            "copy_s": self.copy,
+            "sync_copy_s": self.sync_copy,
+            "stall_s": self.stall,
+            "total_s": self.total,
+            "exposed": dict(self.exposed),
+        }
+
+
+def _tier(n: fx.Node) -> str:
+    return TIERS[int(n.args[-1])]  # type: ignore[arg-type]
+
+
+def copy_seconds(n: fx.Node, profile: DeviceProfile) -> float:
+    """Copy time of an ``offload`` or ``reload`` node (its tensor's bytes, its tier)."""
+    val = n.meta.get("val")
+    nbytes = sum(t.untyped_storage().nbytes() for t in tensor_vals(val))
+    try:
+        nbytes = int(nbytes)
+    except TypeError:  # symbolic: use the hint
+        nbytes = int(getattr(nbytes, "node", None).hint or 0)  # type: ignore[union-attr]
+    return profile.launch_overhead + profile.copy_time(nbytes, _tier(n))
+
+
+def node_seconds(n: fx.Node, profile: DeviceProfile, ids: StorageIds) -> float:
+    """Compute-stream time of an ordinary node (0 for placeholders, outputs and views)."""
+    if n.op != "call_function" or n.target in (OFFLOAD, RELOAD, WAIT):
+        return 0.0
+    flops, moved, _ = node_cost(n, ids)
+    if not flops and not moved:
+        return 0.0
+    outs = tensor_vals(n.meta.get("val"))
+    return profile.op_time(flops, moved, outs[0].dtype if outs else "float32")
+
+
+def simulate(
+    gm: fx.GraphModule, profile: DeviceProfile, *, order: Sequence[fx.Node] | None = None
+) -> Timeline:
+    """Replay ``gm``'s node order (or ``order``, a permutation of its nodes) on a compute and a
+    copy stream (see the module docstring)."""
+    ids = StorageIds()
+    clock = copy_free = 0.0
+    compute = copy = sync_copy = stall = 0.0
+    done: dict[fx.Node, float] = {}
+    exposed: dict[str, float] = {}
+    for n in gm.graph.nodes if order is None else order:
+        if n.target in (OFFLOAD, RELOAD):
+            seconds = copy_seconds(n, profile)
+            if _tier(n) == "disk":  # through host memory, on the issuing thread
+                clock += seconds
+                sync_copy += seconds
+                done[n] = clock
+                continue
+            start = max(clock, copy_free)
+            copy_free = done[n] = start + seconds
+            copy += seconds
+        elif n.target is WAIT:
+            rel = n.args[0]
+            ready = done.get(rel, clock)  # type: ignore[arg-type]
+            if ready > clock:
+                exposed[rel.name] = ready - clock  # type: ignore[union-attr]
+                stall += ready - clock
+                clock = ready
+        else:
+            seconds = node_seconds(n, profile, ids)
+            clock += seconds
+            compute += seconds
+    total = max(clock, copy_free)
+    return Timeline(compute, copy, sync_copy, stall, total, tuple(sorted(exposed.items())))
