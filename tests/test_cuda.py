@@ -94,3 +94,18 @@ def test_cuda_plan_is_bit_identical_and_measured_within_3_percent(
         assert plan.swapped and plan.swap_stall is not None
     else:
         assert plan.recomputed and not plan.swapped
+
+
+def test_optimizer_state_created_after_compilation_is_reported() -> None:
+    # Adam's state (2x the parameters) appears at the first optimizer step, after the plan was
+    # made: the next step starts with more on the device than the plan assumed, and says so.
+    budget = _budget("gpt_manual", 0.85)
+    wl = zoo.build("gpt_manual", size="tiny").to("cuda")
+    compiled = memcompile.compile(wl.model, budget=budget, recompute=False, offload_to="host")
+    opt = torch.optim.Adam(wl.model.parameters())
+    wl.loss(compiled, 0).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    with pytest.warns(memcompile.MemoryBudgetWarning, match="more than its plan assumed"):
+        wl.loss(compiled, 1).backward()
+    assert memcompile.report(compiled).over_budget

@@ -262,10 +262,13 @@ class _FragmentBuild:
         static = self.static_inputs if kind != "backward" else ()
         key_pos = static[0] if static else -1
         blocks = self.blocks
+        guard = self._resident_guard() if kind == "forward" else None
 
         def run(args: list[Any]) -> Any:
             # Pass the same list through: the inner callable clears it (boxed convention).
             setattr(stats, counter, getattr(stats, counter) + 1)
+            if guard is not None:
+                guard()
             block = args[key_pos].data_ptr() if key_pos >= 0 else 0
             if block not in blocks:  # a new set of parameters (another expert): remember them
                 blocks[block] = storage_sizes(args[i] for i in static)
@@ -277,6 +280,39 @@ class _FragmentBuild:
 
         run._boxed_call = True  # type: ignore[attr-defined]
         return run  # type: ignore[return-value]
+
+    def _resident_guard(self) -> Callable[[], None] | None:
+        # CUDA: the plan assumed ``plan.resident_bytes`` on the device when this fragment
+        # starts. Memory allocated after compilation (optimizer state made at the first step,
+        # gradients kept with zero_grad(set_to_none=False), other models) is not in the plan:
+        # say so once instead of running over the budget silently. One allocator query per call.
+        plan, budget = self.plan, self.compiler.config.budget
+        device = next((t.device for t in self.example_inputs if isinstance(t, torch.Tensor)), None)
+        if plan is None or budget is None or device is None or device.type != "cuda":
+            return None
+        limit = plan.resident_bytes + budget // 100  # 1 % slack: caching-allocator rounding
+        compiler, index, warned = self.compiler, self.index, [False]
+
+        def check() -> None:
+            now = torch.cuda.memory_allocated(device)
+            if now <= limit or warned[0]:
+                return
+            warned[0] = True
+            compiler.over_budget = True
+            warnings.warn(
+                f"memcompile: F{index} starts with {format_bytes(now)} allocated on {device}, "
+                f"{format_bytes(now - plan.resident_bytes)} more than its plan assumed "
+                f"({format_bytes(plan.resident_bytes)}: inputs, parameters and what was on the "
+                "device when it was planned); the step may exceed "
+                f"budget={format_bytes(budget)} by as much. Memory allocated after compilation "
+                "(e.g. optimizer state created at the first step, or gradients kept by "
+                "zero_grad(set_to_none=False)) is not in the plan: create it before the first "
+                "compiled call, or call torch._dynamo.reset() to plan again",
+                MemoryBudgetWarning,
+                stacklevel=2,
+            )
+
+        return check
 
 
 class MemCompiler:
