@@ -408,8 +408,10 @@ class JointModel:
         for p, i in enumerate(order):
             if late:
                 for j in self.inputs[i]:
+                    copies = dup.get(j, {})
                     for s in self.storages[j]:
-                        if s in late and s not in live:
+                        # A read of a recomputed copy reads the copy, not the swapped original.
+                        if s in late and s not in live and s not in copies:
                             live[s] = None
                             current += nbytes[s]
             copies = dup.get(i, {})
