@@ -276,42 +276,13 @@ def _gaps(mode: str) -> list[Case]:
     ]
 
 
-GREEDY_GAP = (
-    "greedy planner over 5 % above the optimum: it accepts moves that only lower a phase below "
-    "the binding one, never undoes a move, prices a storage by its first producer only (not the "
-    "views the backward reads) and moves one storage at a time; seeds 14, 44, 47 (recompute), "
-    "14, 20, 44, 47, 135 (swap), 14, 44, 47, 135 (both)"
-)
-
-
-@pytest.mark.parametrize(
-    "mode",
-    [
-        pytest.param("recompute", marks=pytest.mark.xfail(strict=True, reason=GREEDY_GAP)),
-        pytest.param("swap", marks=pytest.mark.xfail(strict=True, reason=GREEDY_GAP)),
-        pytest.param("both", marks=pytest.mark.xfail(strict=True, reason=GREEDY_GAP)),
-    ],
-)
+@pytest.mark.parametrize("mode", MODES)
 def test_greedy_within_5_percent_of_the_milp(mode: str) -> None:
     bad = _gaps(mode)
     assert not bad, "\n".join(map(str, bad))
 
 
-GREEDY_MISS = (
-    "greedy planner ends over the target where a plan exists (moves wasted on a non-binding "
-    "phase, or two outputs of one multi-output op must be dropped together): seeds 20, 135 "
-    "(recompute)"
-)
-
-
-@pytest.mark.parametrize(
-    "mode",
-    [
-        pytest.param("recompute", marks=pytest.mark.xfail(strict=True, reason=GREEDY_MISS)),
-        "swap",
-        "both",
-    ],
-)
+@pytest.mark.parametrize("mode", MODES)
 def test_greedy_finds_a_plan_whenever_the_milp_does(mode: str) -> None:
     missed = _misses(mode)
     assert not missed, "\n".join(map(str, missed))
