@@ -15,7 +15,7 @@ from types import ModuleType
 
 import pytest
 
-from memcompile.passes.planner import plan_fragment
+from memcompile.passes.planner import plan_fragment, search_saved_set
 
 
 def _benchmark() -> ModuleType:
@@ -48,3 +48,18 @@ def test_planner_meets_half_the_peak_of_a_deep_mlp(depth: int) -> None:
     assert e.feasible
     assert e.peak == plan.predicted_peak
     assert plan.recomputed  # half the peak cannot be met without recomputing
+
+
+def test_planner_batches_moves_on_a_deep_network() -> None:
+    """Time's proxy, exact on any machine: the ~30 recomputations of a 60-block MLP at half
+    its peak take a few batched evaluations, not one or more per move (the 10 000-node graph
+    then plans in about a second; ``benchmarks/planner_scale.py``)."""
+    model = _benchmark().build_model(60)
+    eager = model.evaluate(model.default_saved() | model.must_save())
+    result = search_saved_set(model, eager.peak // 2)
+    assert result.final.peak <= eager.peak // 2
+    assert result.moves >= 25
+    assert result.evaluations <= 20
+    # Batches drop no two neighbouring layers (a chain of recomputation): one layer each,
+    # three nodes (the weight's transpose, addmm, the activation).
+    assert len(result.final.recompute) == 3 * result.moves
