@@ -31,6 +31,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from memcompile.passes.analysis import StorageIds, node_cost, tensor_vals
 from memcompile.passes.costmodel import DeviceProfile
+from memcompile.passes.schedule import has_effect
 from memcompile.passes.schedule import schedule as schedule_nodes
 
 log = logging.getLogger(__name__)
@@ -219,6 +220,20 @@ class JointModel:
             for j in ins:
                 users[j].append(i)
         self.users = users
+        # Storage -> forward nodes holding it (its producer and every view of it), in joint
+        # order: the planner prices and swaps storages through these without scanning the graph.
+        holders: dict[int, list[int]] = {}
+        for i, k in enumerate(kinds):
+            if k == _FW:
+                for s in self.storages[i]:
+                    holders.setdefault(s, []).append(i)
+        self.holders: dict[int, tuple[int, ...]] = {s: tuple(v) for s, v in holders.items()}
+        self._names: dict[int, str] | None = None
+        # For the scheduler, which asks these at every step of every schedule.
+        self.input_storages: list[frozenset[int]] = [
+            frozenset(s for j in ins for s in self.storages[j]) for ins in self.inputs
+        ]
+        self.has_effect: list[bool] = [has_effect(n) for n in nodes]
         self.first_tangent_user = min(
             (u for i, k in enumerate(kinds) if k == _TANGENT for u in users[i]), default=len(nodes)
         )
@@ -408,8 +423,10 @@ class JointModel:
         for p, i in enumerate(order):
             if late:
                 for j in self.inputs[i]:
+                    copies = dup.get(j, {})
                     for s in self.storages[j]:
-                        if s in late and s not in live:
+                        # A read of a recomputed copy reads the copy, not the swapped original.
+                        if s in late and s not in live and s not in copies:
                             live[s] = None
                             current += nbytes[s]
             copies = dup.get(i, {})
@@ -432,7 +449,7 @@ class JointModel:
     def swappable(self, storage: int, bw_inputs: Collection[int]) -> bool:
         """``storage`` can be swapped: one dense backward input covers it exactly, and the
         caller does not hold it (a user output)."""
-        holders = [i for i in bw_inputs if storage in self.storages[i]]
+        holders = [i for i in self.holders.get(storage, ()) if i in bw_inputs]
         return (
             len(holders) == 1
             and self.covers_storage[holders[0]]
@@ -525,23 +542,61 @@ class JointModel:
             ),
         )
 
-    def recompute_cost(self, storage: int, saved: Collection[int]) -> float:
-        """Seconds the backward would spend recomputing ``storage`` if it left ``saved``."""
-        rest = frozenset(saved) - {storage}
-        producers = [i for i, k in enumerate(self.kind) if k == _FW and storage in self.storages[i]]
+    def recompute_cost(
+        self,
+        storage: int | Collection[int],
+        saved: Collection[int],
+        *,
+        bw_inputs: Collection[int] | None = None,
+        recomputed: Collection[int] = (),
+    ) -> float:
+        """Seconds the backward would spend recomputing ``storage`` (one storage, or several
+        dropped together, such as the outputs of one multi-output op) if it left ``saved``.
+        See :meth:`recompute_walk`."""
+        return self.recompute_walk(storage, saved, bw_inputs=bw_inputs, recomputed=recomputed)[0]
+
+    def recompute_walk(
+        self,
+        storage: int | Collection[int],
+        saved: Collection[int],
+        *,
+        bw_inputs: Collection[int] | None = None,
+        recomputed: Collection[int] = (),
+    ) -> tuple[float, frozenset[int]]:
+        """(seconds, storages read) of the recomputation ``storage`` leaving ``saved`` adds.
+
+        Every forward node holding a dropped storage becomes unavailable: the walk starts at
+        those the backward reads (``bw_inputs``, its inputs under ``saved``; the producer when
+        not given), views included, and stops at what stays available (whose storages it
+        reads) or is already among the ``recomputed`` nodes (paid for). Infinite seconds: a
+        node on the way cannot be recomputed."""
+        dropped = {storage} if isinstance(storage, int) else set(storage)
+        rest = frozenset(saved) - dropped
+        stack = [
+            i
+            for s in sorted(dropped)
+            for i in self.holders.get(s, ())
+            if bw_inputs is None or i in bw_inputs
+        ]
+        if bw_inputs is None:
+            stack = stack[:1] if len(dropped) == 1 else stack
+        done = set(recomputed)
         seen: set[int] = set()
-        stack = producers[:1]
+        reads: set[int] = set()
         cost = 0.0
         while stack:
             i = stack.pop()
-            if i in seen or self._available(i, rest):
+            if i in seen or i in done:
+                continue
+            if self._available(i, rest):
+                reads.update(self.storages[i])
                 continue
             if not self.recomputable[i]:
-                return float("inf")
+                return float("inf"), frozenset()
             seen.add(i)
             cost += self.cost[i]
             stack.extend(self.inputs[i])
-        return cost
+        return cost, frozenset(reads - self.persistent)
 
     def swap_holders(self, saved: Collection[int], swapped: Collection[int]) -> dict[int, str]:
         """Storage -> name of the saved node holding it (a swap copies that node's value)."""
@@ -566,10 +621,15 @@ class JointModel:
     def describe(self, storage: int) -> str:
         """The first single-output node holding ``storage`` (a multi-output op's ``getitem``,
         not the op): plans name storages this way, :meth:`storage_named` reads it back."""
-        for i, sids in enumerate(self.storages):
-            if sids == (storage,) and not self.is_tuple[i]:
-                return self.nodes[i].name
-        raise KeyError(f"no single-output node holds storage {storage}")
+        if self._names is None:  # built once: a plan names hundreds of storages
+            self._names = {}
+            for i, sids in enumerate(self.storages):
+                if len(sids) == 1 and not self.is_tuple[i]:
+                    self._names.setdefault(sids[0], self.nodes[i].name)
+        try:
+            return self._names[storage]
+        except KeyError:
+            raise KeyError(f"no single-output node holds storage {storage}") from None
 
     def storage_named(self, name: str) -> int:
         """The storage a plan's tensor name refers to (see :meth:`describe`)."""

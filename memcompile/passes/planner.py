@@ -1,26 +1,42 @@
-"""The planner: which saved tensors to recompute so a fragment fits its byte target.
+"""The planner: which saved tensors to recompute or swap so a fragment fits its byte target.
 
-Greedy on the joint model (``joint.py``), by bytes saved per second of recompute:
+Greedy on the joint model (``joint.py``), by bytes saved per second of recompute or copy, then
+an undo pass:
 
-    S = eager's saved set;  W = {} (swaps);  e = evaluate(S, W)
+    S = eager's saved set;  W = {} (swaps);  e = evaluate(S, W)       # torch's orders
     while e.peak > target:
         moves = for each storage s in S live at the peak moment:
-                    recompute s  (cost: recompute_time(s | S))     if recompute is allowed
-                    swap s       (cost: copy out + copy back)      if a tier is allowed
-        for the move with the most bytes per second first:
-            e' = evaluate after the move
-            if e' is better (its phase peaks, largest first, compare lower): apply it; break
-        else: stop            # nothing live at the peak can go: this is the smallest peak found
+                    recompute s      (cost: what the backward would newly recompute, through
+                                      the views it reads)
+                    recompute s and its saved siblings (outputs of one multi-output op: dropping
+                                      layer norm's mean alone just recomputes a copy of it)
+                    swap s           (cost: copy out + copy back)      if a tier is allowed
+        ranked by bytes per second:
+            try the best independent moves together (none drops what another's recomputation
+            reads), as many as cover e.peak - target: one evaluation for what is hundreds of
+            single steps on a deep network
+            else price the first 16 alone exactly and take the one removing the most excess
+            per second
+            a trial counts only if its phase peaks *over the target* (largest first) are lower:
+            lowering a phase that already fits is no progress
+        nothing helps: stop             # the smallest peak found; the plan is infeasible
+    for each accepted move, dearest first (a group's members one by one after it):   # undo
+        undo it if the step still fits and gets cheaper (8 failures in a row: stop)
+    reorder: evaluate the memory-aware orders once; if they lower the peak, undo again in them
 
-It never trades memory it does not need: with the peak at or under the target it stops, and
-without a budget it keeps eager's saved set. The result is a :class:`FragmentPlan`; an
-infeasible target still yields the smallest plan found (``feasible=False``), which the caller
-turns into ``MemoryBudgetError`` or, with ``on_infeasible="best_effort"``, a warning.
+It never trades memory it does not need: with the peak at or under the target it stops (the
+undo pass takes back what later moves made unnecessary), and without a budget it keeps eager's
+saved set. On random graphs of <= 60 nodes it is within 5 % of the exact MILP (``milp.py``,
+``tests/test_milp.py``, ``benchmarks/planner_gap.py``). The result is a :class:`FragmentPlan`;
+an infeasible target still yields the smallest plan found (``feasible=False``), which the
+caller turns into ``MemoryBudgetError`` or, with ``on_infeasible="best_effort"``, a warning.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Literal
 
 from memcompile.passes.joint import JointEval, JointModel
 from memcompile.passes.plan import Action, FragmentPlan, TensorDecision
@@ -30,17 +46,244 @@ log = logging.getLogger(__name__)
 __all__ = ["SearchResult", "plan_fragment", "search_saved_set"]
 
 
-def _rank(e: JointEval) -> tuple[int, int, int]:
-    # Phase peaks, largest first: lowering any of two equal maxima is progress.
-    return tuple(sorted((e.forward_peak, e.backward_peak, e.accumulate_peak), reverse=True))  # type: ignore[return-value]
-
-
+@dataclass(frozen=True)
 class SearchResult:
-    """The saved set and swaps the search ended with, its evaluation and the eager baseline's."""
+    """The saved set and swaps the search ended with, its evaluation and the eager baseline's.
 
-    def __init__(self, final: JointEval, baseline: JointEval) -> None:
-        self.final = final
-        self.baseline = baseline
+    Attributes:
+        final: the plan's evaluation (in the orders the plan runs).
+        baseline: eager's saved set, in torch's orders.
+        evaluations: joint-model evaluations the search spent (the planner's cost).
+        moves: moves the plan keeps after the undo pass.
+    """
+
+    final: JointEval
+    baseline: JointEval
+    evaluations: int = 0
+    moves: int = 0
+
+
+@dataclass(frozen=True)
+class _Move:
+    """Recompute ``storages`` (dropped from the saved set together) or swap one to ``tier``."""
+
+    kind: Literal["recompute", "swap"]
+    storages: tuple[int, ...]
+    nbytes: int  # of those live at the peak moment it was chosen at
+    cost: float  # predicted seconds it adds to a step
+    tier: str = ""
+    reads: frozenset[int] = frozenset()  # saved storages its recomputation reads
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...]]:
+        return self.kind, self.storages
+
+    @property
+    def ratio(self) -> float:
+        return self.nbytes / max(self.cost, 1e-12)
+
+
+#: Single moves priced exactly per step (the rest only when none of those helps).
+_EXACT = 16
+#: The undo pass stops after this many undos in a row fail: on a deep network hundreds of
+#: alike moves are all still needed, and each trial is a full evaluation.
+_UNDO_MISSES = 8
+
+
+def _rank(e: JointEval, target: int) -> tuple[int, ...]:
+    # Phase peaks over the target, largest first: a phase that fits is not what binds, so
+    # lowering it is no progress (and raising it up to the target costs nothing).
+    return tuple(
+        sorted(
+            (max(p, target) for p in (e.forward_peak, e.backward_peak, e.accumulate_peak)),
+            reverse=True,
+        )
+    )
+
+
+class _Search:
+    """State of one greedy search: the saved set, the swaps and the moves that made them."""
+
+    def __init__(
+        self, model: JointModel, target: int, recompute: bool, swap_tier: str | None
+    ) -> None:
+        self.model = model
+        self.target = target
+        self.recompute = recompute
+        self.swap_tier = swap_tier
+        self.must = model.must_save()
+        self.evaluations = 0
+        self.rejected: set[tuple[str, tuple[int, ...]]] = set()
+
+    def evaluate(
+        self, saved: frozenset[int], swapped: dict[int, str], *, schedule: bool = False
+    ) -> JointEval:
+        self.evaluations += 1
+        return self.model.evaluate(saved, swapped, schedule=schedule)
+
+    def moves(self, current: JointEval) -> list[_Move]:
+        """Candidate moves at ``current``'s peak, best bytes per second first."""
+        model, swapped = self.model, dict(current.swapped)
+        live = current.live_at_peak
+        candidates = sorted(live & current.saved - swapped.keys())
+        out: dict[tuple[str, tuple[int, ...]], _Move] = {}
+        if self.recompute:
+            _, _, bw_inputs = model.backward_nodes(current.saved)
+            done = frozenset(current.recompute)
+            droppable = current.saved - self.must - swapped.keys()
+            for s in candidates:
+                if s not in droppable:
+                    continue
+                groups = [(s,)]
+                for i in model.holders.get(s, ()):
+                    if model.is_tuple[i]:  # a multi-output op: its saved outputs together
+                        group = tuple(sorted(t for t in model.storages[i] if t in droppable))
+                        if len(group) > 1:
+                            groups.append(group)
+                for group in groups:
+                    if ("recompute", group) in out:
+                        continue
+                    cost, reads = model.recompute_walk(
+                        group, current.saved, bw_inputs=bw_inputs, recomputed=done
+                    )
+                    if cost < float("inf"):
+                        nbytes = sum(model.nbytes[t] for t in group if t in live)
+                        out["recompute", group] = _Move(
+                            "recompute", group, nbytes, cost, reads=reads
+                        )
+        if self.swap_tier is not None:
+            profile = model.profile
+            for s in candidates:
+                if s in current.swappable:
+                    # Each copy also pays a fixed launch cost: tiny tensors are not worth a swap.
+                    copy = profile.launch_overhead + profile.copy_time(
+                        model.nbytes[s], self.swap_tier
+                    )
+                    out["swap", (s,)] = _Move(
+                        "swap", (s,), model.nbytes[s], 2 * copy, self.swap_tier
+                    )
+        moves = [m for m in out.values() if m.key not in self.rejected]
+        # Ties: larger first, then the storage ids (deterministic).
+        moves.sort(key=lambda m: (-m.ratio, -m.nbytes, m.kind, m.storages))
+        return moves
+
+    @staticmethod
+    def apply(
+        saved: frozenset[int], swapped: dict[int, str], moves: list[_Move]
+    ) -> tuple[frozenset[int], dict[int, str]]:
+        swapped = dict(swapped)
+        for m in moves:
+            if m.kind == "recompute":
+                saved = saved - set(m.storages)
+            else:
+                swapped.update(dict.fromkeys(m.storages, m.tier))
+        return saved, swapped
+
+    def step(self, current: JointEval) -> tuple[JointEval, list[_Move]] | None:
+        """One accepted step from ``current`` (its evaluation and moves), or ``None``."""
+        moves = self.moves(current)
+        rank = _rank(current, self.target)
+        # The best moves, as many as would cover the excess if each freed its bytes at the
+        # peak: one evaluation instead of one per move (hundreds on a deep network).
+        # Only independent moves: none drops what another's recomputation reads (dropping two
+        # neighbouring layers recomputes a chain, priced as one layer each).
+        batch: list[_Move] = []
+        freed, dropped, read = 0, set(), set()
+        for m in moves:
+            if dropped.isdisjoint(m.storages) and read.isdisjoint(m.storages):
+                if not dropped.isdisjoint(m.reads):
+                    continue
+                batch.append(m)
+                dropped.update(m.storages)
+                read.update(m.reads)
+                freed += m.nbytes
+                if freed >= current.peak - self.target:
+                    break
+        if len(batch) > 1:
+            trial = self.trial(current, batch)
+            if trial.feasible and _rank(trial, self.target) < rank:
+                return trial, batch
+        # One move at a time: the first few priced exactly (the estimate misses copies of
+        # multi-output ops, moments the storage is not live at, views), the best kept: most
+        # bytes of excess removed per second added.
+        best: tuple[float, JointEval, _Move] | None = None
+        for n, m in enumerate(moves):
+            if n >= _EXACT and best is not None:
+                break
+            trial = self.trial(current, [m])
+            if not trial.feasible or _rank(trial, self.target) >= rank:
+                self.rejected.add(m.key)
+                continue
+            gain = current.peak - max(trial.peak, self.target)
+            score = gain / max(trial.time - current.time, 1e-12)
+            if best is None or score > best[0]:
+                best = (score, trial, m)
+            if n >= _EXACT:  # past the exactly priced ones: the first that helps
+                break
+        return None if best is None else (best[1], [best[2]])
+
+    def trial(self, current: JointEval, moves: list[_Move]) -> JointEval:
+        saved, swapped = self.apply(current.saved, dict(current.swapped), moves)
+        return self.evaluate(saved, swapped)
+
+    def greedy(self, start: JointEval) -> tuple[JointEval, list[_Move]]:
+        """Moves until ``start``'s orders fit the target (or nothing more helps)."""
+        current, applied = start, []
+        while current.peak > self.target:
+            found = self.step(current)
+            if found is None:
+                break
+            current, moves = found
+            applied += moves
+        return current, applied
+
+    def undo(self, current: JointEval, applied: list[_Move], schedule: bool) -> JointEval:
+        """Take back the moves the fitting plan ``current`` does not need, dearest first (a
+        group's members one by one when the whole group is still needed)."""
+        model = self.model
+        tries: list[_Move] = []
+        for m in sorted(applied, key=lambda m: (-m.cost, m.kind, m.storages)):
+            tries.append(m)
+            if len(m.storages) > 1:
+                tries += [
+                    _Move(m.kind, (s,), model.nbytes[s], m.cost, m.tier)
+                    for s in sorted(m.storages, key=lambda s: (-model.nbytes[s], s))
+                ]
+        misses = 0
+        for m in tries:
+            if misses >= _UNDO_MISSES:
+                break
+            swapped = dict(current.swapped)
+            if m.kind == "recompute":
+                if not current.saved.isdisjoint(m.storages):
+                    continue  # brought back already (with its group)
+                saved = current.saved | set(m.storages)
+            else:
+                if not set(m.storages) <= swapped.keys():
+                    continue
+                saved = current.saved
+                for s in m.storages:
+                    del swapped[s]
+            # Everything saved and not swapped is live when the backward starts: a move whose
+            # bytes do not fit there cannot be undone (saves an evaluation per move at scale).
+            if sum(model.nbytes[s] for s in saved if s not in swapped) > self.target:
+                continue
+            trial = self.evaluate(saved, swapped, schedule=schedule)
+            if trial.feasible and trial.peak <= self.target and trial.time < current.time:
+                current, misses = trial, 0
+            else:
+                misses += 1
+        return current
+
+    def kept(self, current: JointEval, applied: list[_Move]) -> int:
+        """How many of the ``applied`` moves ``current`` still makes."""
+        swapped = dict(current.swapped)
+        return sum(
+            current.saved.isdisjoint(m.storages)
+            if m.kind == "recompute"
+            else all(s in swapped for s in m.storages)
+            for m in applied
+        )
 
 
 def search_saved_set(
@@ -60,62 +303,39 @@ def search_saved_set(
         swap_tier: swap saved tensors to this tier (``host``/``disk``), or never (``None``).
         reorder: try the memory-aware order of each graph (free: same ops, another order).
     """
-    baseline = current = model.evaluate(model.default_saved() | model.must_save())
-    best = model.evaluate(current.saved, schedule=True) if reorder else current
+    baseline = model.evaluate(model.default_saved() | model.must_save())
+    best = model.evaluate(baseline.saved, schedule=True) if reorder else baseline
     if target is None or best.peak <= target:
-        return SearchResult(best, baseline)
-    must = model.must_save()
-    swapped: dict[int, str] = {}
-    rejected: set[tuple[int, str]] = set()
-    steps = 0
-    while current.peak > target:
-        moves: list[tuple[float, int, str]] = []
-        for s in sorted(current.live_at_peak & current.saved):
-            if s in swapped:
-                continue
-            if recompute and s not in must and (s, "recompute") not in rejected:
-                cost = model.recompute_cost(s, current.saved)
-                if cost < float("inf"):
-                    moves.append((-model.nbytes[s] / max(cost, 1e-12), s, "recompute"))
-            if swap_tier is not None and s in current.swappable and (s, "swap") not in rejected:
-                # Each copy also pays a fixed launch cost: tiny tensors are not worth a swap.
-                copy = model.profile.launch_overhead + model.profile.copy_time(
-                    model.nbytes[s], swap_tier
-                )
-                moves.append((-model.nbytes[s] / (2 * copy), s, "swap"))
-        moves.sort(key=lambda m: (m[0], -model.nbytes[m[1]], m[1]))  # ties: larger first
-        for _, s, kind in moves:
-            if kind == "recompute":
-                trial = model.evaluate(current.saved - {s}, swapped)
-            else:
-                trial = model.evaluate(current.saved, {**swapped, s: swap_tier})  # type: ignore[dict-item]
-            steps += 1
-            if trial.feasible and _rank(trial) < _rank(current):
-                current = trial
-                swapped = dict(trial.swapped)
-                if reorder:  # the search prices moves in torch's order; the plan may reorder
-                    ordered = model.evaluate(current.saved, swapped, schedule=True)
-                    best = ordered if ordered.peak < current.peak else current
-                    if best.peak <= target:
-                        return SearchResult(best, baseline)
-                break
-            rejected.add((s, kind))
-        else:
-            break
+        return SearchResult(best, baseline, 1 + reorder)
+    search = _Search(model, target, recompute, swap_tier)
+    # The moves are priced in torch's orders (one cheap evaluation each), and so is a first
+    # undo pass; the memory-aware orders (a schedule per evaluation: several times dearer)
+    # only come in at the end, where a second undo pass takes back what they make unnecessary.
+    current, applied = search.greedy(baseline)
+    if current.peak <= target:
+        current = search.undo(current, applied, schedule=False)
+    if reorder:
+        ordered = search.evaluate(current.saved, dict(current.swapped), schedule=True)
+        # Only where the memory-aware orders lower the plan's peak can they make a move
+        # unnecessary that torch's orders still needed.
+        if ordered.peak < current.peak and ordered.peak <= target:
+            current = search.undo(ordered, applied, schedule=True)
+        elif ordered.peak <= current.peak:
+            current = ordered
+    evaluations = search.evaluations + 1 + reorder
     log.debug(
-        "planner: %d evaluations, peak %d -> %d B (target %d B), recompute %.3f ms, swap %.3f ms",
-        steps,
+        "planner: %d evaluations, %d moves (%d kept), peak %d -> %d B (target %d B), "
+        "recompute %.3f ms, swap %.3f ms",
+        evaluations,
+        len(applied),
+        search.kept(current, applied),
         baseline.peak,
         current.peak,
         target,
         current.recompute_time * 1e3,
         current.swap_time * 1e3,
     )
-    if reorder:
-        ordered = model.evaluate(current.saved, swapped, schedule=True)
-        if ordered.peak < current.peak:
-            current = ordered
-    return SearchResult(current, baseline)
+    return SearchResult(current, baseline, evaluations, search.kept(current, applied))
 
 
 def plan_fragment(

@@ -28,10 +28,10 @@ from torch import fx
 if TYPE_CHECKING:
     from memcompile.passes.joint import JointModel
 
-__all__ = ["schedule"]
+__all__ = ["has_effect", "schedule"]
 
 
-def _has_effect(node: fx.Node) -> bool:
+def has_effect(node: fx.Node) -> bool:
     """Random (draws from the generator) or impure (mutates, communicates)."""
     target = node.target
     if isinstance(target, torch._ops.OpOverload) and (
@@ -69,18 +69,17 @@ def schedule(
     previous_effect: int | None = None
     for i in nodes:
         deps = [j for j in model.inputs[i] if j in members]
-        if _has_effect(model.nodes[i]):
+        if model.has_effect[i]:
             if previous_effect is not None:
                 deps.append(previous_effect)  # an ordering edge, not a data edge
             previous_effect = i
         waiting[i] = len(set(deps))
         for j in set(deps):
             users[j].append(i)
-        for s in {s for j in model.inputs[i] for s in model.storages[j]}:
+        for s in model.input_storages[i]:
             pending[s] = pending.get(s, 0) + 1
 
-    def inputs_storages(i: int) -> set[int]:
-        return {s for j in model.inputs[i] for s in model.storages[j]}
+    inputs_storages = model.input_storages.__getitem__  # precomputed: called per step
 
     def delta(i: int) -> int:
         allocated = {s for s in model.storages[i] if s not in live and s not in model.persistent}
