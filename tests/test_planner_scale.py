@@ -1,8 +1,8 @@
 """The planner on large joint graphs: a deep MLP (~16 joint nodes per block) at half its peak.
 
 Correctness only; the time it takes is ``benchmarks/planner_scale.py``'s business (target: a
-10 000-node graph planned in <= 5 s; about 1.2 s measured). The 10 000-node case is ``slow``
-(deselected by default: ``pytest -m slow``): tracing its graph alone takes ~20 s.
+10 000-node graph planned in <= 5 s; about 1.2 s measured). The 10 000-node case is marked ``scale``
+(deselected by default: ``pytest -m scale``): tracing its graph alone takes ~20 s.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _benchmark() -> ModuleType:
     return module
 
 
-@pytest.mark.parametrize("depth", [60, pytest.param(620, marks=pytest.mark.slow, id="10k-nodes")])
+@pytest.mark.parametrize("depth", [60, pytest.param(620, marks=pytest.mark.scale, id="10k-nodes")])
 def test_planner_meets_half_the_peak_of_a_deep_mlp(depth: int) -> None:
     model = _benchmark().build_model(depth)
     assert abs(len(model.nodes) - 16 * depth) <= 16 * depth // 10, len(model.nodes)
