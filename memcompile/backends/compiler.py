@@ -38,6 +38,7 @@ from memcompile.config import MemConfig
 from memcompile.errors import MemoryBudgetError, MemoryBudgetWarning, format_bytes
 from memcompile.passes.context import PassContext
 from memcompile.passes.costmodel import DeviceProfile, device_profile, resolve_profile_name
+from memcompile.passes.dropout import dropout_pass
 from memcompile.passes.fragment import FragmentProfile, accumulate_clone_bytes, profile_fragment
 from memcompile.passes.joint import JointModel
 from memcompile.passes.partition import partition_pass
@@ -126,6 +127,50 @@ class _FragmentBuild:
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         # Without a budget the plan keeps eager's saved set and only reorders (it costs nothing).
         config, compiler = self.compiler.config, self.compiler
+        ctx = PassContext(fragment=f"F{self.index}", graph="joint")
+        model, plan = self._plan(joint, num_fwd_outputs, static)
+        if not plan.feasible and config.recompute:
+            # Dropout outputs (and all that is computed from them) become recomputable once
+            # rebuilt from the saved mask; that costs forward time, so only when needed.
+            rewritten = dropout_pass(joint, ctx)
+            if rewritten.meta["memcompile_dropouts"]:
+                model2, plan2 = self._plan(rewritten, num_fwd_outputs, static)
+                log.info(
+                    "F%d: with recomputable dropouts the plan peaks at %s (%s without)",
+                    self.index,
+                    format_bytes(plan2.predicted_peak),
+                    format_bytes(plan.predicted_peak),
+                )
+                if plan2.feasible or plan2.predicted_peak < plan.predicted_peak:
+                    joint, model, plan = rewritten, model2, plan2
+        if not plan.feasible:
+            compiler.infeasible(self, plan)
+        fw, bw = partition_pass(joint, ctx, model=model, plan=plan)
+        if plan.swapped:
+            saved = {
+                model.storage_named(d.tensor) for d in plan.decisions if d.action != "recompute"
+            }
+            by_storage = {model.storage_named(n): tier for n, tier in plan.swapped.items()}
+            holders = model.swap_holders(saved, by_storage)
+            swaps = {holders[s]: tier for s, tier in by_storage.items()}
+            fw, bw = swap_pass(fw, bw, ctx, swaps=swaps, store=compiler.store_key)
+        self.plan = plan
+        log.info(
+            "F%d planned: recompute %d, swap %d of %d saved tensors, predicted peak %s (budget %s)",
+            self.index,
+            len(plan.recomputed),
+            len(plan.swapped),
+            len(plan.decisions),
+            format_bytes(plan.predicted_peak),
+            "none" if config.budget is None else format_bytes(config.budget),
+        )
+        return fw, bw
+
+    def _plan(
+        self, joint: fx.GraphModule, num_fwd_outputs: int, static: Sequence[int]
+    ) -> tuple[JointModel, FragmentPlan]:
+        """The joint model of ``joint`` and the planner's plan for this fragment's target."""
+        config, compiler = self.compiler.config, self.compiler
         primals = [
             p.meta.get("val")
             for p in joint.graph.find_nodes(op="placeholder")
@@ -150,29 +195,7 @@ class _FragmentBuild:
             swap_tier=config.offload_to if config.swap else None,
             reorder=config.reorder,
         )
-        if not plan.feasible:
-            compiler.infeasible(self, plan)
-        ctx = PassContext(fragment=f"F{self.index}", graph="joint")
-        fw, bw = partition_pass(joint, ctx, model=model, plan=plan)
-        if plan.swapped:
-            saved = {
-                model.storage_named(d.tensor) for d in plan.decisions if d.action != "recompute"
-            }
-            by_storage = {model.storage_named(n): tier for n, tier in plan.swapped.items()}
-            holders = model.swap_holders(saved, by_storage)
-            swaps = {holders[s]: tier for s, tier in by_storage.items()}
-            fw, bw = swap_pass(fw, bw, ctx, swaps=swaps, store=compiler.store_key)
-        self.plan = plan
-        log.info(
-            "F%d planned: recompute %d, swap %d of %d saved tensors, predicted peak %s (budget %s)",
-            self.index,
-            len(plan.recomputed),
-            len(plan.swapped),
-            len(plan.decisions),
-            format_bytes(plan.predicted_peak),
-            "none" if config.budget is None else format_bytes(config.budget),
-        )
-        return fw, bw
+        return model, plan
 
     def _profile(self, gm: fx.GraphModule, bw: fx.GraphModule | None) -> None:
         ctx = torch._guards.TracingContext.try_get()
