@@ -15,6 +15,7 @@ from memcompile import MemoryBudgetWarning
 from memcompile.runtime.measure import MeasurementWarning
 
 WIDTH = 48
+DROPOUT_PS = (0.2, 0.1, 0.5)
 OPS = ("linear", "relu", "gelu", "tanh", "layernorm", "add", "mul", "dropout", "softmax")
 
 
@@ -46,7 +47,10 @@ class RandomNet(nn.Module):
             elif op == "mul":
                 out = u * v
             elif op == "dropout":
-                out = nn.functional.dropout(u, 0.2, self.training)
+                # Several p (``b`` picks one): dropout outputs are rebuilt from the mask and
+                # recomputed under tight budgets (passes/dropout.py). Every p here gives the
+                # same bits in eager CPU dropout and native_dropout (not true of every p).
+                out = nn.functional.dropout(u, DROPOUT_PS[b % len(DROPOUT_PS)], self.training)
             elif op == "softmax":
                 out = u.softmax(-1)
             else:
