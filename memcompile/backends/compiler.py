@@ -21,7 +21,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch._dynamo
@@ -58,6 +58,11 @@ __all__ = ["MemCompiler", "StepEvent"]
 #: block key). The block key tells apart calls of one graph with different parameters (one
 #: compiled graph serves every expert): the address of the first parameter, 0 if none.
 StepEvent = tuple[int, str, int]
+
+#: When a budgeted plan uses the dropout rewrite (passes/dropout.py): ``"auto"`` when the plan
+#: without it misses the budget and the one with it fits or peaks lower; ``"always"`` and
+#: ``"never"`` are for tests and benchmarks (not a user option: "auto" is the contract).
+DROPOUT_REWRITE: Literal["auto", "always", "never"] = "auto"
 
 # A step that never sees a backward (inference loops) is cut at this many calls.
 _MAX_STEP_EVENTS = 100_000
@@ -129,20 +134,23 @@ class _FragmentBuild:
         config, compiler = self.compiler.config, self.compiler
         ctx = PassContext(fragment=f"F{self.index}", graph="joint")
         model, plan = self._plan(joint, num_fwd_outputs, static)
-        if not plan.feasible and config.recompute:
-            # Dropout outputs (and all that is computed from them) become recomputable once
-            # rebuilt from the saved mask; that costs forward time, so only when needed.
-            rewritten = dropout_pass(joint, ctx)
-            if rewritten.meta["memcompile_dropouts"]:
-                model2, plan2 = self._plan(rewritten, num_fwd_outputs, static)
-                log.info(
-                    "F%d: with recomputable dropouts the plan peaks at %s (%s without)",
-                    self.index,
-                    format_bytes(plan2.predicted_peak),
-                    format_bytes(plan.predicted_peak),
-                )
-                if plan2.feasible or plan2.predicted_peak < plan.predicted_peak:
-                    joint, model, plan = rewritten, model2, plan2
+        mode = DROPOUT_REWRITE
+        if config.budget is not None and config.recompute and mode != "never":
+            if mode == "always" or not plan.feasible:
+                # Dropout outputs (and all that is computed from them) become recomputable once
+                # rebuilt from the saved mask; that costs forward time, so only when needed.
+                rewritten = dropout_pass(joint, ctx)
+                if rewritten.meta["memcompile_dropouts"]:
+                    model2, plan2 = self._plan(rewritten, num_fwd_outputs, static)
+                    log.info(
+                        "F%d: with recomputable dropouts the plan peaks at %s (%s without)",
+                        self.index,
+                        format_bytes(plan2.predicted_peak),
+                        format_bytes(plan.predicted_peak),
+                    )
+                    better = plan2.feasible or plan2.predicted_peak < plan.predicted_peak
+                    if better or mode == "always":
+                        joint, model, plan = rewritten, model2, plan2
         if not plan.feasible:
             compiler.infeasible(self, plan)
         fw, bw = partition_pass(joint, ctx, model=model, plan=plan)
