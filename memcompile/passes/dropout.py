@@ -100,8 +100,9 @@ def _fake_op(op: torch._ops.OpOverload, *args: object) -> torch.Tensor:
         return op(*args)
 
 
-def _rewritable(nd: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
-    """(output getitem, mask getitem, scale) of a dropout the pass can rewrite, else None."""
+def _rewritable(nd: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, float] | None:
+    """(input, output getitem, mask getitem, scale) of a dropout the pass can rewrite, else
+    None."""
     named = dict(zip(("input", "p", "train"), nd.args, strict=False)) | dict(nd.kwargs)
     x, p, train = named.get("input"), named.get("p"), named.get("train")
     if not isinstance(x, fx.Node) or not isinstance(p, (int, float)) or train is False:
@@ -130,7 +131,7 @@ def _rewritable(nd: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
     )
     if not same:
         return None
-    return getitems[0], getitems[1], scale
+    return x, getitems[0], getitems[1], scale
 
 
 def dropout_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -141,7 +142,7 @@ def dropout_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     rewritten dropouts are in the result's ``meta['memcompile_dropouts']`` (a tuple of
     :class:`DropoutRewrite`).
     """
-    targets: dict[fx.Node, tuple[fx.Node, fx.Node, float]] = {}
+    targets: dict[fx.Node, tuple[fx.Node, fx.Node, fx.Node, float]] = {}
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is aten.native_dropout.default:
             found = _rewritable(n)
@@ -149,7 +150,7 @@ def dropout_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 log.debug("%s: %s left alone (no bit-identical rewrite known)", ctx.fragment, n)
             else:
                 targets[n] = found
-    by_output = {out: (nd, mask, scale) for nd, (out, mask, scale) in targets.items()}
+    by_output = {out: (nd, x, mask, scale) for nd, (x, out, mask, scale) in targets.items()}
 
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -164,9 +165,7 @@ def dropout_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if n not in by_output:
             copy(n)
             continue
-        nd, mask, scale = by_output[n]
-        x = nd.args[0]
-        assert isinstance(x, fx.Node)
+        nd, x, mask, scale = by_output[n]
         if mask not in env:  # it only reads ``nd``, which is copied: take it now
             copy(mask)
         masked = new.create_node(
