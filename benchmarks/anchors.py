@@ -62,6 +62,7 @@ CONFIGS: dict[str, str] = {
     "aot_amb10": "aot_autograd min-cut + eager kernels, activation_memory_budget=0.1",
     "mc_none": "memcompile, no budget (reorder only)",
     "mc_r50": "memcompile, budget 0.50, recompute only",
+    "mc_r35": "memcompile, budget 0.35, recompute only",
     "mc_r25": "memcompile, budget 0.25, recompute only",
     "mc_r15": "memcompile, budget 0.15, recompute only",
     "mc_h25": "memcompile, budget 0.25, recompute + host tier",

@@ -46,7 +46,7 @@ from memcompile.report import find_compiler
 
 RESULTS = Path(__file__).parent / "results" / "cuda_anchors"
 DEFAULT_CONFIGS = (
-    "eager,checkpoint,sac,inductor_amb50,inductor_amb10,mc_none,mc_r50,mc_r25,"
+    "eager,checkpoint,sac,inductor_amb50,inductor_amb10,mc_none,mc_r50,mc_r35,mc_r25,"
     "mc_s50,mc_s50s,mc_s35,mc_s35s,mc_h25,mc_h15,mc_h10"
 )
 

@@ -105,29 +105,36 @@ def plan_for(model: JointModel, keep: frozenset[int]) -> FragmentPlan:
     )
 
 
-def predicted_peak(name: str, device: str = "cpu", **options: Any) -> int:
-    """memcompile's predicted step peak of zoo workload ``name`` (tiny) after one step."""
+def predicted_peak(name: str, *, size: str = "tiny", device: str = "cpu", **options: Any) -> int:
+    """memcompile's predicted step peak of zoo workload ``name`` (``size``, on ``device``)
+    after one step."""
     import memcompile
 
-    wl = zoo.build(name, size="tiny").to(device)
+    wl = zoo.build(name, size=size).to(device)
     compiled = memcompile.compile(wl.model, **options)
     wl.loss(compiled, 0).backward()
     return memcompile.report(compiled).predicted_peak
 
 
 def train_under_budget(
-    name: str, optimizer: str, budget: int, device: str = "cpu", **options: Any
+    name: str,
+    optimizer: str,
+    budget: int,
+    *,
+    size: str = "tiny",
+    device: str = "cpu",
+    **options: Any,
 ) -> tuple[Callable[..., torch.Tensor], Workload, int]:
-    """Train ``name`` 3 steps eagerly and under memcompile with ``budget`` (no budget warning
-    allowed); assert the losses and state are bit-identical; return the compiled model, its
-    workload and the measured peak of one more step."""
+    """Train ``name`` (``size``) 3 steps eagerly and under memcompile with ``budget`` (no budget
+    warning allowed); assert the losses and state are bit-identical; return the compiled model,
+    its workload and the measured peak of one more step."""
     import warnings
 
     import memcompile
 
     torch._dynamo.reset()
-    eager = zoo.build(name, size="tiny").to(device)
-    comp = zoo.build(name, size="tiny").to(device)
+    eager = zoo.build(name, size=size).to(device)
+    comp = zoo.build(name, size=size).to(device)
     eager_losses = train(eager, eager.model, optimizer, 3)
     compiled = memcompile.compile(comp.model, budget=budget, **options)
     with warnings.catch_warnings():

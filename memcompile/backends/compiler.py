@@ -22,7 +22,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch._dynamo
@@ -39,6 +39,7 @@ from memcompile.config import MemConfig
 from memcompile.errors import MemoryBudgetError, MemoryBudgetWarning, format_bytes
 from memcompile.passes.context import PassContext
 from memcompile.passes.costmodel import DeviceProfile, device_profile, resolve_profile_name
+from memcompile.passes.dropout import dropout_pass
 from memcompile.passes.fragment import FragmentProfile, accumulate_clone_bytes, profile_fragment
 from memcompile.passes.joint import JointModel
 from memcompile.passes.partition import partition_pass
@@ -59,6 +60,11 @@ __all__ = ["MemCompiler", "StepEvent"]
 #: block key). The block key tells apart calls of one graph with different parameters (one
 #: compiled graph serves every expert): the address of the first parameter, 0 if none.
 StepEvent = tuple[int, str, int]
+
+#: When a budgeted plan uses the dropout rewrite (passes/dropout.py): ``"auto"`` when the plan
+#: without it misses the budget and the one with it fits or peaks lower; ``"always"`` and
+#: ``"never"`` are for tests and benchmarks (not a user option: "auto" is the contract).
+DROPOUT_REWRITE: Literal["auto", "always", "never"] = "auto"
 
 # A step that never sees a backward (inference loops) is cut at this many calls.
 _MAX_STEP_EVENTS = 100_000
@@ -129,6 +135,53 @@ class _FragmentBuild:
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         # Without a budget the plan keeps eager's saved set and only reorders (it costs nothing).
         config, compiler = self.compiler.config, self.compiler
+        ctx = PassContext(fragment=f"F{self.index}", graph="joint")
+        model, plan = self._plan(joint, num_fwd_outputs, static)
+        mode = DROPOUT_REWRITE
+        if config.budget is not None and config.recompute and mode != "never":
+            if mode == "always" or not plan.feasible:
+                # Dropout outputs (and all that is computed from them) become recomputable once
+                # rebuilt from the saved mask; that costs forward time, so only when needed.
+                rewritten = dropout_pass(joint, ctx)
+                if rewritten.meta["memcompile_dropouts"]:
+                    model2, plan2 = self._plan(rewritten, num_fwd_outputs, static)
+                    log.info(
+                        "F%d: with recomputable dropouts the plan peaks at %s (%s without)",
+                        self.index,
+                        format_bytes(plan2.predicted_peak),
+                        format_bytes(plan.predicted_peak),
+                    )
+                    better = plan2.feasible or plan2.predicted_peak < plan.predicted_peak
+                    if better or mode == "always":
+                        joint, model, plan = rewritten, model2, plan2
+        if not plan.feasible:
+            compiler.infeasible(self, plan)
+        fw, bw = partition_pass(joint, ctx, model=model, plan=plan)
+        if plan.swapped:
+            saved = {
+                model.storage_named(d.tensor) for d in plan.decisions if d.action != "recompute"
+            }
+            by_storage = {model.storage_named(n): tier for n, tier in plan.swapped.items()}
+            holders = model.swap_holders(saved, by_storage)
+            swaps = {holders[s]: tier for s, tier in by_storage.items()}
+            fw, bw = swap_pass(fw, bw, ctx, swaps=swaps, store=compiler.store_key)
+        self.plan = plan
+        log.info(
+            "F%d planned: recompute %d, swap %d of %d saved tensors, predicted peak %s (budget %s)",
+            self.index,
+            len(plan.recomputed),
+            len(plan.swapped),
+            len(plan.decisions),
+            format_bytes(plan.predicted_peak),
+            "none" if config.budget is None else format_bytes(config.budget),
+        )
+        return fw, bw
+
+    def _plan(
+        self, joint: fx.GraphModule, num_fwd_outputs: int, static: Sequence[int]
+    ) -> tuple[JointModel, FragmentPlan]:
+        """The joint model of ``joint`` and the planner's plan for this fragment's target."""
+        config, compiler = self.compiler.config, self.compiler
         primals = [
             p.meta.get("val")
             for p in joint.graph.find_nodes(op="placeholder")
@@ -153,29 +206,7 @@ class _FragmentBuild:
             swap_tier=config.offload_to if config.swap else None,
             reorder=config.reorder,
         )
-        if not plan.feasible:
-            compiler.infeasible(self, plan)
-        ctx = PassContext(fragment=f"F{self.index}", graph="joint")
-        fw, bw = partition_pass(joint, ctx, model=model, plan=plan)
-        if plan.swapped:
-            saved = {
-                model.storage_named(d.tensor) for d in plan.decisions if d.action != "recompute"
-            }
-            by_storage = {model.storage_named(n): tier for n, tier in plan.swapped.items()}
-            holders = model.swap_holders(saved, by_storage)
-            swaps = {holders[s]: tier for s, tier in by_storage.items()}
-            fw, bw = swap_pass(fw, bw, ctx, swaps=swaps, store=compiler.store_key)
-        self.plan = plan
-        log.info(
-            "F%d planned: recompute %d, swap %d of %d saved tensors, predicted peak %s (budget %s)",
-            self.index,
-            len(plan.recomputed),
-            len(plan.swapped),
-            len(plan.decisions),
-            format_bytes(plan.predicted_peak),
-            "none" if config.budget is None else format_bytes(config.budget),
-        )
-        return fw, bw
+        return model, plan
 
     def _profile(self, gm: fx.GraphModule, bw: fx.GraphModule | None) -> None:
         ctx = torch._guards.TracingContext.try_get()

@@ -1,0 +1,202 @@
+"""Make dropout outputs recomputable: rebuild them from the saved mask instead of the random op.
+
+A dropout in AOT's joint graph is one random op with two outputs, and autograd saves the mask
+for ``native_dropout_backward``:
+
+    nd   = aten.native_dropout(x, p, train)       random: draws from the generator
+    out  = nd[0]                                  -> every forward user of the output
+    mask = nd[1]                                  -> native_dropout_backward(grad, mask, scale)
+
+Random ops are never recomputed (recomputing would draw new numbers), so ``out`` and everything
+computed from it (GPT's residual stream) must be saved whenever the backward needs them. This
+pass rewrites the output as a pure function of ``x`` and the mask:
+
+    nd   = aten.native_dropout(x, p, train)       still draws the mask (same random stream)
+    mask = nd[1]
+    dropout_masked = aten.mul.Tensor(x, mask)
+    dropout_scaled = aten.mul.Tensor(dropout_masked, scale)   -> the users of ``out``
+
+so the planner may recompute ``dropout_scaled`` (and what depends on it) in the backward from
+``x`` and the mask (1 byte per element, kept). ``nd[0]`` is dropped right after the op.
+
+Bit-identity. The values are the kernel's own arithmetic, replayed:
+
+* CPU (``native_dropout_cpu``, aten/src/ATen/native/Dropout.cpp): ``input.mul(mask).mul_(scale)``
+  with ``scale = 1 / (1 - p)`` (0 when ``p == 1``) as a C++ double. ``mul_`` by a Scalar rounds
+  the scale to the tensor's dtype first (seen for float16/bfloat16: multiplying by the double
+  scale differs in the last bit for p = 0.1), so ``scale`` here is that rounded value; for
+  float32/float64 the rounding is what the kernel does anyway.
+* CUDA (``fused_dropout_kernel[_vec]``, aten/src/ATen/native/cuda/Dropout.cu): one fused kernel
+  computing ``src * keep * scale`` in the accumulate type with ``scale = accscalar_t(1.0 /
+  accscalar_t(1 - p))`` (float for float32/float16/bfloat16, double for float64), rounded once to
+  the output dtype; ``p == 1`` returns zeros without drawing, ``train=False`` a clone. The scale
+  here follows that formula: on an H100 (torch 2.11, CUDA 13) ``mul`` by it matched the fused
+  kernel bit for bit for all four dtypes, 204 values of p, contiguous and strided inputs, where
+  the double ``1/(1-p)`` missed a quarter of the p for float32 (benchmarks/dropout_identity.py,
+  results in benchmarks/results/dropout_recompute.md).
+
+Other devices, non-floating dtypes, ``p == 1`` on CUDA and ``train=False`` are left alone.
+The rewrite costs two elementwise multiplies per dropout in the forward (``nd[0]`` is still
+computed) and one more activation-sized transient while they run, so the backend applies it
+only when a budget cannot be met without it (see ``backends/compiler.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+from memcompile.passes.context import PassContext
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DropoutRewrite", "dropout_pass", "dropout_scale"]
+
+aten = torch.ops.aten
+
+#: Name prefixes of the nodes the pass creates (plans and tests recognise them by these).
+MASKED_PREFIX = "dropout_masked"
+SCALED_PREFIX = "dropout_scaled"
+
+
+@dataclass(frozen=True)
+class DropoutRewrite:
+    """One rewritten dropout: the random op and the node that now carries its output."""
+
+    dropout: str
+    output: str
+
+
+def dropout_scale(p: float, dtype: torch.dtype, device_type: str) -> float | None:
+    """The scalar that ``mul(mul(x, mask), scale)`` needs to equal ``native_dropout(x, p)[0]``
+    bit for bit on ``device_type``, or ``None`` where that is not known to hold."""
+    if not dtype.is_floating_point:
+        return None
+    p1m = 1.0 - p
+    if device_type == "cpu":
+        scale = 0.0 if p1m == 0 else 1.0 / p1m
+        # mul_(Scalar) converts the scale to the tensor's dtype before multiplying.
+        return float(torch.tensor(scale, dtype=dtype).item())
+    if device_type == "cuda":
+        if p1m <= 0:  # p == 1: zeros_like, not x * 0 (signs of zero and NaNs would differ)
+            return None
+        if dtype == torch.float64:
+            return 1.0 / p1m
+        keep = float(torch.tensor(p1m, dtype=torch.float32).item())  # accscalar_t(p1m)
+        return float(torch.tensor(1.0 / keep, dtype=torch.float32).item())
+    return None
+
+
+def _fake_op(op: torch._ops.OpOverload, *args: object) -> torch.Tensor:
+    # Run the op on the fake values to get the new node's meta['val'] (shapes, strides, storage).
+    fake = next(a for a in args if isinstance(a, torch._subclasses.FakeTensor))
+    with fake.fake_mode:
+        return op(*args)
+
+
+def _rewritable(nd: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, float] | None:
+    """(input, output getitem, mask getitem, scale) of a dropout the pass can rewrite, else
+    None."""
+    named = dict(zip(("input", "p", "train"), nd.args, strict=False)) | dict(nd.kwargs)
+    x, p, train = named.get("input"), named.get("p"), named.get("train")
+    if not isinstance(x, fx.Node) or not isinstance(p, (int, float)) or train is False:
+        return None
+    getitems = {u.args[1]: u for u in nd.users if u.target is operator.getitem}
+    if len(getitems) != len(nd.users) or 0 not in getitems or 1 not in getitems:
+        return None
+    out_val, x_val = getitems[0].meta.get("val"), x.meta.get("val")
+    if not isinstance(out_val, torch._subclasses.FakeTensor) or not isinstance(
+        x_val, torch._subclasses.FakeTensor
+    ):
+        return None
+    scale = dropout_scale(float(p), out_val.dtype, out_val.device.type)
+    if scale is None:
+        return None
+    product = _fake_op(
+        aten.mul.Tensor, _fake_op(aten.mul.Tensor, x_val, getitems[1].meta["val"]), scale
+    )
+    # The users (and AOT's output strides) were traced against the op's layout; symbolic sizes
+    # are compared without adding guards.
+    same = product.dtype == out_val.dtype and all(
+        statically_known_true(a == b)
+        for a, b in zip(
+            (*product.shape, *product.stride()), (*out_val.shape, *out_val.stride()), strict=True
+        )
+    )
+    if not same:
+        return None
+    return x, getitems[0], getitems[1], scale
+
+
+def dropout_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """A copy of the joint graph ``gm`` whose dropout outputs are ``x * mask * scale``.
+
+    ``gm`` is not changed (the caller may still partition it). The copy shares the fake values
+    of every node it keeps, so storages keep their identity; the new nodes get fresh ones. The
+    rewritten dropouts are in the result's ``meta['memcompile_dropouts']`` (a tuple of
+    :class:`DropoutRewrite`).
+    """
+    targets: dict[fx.Node, tuple[fx.Node, fx.Node, fx.Node, float]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is aten.native_dropout.default:
+            found = _rewritable(n)
+            if found is None:
+                log.debug("%s: %s left alone (no bit-identical rewrite known)", ctx.fragment, n)
+            else:
+                targets[n] = found
+    by_output = {out: (nd, x, mask, scale) for nd, (x, out, mask, scale) in targets.items()}
+
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    rewrites: list[DropoutRewrite] = []
+
+    def copy(n: fx.Node) -> None:
+        env[n] = new.node_copy(n, lambda a: env[a])
+
+    for n in gm.graph.nodes:
+        if n in env:  # a mask getitem copied early (below)
+            continue
+        if n not in by_output:
+            copy(n)
+            continue
+        nd, x, mask, scale = by_output[n]
+        if mask not in env:  # it only reads ``nd``, which is copied: take it now
+            copy(mask)
+        masked = new.create_node(
+            "call_function", aten.mul.Tensor, (env[x], env[mask]), name=MASKED_PREFIX
+        )
+        scaled = new.create_node(
+            "call_function", aten.mul.Tensor, (masked, scale), name=SCALED_PREFIX
+        )
+        masked_val = _fake_op(aten.mul.Tensor, x.meta["val"], mask.meta["val"])
+        scaled_val = _fake_op(aten.mul.Tensor, masked_val, scale)
+        for node, val in ((masked, masked_val), (scaled, scaled_val)):
+            # Provenance (stack trace, module stack, partitioner tag) is the output's.
+            node.meta = {k: v for k, v in n.meta.items() if k not in ("val", "tensor_meta")}
+            node.meta["val"] = val
+            node.meta["tensor_meta"] = _extract_tensor_metadata(val)
+        env[n] = scaled  # every user of the output reads the product; the getitem is gone
+        rewrites.append(DropoutRewrite(dropout=nd.name, output=scaled.name))
+
+    out_gm = fx.GraphModule(gm, new)
+    out_gm.meta = dict(getattr(gm, "meta", {}))
+    out_gm.meta["memcompile_dropouts"] = tuple(rewrites)
+    out_gm.graph.lint()
+    out_gm.recompile()
+    log.info(
+        "%s: %d of %d dropouts rewritten as x * mask * scale (recomputable)",
+        ctx.fragment,
+        len(rewrites),
+        sum(
+            1
+            for n in gm.graph.nodes
+            if n.op == "call_function" and n.target is aten.native_dropout.default
+        ),
+    )
+    return out_gm
