@@ -11,6 +11,7 @@ import torch
 
 import memcompile
 from memcompile import zoo
+from memcompile.backends import compiler as compiler_module
 from memcompile.report import find_compiler
 from memcompile.runtime.store import TieredStore, register_store
 
@@ -109,3 +110,14 @@ def test_optimizer_state_created_after_compilation_is_reported() -> None:
     with pytest.warns(memcompile.MemoryBudgetWarning, match="more than its plan assumed"):
         wl.loss(compiled, 1).backward()
     assert memcompile.report(compiled).over_budget
+
+
+def test_cuda_rebuilt_dropout_is_bit_identical(monkeypatch) -> None:
+    # The dropout pass rebuilds outputs as x * mask * scale with CUDA's float scale; forced on,
+    # a whole training step must still match eager bit for bit on the GPU.
+    monkeypatch.setattr(compiler_module, "DROPOUT_REWRITE", "always")
+    budget = _budget("gpt", 0.6)
+    compiled, _, measured = train_under_budget("gpt", "sgd", budget, device="cuda", swap=False)
+    rep = memcompile.report(compiled)
+    assert abs(rep.predicted_peak - measured) <= 0.03 * measured, (rep.predicted_peak, measured)
+    assert measured <= budget * 1.02
