@@ -346,6 +346,32 @@ class _FragmentBuild:
         return check
 
 
+class _PrimeWorkspaces(torch.autograd.Function):
+    # Its backward runs on autograd's device thread, whose cuBLAS handle is not the main
+    # thread's: the matmuls there create that handle's cuBLAS and cuBLASLt workspaces (32 MiB +
+    # 1 MiB on an H100, kept for the process's life) now rather than in the first step's backward
+    # (a recomputed addmm with bias does it), so the memory measured at planning includes them.
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        a = torch.ones(16, 16, device=grad.device)
+        torch.addmm(a[0], a, a)  # cuBLASLt (gemm with a bias epilogue)
+        torch.mm(a, a)  # cuBLAS
+        return grad
+
+
+def _prime_backward_workspaces(device: torch.device) -> None:
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.enable_grad():
+        x = torch.zeros(2, device=device, requires_grad=True)
+        _PrimeWorkspaces.apply(x).sum().backward()
+    torch.cuda.synchronize(device)
+
+
 class MemCompiler:
     """Dynamo backend object; one per ``torch.compile`` call.
 
@@ -510,6 +536,7 @@ class MemCompiler:
         if device is None or device.type != "cuda":
             return 0
         if self.device_other_bytes is None:
+            _prime_backward_workspaces(device)
             self.device_other_bytes = max(0, torch.cuda.memory_allocated(device) - known)
             if self.device_other_bytes:
                 log.info(

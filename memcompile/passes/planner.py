@@ -134,7 +134,7 @@ class _Search:
             for s in candidates:
                 if s not in droppable:
                     continue
-                groups = [(s,)]
+                groups: list[tuple[int, ...]] = [(s,)]
                 for i in model.holders.get(s, ()):
                     if model.is_tuple[i]:  # a multi-output op: its saved outputs together
                         group = tuple(sorted(t for t in model.storages[i] if t in droppable))
@@ -188,7 +188,7 @@ class _Search:
         # Only independent moves: none drops what another's recomputation reads (dropping two
         # neighbouring layers recomputes a chain, priced as one layer each).
         batch: list[_Move] = []
-        freed, dropped, read = 0, set(), set()
+        freed, dropped, read = 0, set[int](), set[int]()
         for m in moves:
             if dropped.isdisjoint(m.storages) and read.isdisjoint(m.storages):
                 if not dropped.isdisjoint(m.reads):

@@ -116,9 +116,10 @@ def simulate(
             copy += seconds
         elif n.target is WAIT:
             rel = n.args[0]
-            ready = done.get(rel, clock)  # type: ignore[arg-type]
+            assert isinstance(rel, fx.Node)
+            ready = done.get(rel, clock)
             if ready > clock:
-                exposed[rel.name] = ready - clock  # type: ignore[union-attr]
+                exposed[rel.name] = ready - clock
                 stall += ready - clock
                 clock = ready
         else:
