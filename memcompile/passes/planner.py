@@ -19,7 +19,10 @@ an undo pass:
             per second
             a trial counts only if its phase peaks *over the target* (largest first) are lower:
             lowering a phase that already fits is no progress
-        nothing helps: stop             # the smallest peak found; the plan is infeasible
+        nothing helps: take back one accepted move (the latest first, at most 32 tried) if
+            that lowers the phase ranking (a batch can carry a move that, once its neighbours
+            went too, only adds its recomputation's memory where the peak now is), go on
+        nothing helps either: stop      # the smallest peak found; the plan is infeasible
     for each accepted move, dearest first (a group's members one by one after it):   # undo
         undo it if the step still fits and gets cheaper (8 failures in a row: stop)
     reorder: evaluate the memory-aware orders once; if they lower the peak, undo again in them
@@ -88,6 +91,8 @@ _EXACT = 16
 #: The undo pass stops after this many undos in a row fail: on a deep network hundreds of
 #: alike moves are all still needed, and each trial is a full evaluation.
 _UNDO_MISSES = 8
+#: Moves tried for taking back when the search is stuck above the target (see ``repair``).
+_REPAIR = 32
 
 
 def _rank(e: JointEval, target: int) -> tuple[int, ...]:
@@ -231,11 +236,50 @@ class _Search:
         current, applied = start, []
         while current.peak > self.target:
             found = self.step(current)
-            if found is None:
+            if found is not None:
+                current, moves = found
+                applied += moves
+                continue
+            # Stuck above the target: a batch may have carried a move that, once its
+            # neighbours went too, no longer lowers the peak but raises it (its recomputation
+            # needs memory where the peak now is). Take one back and go on; every accepted
+            # trial lowers the ranking, so this ends.
+            repaired = self.repair(current, applied)
+            if repaired is None:
                 break
-            current, moves = found
-            applied += moves
+            current = repaired
         return current, applied
+
+    def repair(self, current: JointEval, applied: list[_Move]) -> JointEval | None:
+        """``current`` with one of the ``applied`` moves taken back (a group's members one by
+        one too) where that lowers the phase ranking, or ``None``. The latest moves first (a
+        batch's cheapest-per-byte tail is the likeliest to be useless), at most
+        ``_REPAIR`` trials: only reached when the search would otherwise stop infeasible."""
+        rank = _rank(current, self.target)
+        trials = 0
+        for m in reversed(applied):
+            parts = [m.storages] + ([(s,) for s in m.storages] if len(m.storages) > 1 else [])
+            for storages in parts:
+                swapped = dict(current.swapped)
+                if m.kind == "recompute":
+                    if not current.saved.isdisjoint(storages):
+                        continue  # brought back already
+                    saved = current.saved | set(storages)
+                else:
+                    if not set(storages) <= swapped.keys():
+                        continue
+                    saved = current.saved
+                    for s in storages:
+                        del swapped[s]
+                if trials >= _REPAIR:
+                    return None
+                trials += 1
+                trial = self.evaluate(saved, swapped)
+                if trial.feasible and _rank(trial, self.target) < rank:
+                    # Not to be made again: from here it only raises the peak.
+                    self.rejected.add((m.kind, storages))
+                    return trial
+        return None
 
     def undo(self, current: JointEval, applied: list[_Move], schedule: bool) -> JointEval:
         """Take back the moves the fitting plan ``current`` does not need, dearest first (a
