@@ -6,12 +6,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch import partitioners as P
 
 from memcompile import zoo
 from memcompile.backends.inner import compile_inner
 from memcompile.passes.costmodel import device_profile
+from memcompile.passes.fragment import profile_fragment
 from memcompile.passes.joint import JointModel
 from memcompile.passes.plan import FragmentPlan, TensorDecision
 from memcompile.passes.workspace import probe_workspaces
@@ -47,8 +49,10 @@ def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
     assert not differ, f"differ: {differ}"
 
 
-def capture_joint(name: str) -> dict[str, Any]:
-    """The joint graph AOTAutograd builds for zoo workload ``name`` (tiny), and its facts."""
+def capture_module(module: torch.nn.Module, *inputs: Any) -> dict[str, Any]:
+    """The joint graph AOTAutograd builds for one training step of ``module`` on ``inputs``
+    (which must return a scalar loss), and its facts: ``joint``, ``n`` (forward outputs),
+    ``static``, ``mutated`` and ``model`` (its :class:`JointModel`, h100 costs)."""
     found: dict[str, Any] = {}
 
     def partition(joint, inputs, *, num_fwd_outputs, static_lifetime_input_indices=None, **kw):
@@ -66,11 +70,12 @@ def capture_joint(name: str) -> dict[str, Any]:
     def bw(gm, ex):
         return compile_inner("eager", gm, ex, role="backward")
 
-    wl = zoo.build(name, size="tiny")
+    torch._dynamo.reset()
     compiled = torch.compile(
-        wl.model, backend=aot_autograd(fw_compiler=fw, bw_compiler=bw, partition_fn=partition)
+        module, backend=aot_autograd(fw_compiler=fw, bw_compiler=bw, partition_fn=partition)
     )
-    wl.loss(compiled, 0).backward()
+    compiled(*inputs).backward()
+    torch._dynamo.reset()
     joint = found["joint"]
     _, _, descs, _ = P._extract_fwd_bwd_outputs(joint, num_fwd_outputs=found["n"])
     found["mutated"] = sum(type(d).__name__ == "InputMutationAOTOutput" for d in descs)
@@ -78,10 +83,32 @@ def capture_joint(name: str) -> dict[str, Any]:
         joint,
         num_fwd_outputs=found["n"],
         static_input_indices=found["static"],
-        profile=device_profile("h100"),  # any profile: costs do not change memory
+        profile=device_profile("h100"),  # spec numbers: the same costs on every machine
         workspace=probe_workspaces(joint),
     )
     return found
+
+
+def capture_joint(name: str) -> dict[str, Any]:
+    """:func:`capture_module` of zoo workload ``name`` (tiny) on its first batch."""
+    wl = zoo.build(name, size="tiny")
+    return capture_module(wl.model, *wl.batch(0))
+
+
+def built_phase_peaks(
+    found: dict[str, Any], fw: fx.GraphModule, bw: fx.GraphModule
+) -> dict[str, int]:
+    """Exact phase peaks of the forward/backward graphs built from ``found``'s joint graph."""
+    exact = profile_fragment(
+        fw,
+        bw,
+        static_input_indices=found["static"],
+        num_mutated_inputs=found["mutated"],
+        num_user_outputs=1,
+        forward_workspace=probe_workspaces(fw),
+        backward_workspace=probe_workspaces(bw),
+    )
+    return exact.phase_peaks()
 
 
 def plan_for(model: JointModel, keep: frozenset[int]) -> FragmentPlan:

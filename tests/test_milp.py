@@ -17,15 +17,12 @@ import pytest
 import torch
 from test_planner_random import OPS, RandomNet
 from torch import nn
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch import partitioners as P
 
-from memcompile.backends.inner import compile_inner
-from memcompile.passes.costmodel import device_profile
 from memcompile.passes.joint import JointModel
 from memcompile.passes.milp import MilpResult, linear_peak, min_peak, solve_saved_set
 from memcompile.passes.planner import search_saved_set
-from memcompile.passes.workspace import probe_workspaces
+
+from helpers import capture_module
 
 MODES = {"recompute": (True, None), "swap": (False, "host"), "both": (True, "host")}
 FRACTIONS = (0.0, 0.25, 0.5, 0.75)  # target = min_peak + f * (eager's peak - min_peak)
@@ -37,38 +34,8 @@ EPS = 1e-7  # ... plus 0.1 us (a fraction of one launch)
 
 
 def capture(module: nn.Module, *inputs: torch.Tensor) -> JointModel:
-    """The joint model of ``module``'s training step (as ``helpers.capture_joint``)."""
-    found: dict[str, object] = {}
-
-    def partition(joint, inputs, *, num_fwd_outputs, static_lifetime_input_indices=None, **kw):
-        found.update(joint=joint, n=num_fwd_outputs, static=static_lifetime_input_indices or [])
-        return P.default_partition(
-            joint,
-            inputs,
-            num_fwd_outputs=num_fwd_outputs,
-            static_lifetime_input_indices=static_lifetime_input_indices,
-        )
-
-    def fw(gm, ex):
-        return compile_inner("eager", gm, ex, role="forward")
-
-    def bw(gm, ex):
-        return compile_inner("eager", gm, ex, role="backward")
-
-    torch._dynamo.reset()
-    compiled = torch.compile(
-        module, backend=aot_autograd(fw_compiler=fw, bw_compiler=bw, partition_fn=partition)
-    )
-    compiled(*inputs).backward()
-    torch._dynamo.reset()
-    joint = found["joint"]
-    return JointModel(
-        joint,  # type: ignore[arg-type]
-        num_fwd_outputs=found["n"],  # type: ignore[arg-type]
-        static_input_indices=found["static"],  # type: ignore[arg-type]
-        profile=device_profile("h100"),  # spec numbers: the same costs on every machine
-        workspace=probe_workspaces(joint),  # type: ignore[arg-type]
-    )
+    """The joint model of ``module``'s training step (``helpers.capture_module``)."""
+    return capture_module(module, *inputs)["model"]
 
 
 def program(seed: int) -> tuple[list[tuple[str, int, int]], int]:

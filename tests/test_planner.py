@@ -11,14 +11,12 @@ import torch
 import memcompile
 from memcompile import MemoryBudgetError, MemoryBudgetWarning, zoo
 from memcompile.passes.context import PassContext
-from memcompile.passes.fragment import profile_fragment
 from memcompile.passes.joint import JointModel
 from memcompile.passes.partition import partition_pass, reorder_pass
 from memcompile.passes.plan import MemoryPlan
 from memcompile.passes.planner import plan_fragment
-from memcompile.passes.workspace import probe_workspaces
 
-from helpers import capture_joint, plan_for, predicted_peak, train_under_budget
+from helpers import built_phase_peaks, capture_joint, plan_for, predicted_peak, train_under_budget
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -41,16 +39,7 @@ def test_joint_model_matches_built_graphs_for_random_saved_sets(name: str) -> No
         fw, bw = partition_pass(
             found["joint"], PassContext("F0"), model=model, plan=plan_for(model, keep)
         )
-        exact = profile_fragment(
-            fw,
-            bw,
-            static_input_indices=found["static"],
-            num_mutated_inputs=found["mutated"],
-            num_user_outputs=1,
-            forward_workspace=probe_workspaces(fw),
-            backward_workspace=probe_workspaces(bw),
-        )
-        phases = exact.phase_peaks()
+        phases = built_phase_peaks(found, fw, bw)
         assert (e.forward_peak, e.backward_peak) == (phases["forward"], phases["backward"]), (
             f"{len(keep)} kept: model {e.forward_peak, e.backward_peak} vs built {phases}"
         )

@@ -11,15 +11,14 @@ import torch
 import memcompile
 from memcompile import zoo
 from memcompile.passes.context import PassContext
-from memcompile.passes.fragment import profile_fragment
 from memcompile.passes.partition import partition_pass
 from memcompile.passes.swap import swap_pass
-from memcompile.passes.workspace import probe_workspaces
 from memcompile.report import find_compiler
 from memcompile.runtime import store as store_module
 from memcompile.runtime.store import OffloadError, TieredStore, register_store
 
 from helpers import (
+    built_phase_peaks,
     capture_joint,
     plan_for,
     predicted_peak,
@@ -132,16 +131,7 @@ def test_joint_model_matches_built_graphs_with_swaps() -> None:
         fw, bw = swap_pass(
             fw, bw, PassContext("F0"), swaps={holders[s]: t for s, t in swaps.items()}, store=key
         )
-        exact = profile_fragment(
-            fw,
-            bw,
-            static_input_indices=found["static"],
-            num_mutated_inputs=found["mutated"],
-            num_user_outputs=1,
-            forward_workspace=probe_workspaces(fw),
-            backward_workspace=probe_workspaces(bw),
-        )
-        phases = exact.phase_peaks()
+        phases = built_phase_peaks(found, fw, bw)
         assert (e.forward_peak, e.backward_peak, e.accumulate_peak) == (
             phases["forward"],
             phases["backward"],
