@@ -339,10 +339,11 @@ class JointModel:
         recompute = sorted(i for i in needed if self.kind[i] == _FW)
         return needed, recompute, inputs
 
-    def backward_order(self, needed: set[int]) -> list[int]:
-        """torch's reordering_to_mimic_autograd_engine over the needed nodes (joint indices)."""
+    def backward_groups(self, needed: set[int]) -> list[list[int]]:
+        """torch's reordering_to_mimic_autograd_engine over the needed nodes (joint indices), as
+        its groups: each insert of a root emits the not-yet-placed nodes it needs, sorted."""
         done: set[int] = set()
-        order: list[int] = []
+        groups: list[list[int]] = []
 
         def insert(root: int) -> None:
             todo, seen = [root], []
@@ -353,7 +354,8 @@ class JointModel:
                 done.add(i)
                 seen.append(i)
                 todo.extend(self.inputs[i])
-            order.extend(sorted(seen))
+            if seen:
+                groups.append(sorted(seen))
 
         ordered = sorted(needed)
         for i in ordered:  # copy_ nodes ahead of the first backward node run first (as torch's)
@@ -366,7 +368,11 @@ class JointModel:
             insert(i)
         for i in ordered:  # side-effect nodes before the first backward node
             insert(i)
-        return order
+        return groups
+
+    def backward_order(self, needed: set[int]) -> list[int]:
+        """:meth:`backward_groups`, flattened: the backward's execution order."""
+        return [i for group in self.backward_groups(needed) for i in group]
 
     def _replay(
         self,
@@ -541,19 +547,6 @@ class JointModel:
                 for s, t in swaps.items()
             ),
         )
-
-    def recompute_cost(
-        self,
-        storage: int | Collection[int],
-        saved: Collection[int],
-        *,
-        bw_inputs: Collection[int] | None = None,
-        recomputed: Collection[int] = (),
-    ) -> float:
-        """Seconds the backward would spend recomputing ``storage`` (one storage, or several
-        dropped together, such as the outputs of one multi-output op) if it left ``saved``.
-        See :meth:`recompute_walk`."""
-        return self.recompute_walk(storage, saved, bw_inputs=bw_inputs, recomputed=recomputed)[0]
 
     def recompute_walk(
         self,

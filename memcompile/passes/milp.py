@@ -186,7 +186,7 @@ class _Formulation:
             bset.add(i)
             stack.extend(m.inputs[i])
         self.bset = bset
-        groups = self._groups(bset)
+        groups = self.model.backward_groups(bset)
         group_of = {i: g for g, members in enumerate(groups) for i in members}
 
         # -- availability and recomputability of forward nodes ---------------------------------
@@ -547,37 +547,6 @@ class _Formulation:
                 raise NotImplementedError(f"forward node {m.nodes[i].name} reads the backward")
         if any(m.kind[i] == _FW for i in m.bw_outputs):
             raise NotImplementedError("a gradient is a forward value")
-
-    def _groups(self, bset: set[int]) -> list[list[int]]:
-        """``JointModel.backward_order`` over ``B`` alone, as its groups (one per insert)."""
-        m = self.model
-        done: set[int] = set()
-        groups: list[list[int]] = []
-
-        def insert(root: int) -> None:
-            todo, seen = [root], []
-            while todo:
-                i = todo.pop()
-                if i in done or i not in bset:
-                    continue
-                done.add(i)
-                seen.append(i)
-                todo.extend(m.inputs[i])
-            if seen:
-                groups.append(sorted(seen))
-
-        ordered = sorted(bset)
-        for i in ordered:
-            if i < m.first_tangent_user and m.nodes[i].target is torch.ops.aten.copy_.default:
-                insert(i)
-        for i in ordered:
-            if i >= m.first_tangent_user:
-                insert(i)
-        for i in m.bw_outputs:
-            insert(i)
-        for i in ordered:
-            insert(i)
-        return groups
 
     # -- solving -------------------------------------------------------------------------------
     def solve(
