@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from anchors import budget_for, build, configure
+from anchors import _mib, budget_for, build, configure
 
 import memcompile
 from memcompile.report import find_compiler
@@ -147,10 +147,6 @@ def run(model: str, config: str, reps: int, eager: dict[str, Any] | None) -> dic
         out["eager_step_ms"] = 1e3 * statistics.median(eager_times)
         out["fits"] = True
     return out
-
-
-def _mib(n: float | None) -> str:
-    return "—" if n is None else f"{n / 2**20:.1f}"
 
 
 def render(result: dict[str, Any]) -> str:

@@ -318,7 +318,7 @@ class _FragmentBuild:
         # gradients kept with zero_grad(set_to_none=False), other models) is not in the plan:
         # say so once instead of running over the budget silently. One allocator query per call.
         plan, budget = self.plan, self.compiler.config.budget
-        device = next((t.device for t in self.example_inputs if isinstance(t, torch.Tensor)), None)
+        device = _device_of(self.example_inputs)
         if plan is None or budget is None or device is None or device.type != "cuda":
             return None
         limit = plan.resident_bytes + budget // 100  # 1 % slack: caching-allocator rounding
@@ -344,6 +344,11 @@ class _FragmentBuild:
             )
 
         return check
+
+
+def _device_of(values: Sequence[Any]) -> torch.device | None:
+    """The device of the first tensor among a fragment's inputs (``None``: no tensors)."""
+    return next((t.device for t in values if isinstance(t, torch.Tensor)), None)
 
 
 class _PrimeWorkspaces(torch.autograd.Function):
@@ -505,9 +510,7 @@ class MemCompiler:
     # -- budget bookkeeping ----------------------------------------------------------------------
     def cost_profile(self, example: Sequence[Any]) -> DeviceProfile:
         """The cost model for graphs whose tensors look like ``example``."""
-        device = next(
-            (t.device for t in example if isinstance(t, torch.Tensor)), torch.device("cpu")
-        )
+        device = _device_of(example) or torch.device("cpu")
         return device_profile(resolve_profile_name(self.config.device_profile, device))
 
     def resident_bytes(self, build: _FragmentBuild) -> int:
@@ -532,7 +535,7 @@ class MemCompiler:
         # memcompile does not own: other tensors, optimizer state, cuBLAS workspaces (32 MiB per
         # handle on Hopper; the workspace probes have just created the one for this stream).
         # Measured once, at the first plan: later compiles would see this model's activations.
-        device = next((t.device for t in build.example_inputs if isinstance(t, torch.Tensor)), None)
+        device = _device_of(build.example_inputs)
         if device is None or device.type != "cuda":
             return 0
         if self.device_other_bytes is None:

@@ -26,10 +26,18 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from memcompile.passes.analysis import GraphProfile, StorageIds, tensor_vals
+from memcompile.passes.analysis import GraphProfile, StorageIds
 from memcompile.passes.context import PassContext
 from memcompile.passes.costmodel import DeviceProfile
-from memcompile.passes.timeline import RELOAD, WAIT, Timeline, copy_seconds, node_seconds, simulate
+from memcompile.passes.timeline import (
+    RELOAD,
+    WAIT,
+    Timeline,
+    copied_bytes,
+    copy_seconds,
+    node_seconds,
+    simulate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +65,6 @@ class PrefetchPlan:
         return self.before.stall - self.after.stall
 
 
-def _nbytes(n: fx.Node) -> int:
-    total = 0
-    for t in tensor_vals(n.meta.get("val")):
-        size = t.untyped_storage().nbytes()
-        total += int(size) if not hasattr(size, "node") else int(size.node.hint or 0)
-    return total
-
-
 def _positions(
     nodes: Sequence[fx.Node],
     live: list[int],
@@ -83,7 +83,7 @@ def _positions(
         rel = w.args[0]
         assert isinstance(rel, fx.Node) and rel.target is RELOAD
         p, need = index[rel], start_s[index[w]]
-        seconds, size = copy_seconds(rel, profile), _nbytes(rel)
+        seconds, size = copy_seconds(rel, profile), copied_bytes(rel)
         q = p
         # Walk up while memory allows and the copy would still finish late.
         while q > floor and live[q - 1] + size <= peak:

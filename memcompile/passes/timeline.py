@@ -23,13 +23,13 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from memcompile.passes.analysis import StorageIds, node_cost, tensor_vals
+from memcompile.passes.analysis import StorageIds, node_cost, sym_to_int, tensor_vals
 from memcompile.passes.costmodel import DeviceProfile
 from memcompile.runtime.ops import TIERS
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Timeline", "copy_seconds", "node_seconds", "simulate"]
+__all__ = ["Timeline", "copied_bytes", "copy_seconds", "node_seconds", "simulate"]
 
 OFFLOAD = torch.ops.memcompile.offload.default
 RELOAD = torch.ops.memcompile.reload.default
@@ -56,30 +56,19 @@ class Timeline:
     total: float
     exposed: tuple[tuple[str, float], ...] = ()
 
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "compute_s": self.compute,
-            "copy_s": self.copy,
-            "sync_copy_s": self.sync_copy,
-            "stall_s": self.stall,
-            "total_s": self.total,
-            "exposed": dict(self.exposed),
-        }
-
 
 def _tier(n: fx.Node) -> str:
     return TIERS[int(n.args[-1])]  # type: ignore[arg-type]
 
 
+def copied_bytes(n: fx.Node) -> int:
+    """Bytes an ``offload`` or ``reload`` node copies (symbolic sizes at their hints)."""
+    return sum(sym_to_int(t.untyped_storage().nbytes())[0] for t in tensor_vals(n.meta.get("val")))
+
+
 def copy_seconds(n: fx.Node, profile: DeviceProfile) -> float:
     """Copy time of an ``offload`` or ``reload`` node (its tensor's bytes, its tier)."""
-    val = n.meta.get("val")
-    nbytes = sum(t.untyped_storage().nbytes() for t in tensor_vals(val))
-    try:
-        nbytes = int(nbytes)
-    except TypeError:  # symbolic: use the hint
-        nbytes = int(getattr(nbytes, "node", None).hint or 0)  # type: ignore[union-attr]
-    return profile.launch_overhead + profile.copy_time(nbytes, _tier(n))
+    return profile.launch_overhead + profile.copy_time(copied_bytes(n), _tier(n))
 
 
 def node_seconds(n: fx.Node, profile: DeviceProfile, ids: StorageIds) -> float:

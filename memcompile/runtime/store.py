@@ -119,16 +119,16 @@ class TieredStore:
         On CUDA the host copy is asynchronous (side stream, pinned buffer); only :meth:`get`,
         which is ordered after it on the same stream, may read the result."""
         nbytes = x.untyped_storage().nbytes()
-        if x.device.type == "cuda" and tier == "host" and not self.asynchronous:
+        if x.device.type == "cuda" and tier == "host":
             out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, pin_memory=True)
-            out.copy_(x)
-        elif x.device.type == "cuda" and tier == "host":
-            out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, pin_memory=True)
-            side = self._side_stream(x.device)
-            side.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(side):
-                out.copy_(x, non_blocking=True)
-            x.record_stream(side)
+            if self.asynchronous:
+                side = self._side_stream(x.device)
+                side.wait_stream(torch.cuda.current_stream(x.device))
+                with torch.cuda.stream(side):
+                    out.copy_(x, non_blocking=True)
+                x.record_stream(side)
+            else:
+                out.copy_(x)
         elif tier == "host":
             out = _as_torch(np.empty(nbytes, dtype=np.uint8), x)
             out.copy_(x)
