@@ -253,3 +253,13 @@ def test_bit_identical_to_eager(name: str, optimizer: str) -> None:
     for step, (a, b) in enumerate(zip(eager_losses, compiled_losses, strict=True)):
         assert torch.equal(a, b), f"step {step}: loss {a.item()} != {b.item()}"
     assert_same_state(eager.model, comp.model)  # parameters and buffers (BatchNorm stats)
+
+
+def test_workload_to_moves_the_model_and_every_batch() -> None:
+    wl = zoo.build("gpt", size="tiny")
+    moved = wl.to("meta")
+    assert moved.model is wl.model  # in place, as nn.Module.to
+    assert all(p.device.type == "meta" for p in wl.model.parameters())
+    batch = moved.batch(3)
+    assert batch and all(b.device.type == "meta" for b in batch if isinstance(b, torch.Tensor))
+    assert all(b.device.type == "cpu" for b in wl.batch(3) if isinstance(b, torch.Tensor))
