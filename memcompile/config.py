@@ -219,10 +219,6 @@ class MemConfig:
     def _check_landed(self) -> None:
         # Values whose feature is a later issue: refuse loudly instead of ignoring them.
         pending = {
-            "offload_params": (
-                self.offload_params is True,
-                "parameters on the host (the planner issue)",
-            ),
             "pilot": (
                 self.pilot in ("lightgbm", "markov"),
                 "the dynamic-network pilot (the dynamic issue)",

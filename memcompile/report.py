@@ -94,6 +94,8 @@ class MemReport:
         steps_observed: complete training steps the backend has seen.
         fallbacks: frames Dynamo ran eagerly while this model ran.
         over_budget: a budget is set and the step is predicted to exceed it (memcompile warned).
+        host_param_bytes: parameter bytes memcompile moved to the host tier (``offload_params``);
+            they are not in ``resident_bytes``.
     """
 
     config: MemConfig
@@ -105,6 +107,7 @@ class MemReport:
     steps_observed: int
     fallbacks: tuple[Fallback, ...]
     over_budget: bool = False
+    host_param_bytes: int = 0
 
     @property
     def budget(self) -> int | None:
@@ -128,6 +131,7 @@ class MemReport:
             "over_budget": self.over_budget,
             "predicted_peak": self.predicted_peak,
             "resident_bytes": self.resident_bytes,
+            "host_param_bytes": self.host_param_bytes,
             "exact": self.exact,
             "step": list(self.step),
             "steps_observed": self.steps_observed,
@@ -155,6 +159,8 @@ class MemReport:
                 f"  {f.name:<5} {f.id:<16} {f.forward_calls:>5} {f.backward_calls:>5} "
                 f"{f.inference_calls:>5} {p:>12}  {f.code}: {f.reason}"
             )
+        if self.host_param_bytes:
+            lines.append(f"  parameters on the host: {format_bytes(self.host_param_bytes)}")
         for fb in self.fallbacks:
             lines.append(f"  EAGER {fb.code}: {fb.kind}: {fb.reason}")
         return "\n".join(lines)
@@ -264,6 +270,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
         step=tuple(f"F{i}.{_SHORT[k]}" for i, k, _ in seq),
         steps_observed=compiler.steps_observed,
         fallbacks=tuple(compiler.fallbacks),
+        host_param_bytes=compiler.host_param_bytes,
         over_budget=compiler.over_budget
         or (
             prediction is not None

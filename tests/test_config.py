@@ -151,7 +151,6 @@ def test_disk_path_under_a_file_is_rejected(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("options", "feature"),
     [
-        ({"offload_params": True}, "parameters on the host"),
         ({"pilot": "lightgbm"}, "the dynamic-network pilot"),
         ({"pilot": "markov"}, "the dynamic-network pilot"),
     ],

@@ -42,6 +42,7 @@ from memcompile.passes.costmodel import DeviceProfile, device_profile, resolve_p
 from memcompile.passes.dropout import dropout_pass
 from memcompile.passes.fragment import FragmentProfile, accumulate_clone_bytes, profile_fragment
 from memcompile.passes.joint import JointModel
+from memcompile.passes.params import param_fetch_pass
 from memcompile.passes.partition import partition_pass
 from memcompile.passes.plan import FragmentPlan
 from memcompile.passes.planner import plan_fragment
@@ -50,7 +51,7 @@ from memcompile.passes.step import StepPrediction, simulate_step
 from memcompile.passes.swap import swap_pass
 from memcompile.passes.workspace import clone_workspace, probe_workspaces
 from memcompile.runtime.measure import storage_sizes
-from memcompile.runtime.store import TieredStore, register_store
+from memcompile.runtime.store import TieredStore, is_host_placed, place_on_host, register_store
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ class _FragmentBuild:
         self.plan: FragmentPlan | None = None
         self._fw_gm: fx.GraphModule | None = None
         self.static_inputs: tuple[int, ...] = ()
+        # Inputs the graphs fetch from the host tier (host-placed parameters).
+        self.hosted_inputs: tuple[int, ...] = ()
         # block key -> parameter storages (address -> bytes) of the calls with that key
         self.blocks: dict[int, dict[int, int]] = {}
         self._bw_gm: fx.GraphModule | None = None
@@ -115,7 +118,12 @@ class _FragmentBuild:
         **kwargs: Any,
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         config = self.compiler.config
-        if config.budget is None and not config.reorder:
+        if (
+            config.budget is None
+            and not config.reorder
+            and config.offload_params is not True
+            and not self._host_placed()
+        ):
             fw, bw = default_partition(
                 joint,
                 joint_inputs,
@@ -130,12 +138,59 @@ class _FragmentBuild:
         self._bw_gm = bw
         return fw, bw
 
+    # -- host-placed parameters -------------------------------------------------------------
+    def _host_placed(self) -> list[int]:
+        """Positions of inputs already in the host tier (placed by an earlier fragment)."""
+        return [
+            i
+            for i, t in enumerate(self.example_inputs)
+            if isinstance(t, torch.Tensor) and is_host_placed(t)
+        ]
+
+    def _host_candidates(self, static: Sequence[int]) -> list[int]:
+        """Parameters of this fragment that may move to the host tier: CPU leaf parameters that
+        cover their storage (see ``store.place_on_host``), not already there."""
+        out = []
+        for i in static:
+            t = self.example_inputs[i] if i < len(self.example_inputs) else None
+            if (
+                isinstance(t, torch.nn.Parameter)
+                and t.device.type == "cpu"
+                and not is_host_placed(t)
+                and t.storage_offset() == 0
+                and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+            ):
+                out.append(i)
+        return out
+
+    def _fetch_params(
+        self, joint: fx.GraphModule, num_fwd_outputs: int, primals: Sequence[int]
+    ) -> fx.GraphModule:
+        return param_fetch_pass(
+            joint,
+            PassContext(fragment=f"F{self.index}", graph="joint"),
+            primals=primals,
+            num_fwd_outputs=num_fwd_outputs,
+            device=torch.device("cpu"),
+            store=self.compiler.store_key,
+        )
+
     def _planned_partition(
         self, joint: fx.GraphModule, num_fwd_outputs: int, static: Sequence[int]
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         # Without a budget the plan keeps eager's saved set and only reorders (it costs nothing).
         config, compiler = self.compiler.config, self.compiler
         ctx = PassContext(fragment=f"F{self.index}", graph="joint")
+        if len([p for p in joint.graph.find_nodes(op="placeholder") if not P._is_tangent(p)]) != (
+            len(self.example_inputs)
+        ):
+            raise RuntimeError(
+                f"memcompile: F{self.index}: the joint graph's inputs do not match the "
+                "fragment's inputs; cannot tell which are parameters"
+            )
+        placed = self._host_placed()
+        if placed:  # another fragment moved some of these parameters: fetch them here too
+            joint = self._fetch_params(joint, num_fwd_outputs, placed)
         model, plan = self._plan(joint, num_fwd_outputs, static)
         mode = DROPOUT_REWRITE
         if config.budget is not None and config.recompute and mode != "never":
@@ -154,8 +209,56 @@ class _FragmentBuild:
                     better = plan2.feasible or plan2.predicted_peak < plan.predicted_peak
                     if better or mode == "always":
                         joint, model, plan = rewritten, model2, plan2
+        hosted: list[int] = []
+        candidates = self._host_candidates(static)
+        device = _device_of(self.example_inputs)
+        if config.offload_params is True and device is not None and device.type != "cpu":
+            raise NotImplementedError(
+                f"memcompile option offload_params=True needs parameters on the host for "
+                f"{device.type} devices, which is not implemented in this version of memcompile "
+                "(only for the CPU device)"
+            )
+        wants = config.offload_params is True or (
+            config.offload_params == "auto" and config.budget is not None and not plan.feasible
+        )
+        if wants and candidates:
+            # Parameters to the host tier: their bytes leave the resident set, and each reader
+            # fetches its own copy (passes/params.py); "auto" only when nothing else fits.
+            fetched = self._fetch_params(joint, num_fwd_outputs, candidates)
+            model2, plan2 = self._plan(fetched, num_fwd_outputs, static, host=candidates)
+            log.info(
+                "F%d: with %d parameters on the host the plan peaks at %s (%s without)",
+                self.index,
+                len(candidates),
+                format_bytes(plan2.predicted_peak),
+                format_bytes(plan.predicted_peak),
+            )
+            if (
+                config.offload_params is True
+                or plan2.feasible
+                or plan2.predicted_peak < plan.predicted_peak
+            ):
+                joint, model, plan, hosted = fetched, model2, plan2, candidates
         if not plan.feasible:
-            compiler.infeasible(self, plan)
+            compiler.infeasible(self, plan, tried_host=bool(hosted))
+        self.hosted_inputs = tuple(hosted) + tuple(placed)
+        if hosted:  # only now: an infeasible plan raised above with the parameters untouched
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes():  # partitioning runs under the fake mode
+                moved = sum(place_on_host(self.example_inputs[i]) for i in hosted)
+            compiler.host_param_bytes += moved
+            log.info(
+                "F%d: %d parameters (%s) moved to the host tier",
+                self.index,
+                len(hosted),
+                format_bytes(moved),
+            )
+        if self.hosted_inputs:
+            names = [p.name for p in joint.graph.find_nodes(op="placeholder")]
+            plan = dataclasses.replace(
+                plan, host_params=tuple(names[i] for i in sorted(self.hosted_inputs))
+            )
         fw, bw = partition_pass(joint, ctx, model=model, plan=plan)
         if plan.swapped:
             saved = {
@@ -178,9 +281,15 @@ class _FragmentBuild:
         return fw, bw
 
     def _plan(
-        self, joint: fx.GraphModule, num_fwd_outputs: int, static: Sequence[int]
+        self,
+        joint: fx.GraphModule,
+        num_fwd_outputs: int,
+        static: Sequence[int],
+        *,
+        host: Sequence[int] = (),
     ) -> tuple[JointModel, FragmentPlan]:
-        """The joint model of ``joint`` and the planner's plan for this fragment's target."""
+        """The joint model of ``joint`` and the planner's plan for this fragment's target, with
+        the inputs at positions ``host`` counted as host-placed (not resident)."""
         config, compiler = self.compiler.config, self.compiler
         primals = [
             p.meta.get("val")
@@ -197,7 +306,7 @@ class _FragmentBuild:
             workspace=probe_workspaces(joint),
             clone_bytes=accumulate_clone_bytes(grads, primals, set(static), clone_workspace),
         )
-        resident = compiler.resident_bytes(self)
+        resident = compiler.resident_bytes(self, host=host)
         plan = plan_fragment(
             model,
             target=None if config.budget is None else config.budget - resident,
@@ -294,10 +403,19 @@ class _FragmentBuild:
         key_pos = static[0] if static else -1
         blocks = self.blocks
         guard = self._resident_guard() if kind == "forward" else None
+        hosted = self.hosted_inputs if kind == "forward" else ()
+        compiler = self.compiler
 
         def run(args: list[Any]) -> Any:
             # Pass the same list through: the inner callable clears it (boxed convention).
             setattr(stats, counter, getattr(stats, counter) + 1)
+            for i in hosted:
+                # One graph serves every expert: parameters first seen now join the host tier.
+                if not is_host_placed(args[i]):
+                    try:
+                        compiler.host_param_bytes += place_on_host(args[i])
+                    except ValueError as e:  # still correct: the graph fetches a device copy
+                        log.warning("memcompile: F%d input %d stays on the device: %s", index, i, e)
             if guard is not None:
                 guard()
             block = args[key_pos].data_ptr() if key_pos >= 0 else 0
@@ -403,6 +521,8 @@ class MemCompiler:
         self._open_blocks: dict[int, list[int]] = {}
         self._checked_steps: set[tuple[tuple[int, str], ...]] = set()
         self.over_budget = False
+        #: Bytes of parameters this compiler moved to the host tier (``offload_params``).
+        self.host_param_bytes = 0
         #: CUDA: device bytes allocated at the first plan that belong to none of memcompile's
         #: inputs (other models, optimizer state, cuBLAS workspaces); ``None`` until measured.
         self.device_other_bytes: int | None = None
@@ -513,12 +633,14 @@ class MemCompiler:
         device = _device_of(example) or torch.device("cpu")
         return device_profile(resolve_profile_name(self.config.device_profile, device))
 
-    def resident_bytes(self, build: _FragmentBuild) -> int:
+    def resident_bytes(self, build: _FragmentBuild, *, host: Sequence[int] = ()) -> int:
         """What counts against the budget besides ``build``'s own graphs: its inputs
-        (parameters, buffers, user inputs), other fragments' parameters, and (an upper bound,
-        for multi-fragment models) what the other training fragments save. Recompiles of the
-        same frame (new shapes) replace each other in a step and are not counted."""
-        storages = storage_sizes(build.example_inputs)
+        (parameters, buffers, user inputs; not those at positions ``host``, or already in the
+        host tier), other fragments' parameters, and (an upper bound, for multi-fragment models)
+        what the other training fragments save. Recompiles of the same frame (new shapes)
+        replace each other in a step and are not counted."""
+        skip = set(host)
+        storages = storage_sizes(t for i, t in enumerate(build.example_inputs) if i not in skip)
         compile_id = torch._guards.CompileContext.current_compile_id()
         frame = str(compile_id).split("/")[0] if compile_id is not None else None
         others = 0
@@ -550,16 +672,31 @@ class MemCompiler:
                 )
         return self.device_other_bytes
 
-    def infeasible(self, build: _FragmentBuild, plan: FragmentPlan) -> None:
-        """No plan fits: raise MemoryBudgetError, or warn (``on_infeasible="best_effort"``)."""
+    def infeasible(
+        self, build: _FragmentBuild, plan: FragmentPlan, *, tried_host: bool = False
+    ) -> None:
+        """No plan fits: raise MemoryBudgetError, or warn (``on_infeasible="best_effort"``).
+        ``tried_host``: the plan already keeps this fragment's parameters on the host."""
         budget = self.config.budget
         assert budget is not None
         tips = [f"enable {k}=True" for k in ("recompute", "swap") if not getattr(self.config, k)]
-        tips.append(
-            f"{format_bytes(plan.resident_bytes)} of the peak is parameters, buffers and inputs, "
-            "which stay on the device (keeping parameters on the host, offload_params=True, is "
-            "not implemented in this version)"
-        )
+        device = _device_of(build.example_inputs)
+        if tried_host:
+            tips.append(
+                f"with the parameters on the host, {format_bytes(plan.resident_bytes)} of the "
+                "peak is still buffers, inputs and other fragments' memory"
+            )
+        elif self.config.offload_params is False and device is not None and device.type == "cpu":
+            tips.append(
+                f"{format_bytes(plan.resident_bytes)} of the peak is parameters, buffers and "
+                "inputs: offload_params=True (or 'auto') keeps parameters on the host"
+            )
+        else:
+            tips.append(
+                f"{format_bytes(plan.resident_bytes)} of the peak is parameters, buffers and "
+                "inputs, which stay on the device (parameters on the host are only implemented "
+                "for the CPU device in this version)"
+            )
         if self.device_other_bytes:
             tips.append(
                 f"of which {format_bytes(self.device_other_bytes)} was already allocated on the "

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 __all__ = ["JointEval", "JointModel"]
 
 _PRIMAL, _TANGENT, _FW, _BW, _OTHER = range(5)
+_OFFLOAD = torch.ops.memcompile.offload.default
 
 
 def _is_random(node: fx.Node) -> bool:
@@ -163,11 +164,13 @@ class JointModel:
         self.inputs = [tuple(self.index[a] for a in n.all_input_nodes) for n in nodes]
         self.storages = [ids.ids_of(n.meta.get("val")) for n in nodes]
         self.nbytes = [ids.nbytes(s) for s in range(len(ids._nbytes))]
-        # Parameters, buffers, user inputs and module constants: held by the caller, untracked.
+        # Parameters, buffers, user inputs and module constants: held by the caller, untracked;
+        # so are copies sent to the host (a host-placed parameter's gradient, passes/params.py).
         self.persistent: frozenset[int] = frozenset(
             s
             for i, n in enumerate(nodes)
-            if n.op in ("placeholder", "get_attr") and kinds[i] != _TANGENT
+            if (n.op in ("placeholder", "get_attr") and kinds[i] != _TANGENT)
+            or n.target is _OFFLOAD
             for s in self.storages[i]
         )
         # SymInts (sizes, also as graph inputs) are saved for the backward separately, for free.

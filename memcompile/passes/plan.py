@@ -59,6 +59,8 @@ class FragmentPlan:
             copy overlaps compute; reloads not listed are issued right before their use.
         swap_stall: predicted seconds the backward's compute stream waits for reloads once
             prefetched (two-stream timeline, ``timeline.py``); ``None`` without swaps.
+        host_params: joint-graph input names of the parameters kept in the host tier and
+            fetched before each use (``offload_params``, ``passes/params.py``).
     """
 
     fragment: str
@@ -74,6 +76,7 @@ class FragmentPlan:
     forward_order: tuple[str, ...] = ()
     prefetch: tuple[tuple[str, str], ...] = ()
     swap_stall: float | None = None
+    host_params: tuple[str, ...] = ()
 
     @property
     def recomputed(self) -> tuple[str, ...]:
@@ -98,6 +101,7 @@ class FragmentPlan:
         fields["backward_order"] = tuple(fields["backward_order"])
         fields["forward_order"] = tuple(fields.get("forward_order", ()))
         fields["prefetch"] = tuple(tuple(p) for p in fields.get("prefetch", ()))
+        fields["host_params"] = tuple(fields.get("host_params", ()))
         return cls(**fields)
 
 

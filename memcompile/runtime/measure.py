@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from memcompile.errors import format_bytes
+from memcompile.runtime.store import is_host_placed
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,8 @@ def reachable_tensors(*objects: Any) -> list[torch.Tensor]:
 
 def storage_sizes(tensors: Iterable[Any], device: str | None = None) -> dict[int, int]:
     """``{storage address: nbytes}`` of the real tensors among ``tensors`` (on ``device`` if
-    given): shared storages appear once. Fake and meta tensors have no memory and are skipped."""
+    given): shared storages appear once. Fake and meta tensors have no memory, and host-tier
+    tensors (runtime/store.py) none on the device: they are skipped."""
     found: dict[int, int] = {}
     for t in tensors:
         if (
@@ -151,6 +153,7 @@ def storage_sizes(tensors: Iterable[Any], device: str | None = None) -> dict[int
             or isinstance(t, torch._subclasses.FakeTensor)
             or t.device.type == "meta"
             or (device is not None and t.device.type != device)
+            or is_host_placed(t)
         ):
             continue
         s = t.untyped_storage()

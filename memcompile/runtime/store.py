@@ -42,6 +42,7 @@ import mmap
 import os
 import tempfile
 import threading
+import weakref
 from typing import Literal
 
 import numpy as np
@@ -51,7 +52,16 @@ from memcompile.errors import MemcompileError, format_bytes
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OffloadError", "Tier", "TieredStore", "get_store", "register_store"]
+__all__ = [
+    "OffloadError",
+    "Tier",
+    "TieredStore",
+    "get_store",
+    "host_storage_bytes",
+    "is_host_placed",
+    "place_on_host",
+    "register_store",
+]
 
 Tier = Literal["host", "disk"]
 
@@ -60,9 +70,86 @@ class OffloadError(MemcompileError):
     """Moving a tensor to or from a tier failed (for example, the disk is full)."""
 
 
+# CPU host-tier storages by address -> bytes. On CPU the host tier and the device are the same
+# RAM, told apart only by who allocated it; measurements (runtime/measure.py) skip these, as
+# max_memory_allocated skips pinned host memory on CUDA. An entry goes when its buffer is freed.
+_host_storages: dict[int, int] = {}
+_host_lock = threading.Lock()
+
+
+def _unregister(address: int) -> None:
+    with _host_lock:
+        _host_storages.pop(address, None)
+
+
+def _host_buffer(nbytes: int) -> np.ndarray:
+    buffer = np.empty(nbytes, dtype=np.uint8)
+    if nbytes:
+        address = buffer.ctypes.data
+        with _host_lock:
+            _host_storages[address] = nbytes
+        weakref.finalize(buffer, _unregister, address)
+    return buffer
+
+
 def _as_torch(buffer: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     # A byte buffer viewed as a tensor with ``like``'s shape, strides and dtype.
     return torch.from_numpy(buffer).view(like.dtype).as_strided(like.shape, like.stride(), 0)
+
+
+def is_host_placed(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage is CPU host-tier memory (a host-placed parameter or gradient, a
+    swapped tensor), not device memory."""
+    if t.device.type != "cpu" or isinstance(t, torch._subclasses.FakeTensor):
+        return False
+    return t.untyped_storage().data_ptr() in _host_storages
+
+
+def host_storage_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s storage if it is in the CPU host tier, else 0."""
+    return t.untyped_storage().nbytes() if is_host_placed(t) else 0
+
+
+def place_on_host(p: torch.Tensor) -> int:
+    """Move a CPU parameter's storage (and its gradient's, if any) into the host tier, in place:
+    ``p`` keeps its identity, values, shape and strides, so optimizers and autograd see the same
+    object. Returns the device bytes freed (0 if it was already there).
+
+    Raises:
+        ValueError: ``p`` is not on the CPU, or does not cover its storage exactly (a view of a
+            larger buffer, whose other users would keep the device copy alive).
+    """
+    if is_host_placed(p):
+        return 0
+    if p.device.type != "cpu":
+        raise ValueError(
+            f"host-placed parameters need a CPU tensor (the CPU device's host tier); got {p.device}"
+        )
+    storage = p.untyped_storage()
+    if p.storage_offset() != 0 or p.numel() * p.element_size() != storage.nbytes():
+        raise ValueError("a parameter that is a view of a larger buffer cannot be host-placed")
+    freed = storage.nbytes()
+    with torch.no_grad():
+        host = _as_torch(_host_buffer(freed), p)
+        host.copy_(p)
+        p.data = host
+    _grad_to_host(p)
+    if p.requires_grad:
+        # The graphs send gradients to the host, but autograd may still make a device one:
+        # accumulating into an existing gradient out of place (a parameter used by several
+        # fragments), or an eager frame. Move it once accumulated.
+        p.register_post_accumulate_grad_hook(_grad_to_host)
+    return freed
+
+
+def _grad_to_host(p: torch.Tensor) -> None:
+    g = p.grad
+    if g is None or is_host_placed(g) or not g.is_contiguous():
+        return
+    with torch.no_grad():
+        host = _as_torch(_host_buffer(g.numel() * g.element_size()), g)
+        host.copy_(g)
+        p.grad = host
 
 
 def _storage_bytes(x: torch.Tensor) -> np.ndarray:
@@ -130,7 +217,7 @@ class TieredStore:
             else:
                 out.copy_(x)
         elif tier == "host":
-            out = _as_torch(np.empty(nbytes, dtype=np.uint8), x)
+            out = _as_torch(_host_buffer(nbytes), x)
             out.copy_(x)
         else:
             out = self._to_disk(x, nbytes)
