@@ -73,7 +73,7 @@ CONFIGS: dict[str, str] = {
     "mc_s35": "memcompile, budget 0.35, host tier only (no recompute)",
 }
 QUICK_CONFIGS = ("eager", "checkpoint", "sac", "aot_amb10", "mc_none", "mc_r25", "mc_h15")
-SWEEP_SYSTEMS = ("eager", "checkpoint", "aot_amb10", "mc_r", "mc_h")
+SWEEP_SYSTEMS = ("eager", "checkpoint", "sac", "aot_amb10", "mc_r", "mc_h")
 
 
 # --------------------------------------------------------------------------- building models
@@ -165,8 +165,8 @@ def _memcompile_options(config: str, budget: int | None, disk_dir: str) -> dict[
         return {}
     tier = config[3]
     opts: dict[str, Any] = {"budget": budget, "on_infeasible": "error"}
-    if tier == "r":
-        opts["swap"] = False
+    if tier == "r":  # recomputation only: parameters stay on the device too
+        opts.update(swap=False, offload_params=False)
     elif tier == "s":
         opts["recompute"] = False
     elif tier == "d":
@@ -431,16 +431,21 @@ def render(result: dict[str, Any]) -> str:
             f"## Largest GPT in a fixed budget ({_mib(sweep['budget'])} MiB = eager's peak at "
             f"{sweep['base_layers']} layers; bench width, SDPA; cap {sweep['cap']} layers)",
             "",
-            "| system | most layers that fit | vs eager |",
-            "|---|---|---|",
+            "| system | most layers that fit | vs eager | vs best PyTorch anchor |",
+            "|---|---|---|---|",
         ]
         base = max(sweep["largest"].get("eager", 0), 1)
+        anchors = [n for k, n in sweep["largest"].items() if not k.startswith("mc_")]
+        best = max(max(anchors, default=0), 1)
         for system, n in sweep["largest"].items():
-            lines.append(f"| {system} | {n} | {n / base:.1f}x |")
+            capped = " (cap)" if n >= sweep["cap"] else ""
+            lines.append(f"| {system} | {n}{capped} | {n / base:.1f}x | {n / best:.1f}x |")
         lines += [
             "",
-            "`mc_r` = memcompile recompute only, `mc_h` = memcompile with the host tier, both "
-            "with the fixed budget; `aot_amb10` = min-cut with activation_memory_budget 0.1.",
+            "`mc_r` = memcompile recompute only (parameters stay on the device), `mc_h` = "
+            "memcompile with the host tier (swaps, and parameters on the host when nothing else "
+            "fits: offload_params='auto'), both with the fixed budget; `sac` = selective "
+            "checkpointing per block; `aot_amb10` = min-cut with activation_memory_budget 0.1.",
         ]
     return "\n".join(lines) + "\n"
 
@@ -456,6 +461,14 @@ def main() -> None:
     p.add_argument("--sweep-base-layers", type=int, default=2)
     p.add_argument("--sweep-cap", type=int, default=None)
     p.add_argument("--no-sweep", action="store_true")
+    p.add_argument(
+        "--sweep-only",
+        action="store_true",
+        help="only the largest-model sweep (results to anchors_sweep.md/json)",
+    )
+    p.add_argument(
+        "--sweep-systems", default=",".join(SWEEP_SYSTEMS), help="comma list for the sweep"
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
@@ -474,6 +487,12 @@ def main() -> None:
     for name in (*models, *configs):
         if name not in (*MODELS, *CONFIGS):
             p.error(f"unknown model or config {name!r}")
+    systems = [x for x in args.sweep_systems.split(",") if x]
+    for name in systems:
+        if name not in SWEEP_SYSTEMS:
+            p.error(f"unknown sweep system {name!r}; choose from {', '.join(SWEEP_SYSTEMS)}")
+    if args.sweep_only:
+        models, configs = [], []
     print(f"anchor table: {len(models)} models x {len(configs)} configs", file=sys.stderr)
     rows = table(models, configs, reps)
 
@@ -485,7 +504,7 @@ def main() -> None:
         print(f"sweep: budget {_mib(budget)} MiB, cap {cap} layers", file=sys.stderr)
         largest_by: dict[str, int] = {}
         tried: dict[str, list[dict[str, Any]]] = {}
-        for system in SWEEP_SYSTEMS:
+        for system in systems:
             largest_by[system], tried[system] = largest(system, budget, cap)
         sweep = {
             "budget": budget,
@@ -508,7 +527,7 @@ def main() -> None:
         "sweep": sweep,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "anchors_quick" if args.quick else "anchors"
+    stem = "anchors_sweep" if args.sweep_only else "anchors_quick" if args.quick else "anchors"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     text = render(result)
     (args.out / f"{stem}.md").write_text(text)
