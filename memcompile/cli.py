@@ -10,7 +10,7 @@
 TARGET is a zoo workload name (``--size tiny|small|bench``, default tiny) or ``module:function``
 returning ``(model, batch)`` or ``(model, batch, loss)`` (see ``memcompile/cli_target.py``).
 A budget is bytes (``1500000``), a size (``"1.5MiB"``) or a percentage of the step's allocations
-without a plan (``"70%"``, see ``memcompile/viz/collect.py``). ``draw`` and ``timeline`` read a
+without a plan (``"70%"``, see ``memcompile/viz/capture.py``). ``draw`` and ``timeline`` read a
 ``plan.json`` written by ``plan`` without recompiling (``memcompile/viz/snapshot.py``).
 
 Every command takes ``--json`` (one JSON object on stdout). Errors print one line on stderr and
@@ -188,7 +188,7 @@ def _check_budget(budget: str | None) -> None:
 def _collect(args: argparse.Namespace) -> Any:
     """The Inspection of args.target (compiling it), or read from a plan file."""
     from memcompile.cli_target import resolve_target
-    from memcompile.viz.collect import collect
+    from memcompile.viz.capture import collect
 
     _check_budget(args.budget)
     options = _options(args.option)

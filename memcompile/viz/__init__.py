@@ -41,8 +41,8 @@ load = load_inspection
 
 
 def collect(*args: Any, **kwargs: Any) -> Inspection:
-    """:func:`memcompile.viz.collect.collect` (imported lazily: it imports the backend)."""
-    from memcompile.viz.collect import collect as _collect
+    """:func:`memcompile.viz.capture.collect` (imported lazily: it imports the backend)."""
+    from memcompile.viz.capture import collect as _collect
 
     return _collect(*args, **kwargs)
 
@@ -56,7 +56,7 @@ def as_inspection(x: Inspection | str | Path | Any) -> Inspection:
     from memcompile.report import find_compiler, report
 
     compiler = find_compiler(x)[0]  # TypeError for anything else, with a clear message
-    from memcompile.viz.collect import _step_calls
+    from memcompile.viz.capture import _step_calls
 
     name = type(getattr(x, "_orig_mod", x)).__name__
     return Inspection.from_report(

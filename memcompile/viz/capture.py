@@ -1,7 +1,7 @@
 """Run one training step of a workload under memcompile and snapshot what the backend did.
 
     from memcompile import zoo
-    from memcompile.viz.collect import collect
+    from memcompile.viz.capture import collect
     insp = collect(zoo.build("gpt", size="tiny"), budget="70%")   # an Inspection
     insp = collect(wl, budget="1.5MiB", before=False, measure=False)
 
