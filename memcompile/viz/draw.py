@@ -86,14 +86,14 @@ def node_roles(fragment: FragmentView, plan: FragmentPlan | None) -> dict[tuple[
     return roles
 
 
-def _label(n: NodeView, peak: bool) -> str:
+def _label(n: NodeView, peak: int | None) -> str:
     op = n.target.rsplit(".", 2)[-2] if n.op == "call_function" and "." in n.target else n.op
     # "mm_3\nmm" says nothing twice: show the op only when the name does not start with it
     short = n.name.lstrip("_").startswith(op.lstrip("_")) or n.op == "placeholder"
     text = n.name if short else f"{n.name}\\n{op}"
     if n.new_bytes:
         text += f"\\n{format_bytes(n.new_bytes)}"
-    return f"PEAK {format_bytes(n.live_bytes)}\\n{text}" if peak else text
+    return f"PEAK {format_bytes(peak)}\\n{text}" if peak is not None else text
 
 
 def _add_graph(
@@ -123,7 +123,10 @@ def _add_graph(
             attrs["shape"] = "ellipse"
         if peak:
             attrs.update(color="#e03131", penwidth="3", fontcolor="#c92a2a")
-        cluster.node(node_id, _label(n, peak), **attrs)
+        # The peak label is absolute device bytes, as the budget and the timeline are.
+        held = fragment.held_output_bytes if graph.kind == "backward" else 0
+        absolute = fragment.base_bytes + held + n.live_bytes
+        cluster.node(node_id, _label(n, absolute if peak else None), **attrs)
     for n in graph.nodes:
         if n.name in ids:
             edges.extend((ids[a], ids[n.name]) for a in n.inputs if a in ids)
