@@ -1,10 +1,21 @@
 """The ``memcompile`` command (also ``python -m memcompile``).
 
-    memcompile demo [--workload gpt] [--size small] [--steps 3] [--json]
+    memcompile demo [--workload gpt] [--size small] [--steps 3]
+    memcompile inspect TARGET [--budget B]               # fragments, peaks, plans, fallbacks
+    memcompile plan TARGET --budget B -o plan.json       # the plan, with what draw/timeline need
+    memcompile draw TARGET|plan.json -o plan.svg         # graphviz: nodes coloured by decision
+    memcompile timeline TARGET|plan.json -o step.png     # live bytes before/after, budget line
+    memcompile bench [--suite anchors|dynamic|all] [--quick]
 
-``demo`` trains a zoo workload under the memcompile backend, then measures one step and prints,
-for each fragment, the predicted and the measured device peak. Errors print one line on stderr and
-exit with status 1; ``NO_COLOR`` is respected (output is plain text).
+TARGET is a zoo workload name (``--size tiny|small|bench``, default tiny) or ``module:function``
+returning ``(model, batch)`` or ``(model, batch, loss)`` (see ``memcompile/cli_target.py``).
+A budget is bytes (``1500000``), a size (``"1.5MiB"``) or a percentage of the step's allocations
+without a plan (``"70%"``, see ``memcompile/viz/capture.py``). ``draw`` and ``timeline`` read a
+``plan.json`` written by ``plan`` without recompiling (``memcompile/viz/snapshot.py``).
+
+Every command takes ``--json`` (one JSON object on stdout). Errors print one line on stderr and
+exit with status 1 (``-v`` adds the traceback of unexpected ones). Tables are rich on a terminal
+when rich is installed and plain text otherwise; ``NO_COLOR`` is respected.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -24,6 +36,11 @@ __all__ = ["main"]
 
 class CliError(Exception):
     """A user-facing error: printed as one line, exit status 1."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _pct(pred: int | None, meas: int | None) -> str:
@@ -120,6 +137,281 @@ def _demo(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+# -- inspection commands --------------------------------------------------------------------
+
+
+def _option_value(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def _options(pairs: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CliError(f"--option {pair!r}: expected KEY=VALUE, e.g. swap=false")
+        if key == "budget":
+            raise CliError("--option budget=...: use --budget")
+        out[key] = _option_value(value)
+    return out
+
+
+def _check_budget(budget: str | None) -> None:
+    # A typo must fail before anything compiles (a percentage is resolved after the first run).
+    from memcompile.config import parse_bytes
+
+    if budget is None:
+        return
+    text = budget.strip()
+    if text.endswith("%"):
+        try:
+            fraction = float(text[:-1])
+        except ValueError:
+            fraction = -1.0
+        if fraction <= 0:
+            raise CliError(f"--budget {budget!r}: a percentage must be a positive number, e.g. 70%")
+        return
+    try:
+        parse_bytes(int(text) if text.isdigit() else text)
+    except (TypeError, ValueError) as e:
+        raise CliError(f"--budget: {_first_line(e)}") from None
+
+
+def _collect(args: argparse.Namespace) -> Any:
+    """The Inspection of args.target (compiling it), or read from a plan file."""
+    from memcompile.cli_target import resolve_target
+    from memcompile.viz.capture import collect
+
+    _check_budget(args.budget)
+    options = _options(args.option)
+    wl = resolve_target(args.target, size=args.size, seed=args.seed)
+    budget: int | str | None = args.budget
+    if isinstance(budget, str) and budget.strip().isdigit():
+        budget = int(budget.strip())
+    return collect(
+        wl,
+        budget=budget,
+        before=not args.no_before or (isinstance(budget, str) and budget.strip().endswith("%")),
+        measure=not args.no_measure,
+        target=args.target if ":" in args.target else f"{args.target} ({args.size})",
+        **options,
+    )
+
+
+def _load_or_collect(args: argparse.Namespace) -> Any:
+    from memcompile.viz.snapshot import load_inspection
+
+    if args.target.endswith(".json"):
+        if args.budget is not None or args.option:
+            raise CliError("--budget and --option apply to a TARGET, not to a plan file")
+        return load_inspection(args.target)
+    return _collect(args)
+
+
+def _summary(insp: Any) -> dict[str, Any]:
+    return {
+        "target": insp.target,
+        "budget": insp.budget,
+        "predicted_peak": insp.predicted_peak,
+        "measured_peak": insp.measured_peak,
+        "before_peak": insp.before_peak,
+        "exact": insp.exact,
+        "resident_bytes": insp.resident_bytes,
+        "step": [c.label for c in insp.step],
+        "fragments": [
+            {
+                "name": f.name,
+                "id": f.id,
+                "code": f.code,
+                "reason": f.reason,
+                "calls": f.calls,
+                "predicted_peak": f.predicted_peak,
+                "peak_at": f"{f.peak_graph}:{f.peak_node}" if f.peak_node else None,
+            }
+            for f in insp.fragments
+        ],
+        "plans": [p.to_dict() for p in insp.plan.fragments],
+        "fallbacks": list(insp.fallbacks),
+    }
+
+
+def _fmt(n: int | None) -> str:
+    from memcompile.errors import format_bytes
+
+    return "-" if n is None else format_bytes(n)
+
+
+def _print_inspection(insp: Any) -> None:
+    from memcompile.cli_output import print_table
+
+    budget = "no budget" if insp.budget is None else f"budget {_fmt(insp.budget)}"
+    kind = "exact model" if insp.exact else "estimate"
+    print(f"memcompile inspect {insp.target}: {budget}, {len(insp.fragments)} fragment(s)")
+    print(
+        f"  step peak: predicted {_fmt(insp.predicted_peak)} ({kind}), measured "
+        f"{_fmt(insp.measured_peak)} ({_pct(insp.predicted_peak, insp.measured_peak)}), "
+        f"without a plan {_fmt(insp.before_peak)}"
+    )
+    print(f"  step: {' '.join(c.label for c in insp.step) or '-'}\n")
+    print_table(
+        "fragments",
+        ["frag", "id", "calls", "predicted peak", "peak at", "code"],
+        [
+            [f.name, f.id, f.calls, _fmt(f.predicted_peak), f.peak_node or "-", f.short_code]
+            for f in insp.fragments
+        ],
+        right=(2, 3),
+    )
+    for f in insp.fragments:
+        plan = insp.plan_of(f)
+        if plan is None:
+            continue
+        tiers = sorted(set(plan.swapped.values()))
+        print(
+            f"\nplan of {f.name}: {'fits' if plan.feasible else 'DOES NOT FIT'}; recompute "
+            f"{len(plan.recomputed)}, swap {len(plan.swapped)}"
+            f"{' (' + ', '.join(tiers) + ')' if tiers else ''} of {len(plan.decisions)} saved "
+            f"tensors ({_fmt(plan.saved_bytes)} kept); predicted peak "
+            f"{_fmt(plan.predicted_peak)} (without a plan {_fmt(plan.baseline_peak)})"
+        )
+        stall = "-" if plan.swap_stall is None else f"{plan.swap_stall * 1e3:.3f} ms"
+        print(
+            f"  cost: recompute {plan.recompute_time * 1e3:.3f} ms, swap copies "
+            f"{plan.swap_time * 1e3:.3f} ms, stall after prefetch {stall}, "
+            f"{len(plan.prefetch)} reload(s) prefetched"
+        )
+        moved = [d for d in plan.decisions if d.action != "keep"]
+        if moved:
+            print_table(
+                f"  decisions other than keep ({len(moved)})",
+                ["tensor", "bytes", "action"],
+                [[d.tensor, _fmt(d.nbytes), d.action] for d in moved],
+                right=(1,),
+            )
+    if insp.fallbacks:
+        print("\neager fallbacks (memory there is not managed):")
+        for line in insp.fallbacks:
+            print(f"  {line}")
+    else:
+        print("\neager fallbacks: none")
+
+
+def _inspect(args: argparse.Namespace) -> dict[str, Any]:
+    insp = _collect(args)
+    if not args.json:
+        _print_inspection(insp)
+    return _summary(insp)
+
+
+def _plan(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.output)
+    if not out.parent.is_dir():
+        raise CliError(f"-o {args.output}: folder {str(out.parent)!r} does not exist")
+    insp = _collect(args)
+    try:
+        out.write_text(insp.to_json(indent=1) + "\n")
+    except OSError as e:
+        raise CliError(f"cannot write {args.output}: {e.strerror or e}") from None
+    if not args.json:
+        planned = sum(1 for _ in insp.plan.fragments)
+        print(
+            f"wrote {out}: {planned} fragment plan(s), budget {_fmt(insp.budget)}, predicted "
+            f"step peak {_fmt(insp.predicted_peak)} (without a plan {_fmt(insp.before_peak)})"
+        )
+    return {"output": str(out), **_summary(insp)}
+
+
+def _output_format(path: str, allowed: Sequence[str]) -> str:
+    fmt = Path(path).suffix.lstrip(".").lower()
+    if fmt not in allowed:
+        raise CliError(f"-o {path}: the file name must end in one of .{', .'.join(allowed)}")
+    if not Path(path).parent.is_dir():
+        raise CliError(f"-o {path}: folder {str(Path(path).parent)!r} does not exist")
+    return fmt
+
+
+def _draw(args: argparse.Namespace) -> dict[str, Any]:
+    from memcompile.viz.draw import plan_digraph, render
+
+    fmt = _output_format(args.output, ("svg", "png", "pdf", "dot"))
+    insp = _load_or_collect(args)
+    data = render(plan_digraph(insp), fmt)
+    Path(args.output).write_bytes(data)
+    nodes = sum(len(g.nodes) for f in insp.fragments for g in (f.forward, f.backward) if g)
+    if not args.json:
+        print(f"wrote {args.output}: {len(insp.fragments)} fragment(s), {nodes} nodes")
+    return {"output": args.output, "format": fmt, "fragments": len(insp.fragments), "nodes": nodes}
+
+
+def _timeline(args: argparse.Namespace) -> dict[str, Any]:
+    from memcompile.viz.timeline import timeline_figure
+
+    fmt = _output_format(args.output, ("png", "svg", "pdf"))
+    insp = _load_or_collect(args)
+    timeline_figure(insp).savefig(args.output, format=fmt, dpi=100)
+    if not args.json:
+        print(
+            f"wrote {args.output}: budget {_fmt(insp.budget)}, predicted step peak "
+            f"{_fmt(insp.predicted_peak)}, without a plan {_fmt(insp.before_peak)}"
+        )
+    return {
+        "output": args.output,
+        "format": fmt,
+        "budget": insp.budget,
+        "predicted_peak": insp.predicted_peak,
+        "before_peak": insp.before_peak,
+    }
+
+
+def _bench(args: argparse.Namespace) -> dict[str, Any]:
+    from memcompile.cli_bench import BenchError, run_suite, suites_for
+    from memcompile.cli_output import progress
+
+    try:
+        run, skipped = suites_for(args.suite)
+    except BenchError as e:
+        raise CliError(str(e)) from None
+    for name in skipped:
+        print(f"memcompile bench: suite {name!r} does not exist yet; skipped", file=sys.stderr)
+    harness: list[str] = []
+    if args.quick:
+        harness.append("--quick")
+    for flag in ("models", "configs", "reps"):
+        value = getattr(args, flag)
+        if value is not None:
+            harness += [f"--{flag}", str(value)]
+    if args.no_sweep:
+        harness.append("--no-sweep")
+    runs = []
+    for suite in run:
+        with progress(None, suite) as reporter:
+            try:
+                runs.append(run_suite(suite, harness, args.out, reporter))
+            except BenchError as e:
+                raise CliError(str(e)) from None
+        if not args.json:
+            print(runs[-1].report, end="")
+            print(f"results: {runs[-1].out}")
+    return {
+        "suites": [
+            {"suite": r.suite, "rows": list(r.rows), "out": r.out, "command": list(r.command)}
+            for r in runs
+        ],
+        "skipped": skipped,
+    }
+
+
+# -- parser and entry point -------------------------------------------------------------------
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="memcompile",
@@ -127,29 +419,126 @@ def _parser() -> argparse.ArgumentParser:
         "(a torch.compile backend).",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log memcompile's decisions (INFO)")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print one JSON object instead")
+    target = argparse.ArgumentParser(add_help=False)
+    target.add_argument("--size", default="tiny", help="zoo size: tiny, small or bench (tiny)")
+    target.add_argument("--seed", type=int, default=0)
+    target.add_argument(
+        "--option",
+        "-O",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another memcompile option, e.g. -O swap=false -O offload_to=disk (repeatable)",
+    )
+    target.add_argument(
+        "--no-before", action="store_true", help="skip the unplanned compile (no 'before' curve)"
+    )
+    target.add_argument("--no-measure", action="store_true", help="do not measure the step")
+
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    d = sub.add_parser("demo", help="train a zoo workload and compare predicted and measured peaks")
+    d = sub.add_parser(
+        "demo",
+        parents=[common],
+        help="train a zoo workload and compare predicted and measured peaks",
+    )
     d.add_argument("--workload", default="gpt", help="zoo workload name (default: gpt)")
     d.add_argument("--size", default="small", help="tiny, small or bench (default: small)")
     d.add_argument("--steps", type=int, default=3, help="training steps before the measured one")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--lr", type=float, default=0.05)
-    d.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     d.set_defaults(func=_demo)
+
+    budget_help = "bytes, a size like 1.5MiB, or N%% of the step's allocations without a plan"
+    i = sub.add_parser(
+        "inspect",
+        parents=[common, target],
+        help="compile TARGET, run one step; fragments, peaks, plans and eager fallbacks",
+    )
+    i.add_argument("target", metavar="TARGET", help="zoo workload name or module:function")
+    i.add_argument("--budget", help=budget_help)
+    i.set_defaults(func=_inspect)
+
+    pl = sub.add_parser(
+        "plan", parents=[common, target], help="write TARGET's memory plan (and graphs) as JSON"
+    )
+    pl.add_argument("target", metavar="TARGET", help="zoo workload name or module:function")
+    pl.add_argument("--budget", required=True, help=budget_help)
+    pl.add_argument("-o", "--output", required=True, help="the plan file to write (plan.json)")
+    pl.set_defaults(func=_plan)
+
+    dr = sub.add_parser(
+        "draw", parents=[common, target], help="draw fragments and plans (graphviz)"
+    )
+    dr.add_argument("target", metavar="TARGET|PLAN.json")
+    dr.add_argument("--budget", help=budget_help)
+    dr.add_argument("-o", "--output", required=True, help="out.svg (or .png, .pdf, .dot)")
+    dr.set_defaults(func=_draw)
+
+    tl = sub.add_parser(
+        "timeline",
+        parents=[common, target],
+        help="plot live bytes over the step before and after the plan (matplotlib)",
+    )
+    tl.add_argument("target", metavar="TARGET|PLAN.json")
+    tl.add_argument("--budget", help=budget_help)
+    tl.add_argument("-o", "--output", required=True, help="out.png (or .svg, .pdf)")
+    tl.set_defaults(func=_timeline)
+
+    b = sub.add_parser(
+        "bench", parents=[common], help="run the benchmark harness (benchmarks/, a checkout)"
+    )
+    b.add_argument("--suite", default="anchors", help="anchors, dynamic (not yet) or all")
+    b.add_argument("--quick", action="store_true", help="the harness's quick mode")
+    b.add_argument("--models", help="comma list of models (harness default: all)")
+    b.add_argument("--configs", help="comma list of configurations (harness default: all)")
+    b.add_argument("--reps", type=int, help="paired timing repetitions")
+    b.add_argument("--no-sweep", action="store_true", help="skip the largest-model sweep")
+    b.add_argument(
+        "--out", type=Path, default=None, help="results folder (default: benchmarks/results)"
+    )
+    b.set_defaults(func=_bench)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``memcompile`` command; returns the exit status."""
+    from memcompile.cli_target import TargetError
+    from memcompile.errors import MemcompileError
+    from memcompile.viz.snapshot import InspectionFileError
+
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
     try:
         result = args.func(args)
-    except CliError as e:
-        print(f"memcompile: error: {e}", file=sys.stderr)
+    except (CliError, TargetError, InspectionFileError, MemcompileError) as e:
+        print(f"memcompile: error: {_first_line(e)}", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError, NotImplementedError) as e:
+        # Bad option values (MemConfig names the key), drawing failures and the like.
+        if args.verbose:
+            log.exception("memcompile %s failed", args.command)
+        print(f"memcompile: error: {_first_line(e)}", file=sys.stderr)
+        return 1
+    except ImportError as e:
+        print(
+            f"memcompile: error: {_first_line(e)} (install the extra: pip install "
+            "'memcompile[viz]')",
+            file=sys.stderr,
+        )
+        return 1
+    except Exception as e:
+        if args.verbose:
+            log.exception("memcompile %s failed", args.command)
+        hint = "" if args.verbose else " (run with -v for the traceback)"
+        print(
+            f"memcompile: error: unexpected {type(e).__name__}: {_first_line(e)}{hint}",
+            file=sys.stderr,
+        )
         return 1
     if getattr(args, "json", False):
         print(json.dumps(result, indent=2))

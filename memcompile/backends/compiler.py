@@ -17,6 +17,7 @@ the observed step; nothing is recomputed later.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 import warnings
@@ -30,6 +31,7 @@ from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch import partitioners as P
 from torch._functorch.partitioners import default_partition
+from torch._logging._internal import trace_structured_artifact
 
 from memcompile.backends.dynamo_hooks import calling_dynamo_context, install_call_hook
 from memcompile.backends.fallbacks import Fallback, FunctionSpan, monitor
@@ -362,6 +364,12 @@ class _FragmentBuild:
         self._fw_gm = gm
         self._profile(gm, self._bw_gm)
         self._prefetch(example_inputs)
+        if self.plan is not None:
+            # The final plan (with its prefetches) for tlparse; a no-op unless TORCH_TRACE is set.
+            plan = self.plan
+            trace_structured_artifact(
+                f"memcompile_plan_F{self.index}", "json", lambda: json.dumps(plan.to_dict())
+            )
         self.compiler.check_budget(self)
         fn = compile_inner(
             self.compiler.config.inner,

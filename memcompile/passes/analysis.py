@@ -159,6 +159,8 @@ class NodeProfile:
             its workspace).
         flops: from ``torch.utils.flop_counter`` (0 for ops it has no formula for).
         bytes_moved: bytes read plus written (logical sizes; 0 for views).
+        inputs: names of the nodes it reads, in argument order (the graph's edges, kept so that
+            drawings of a plan need no graph module).
     """
 
     name: str
@@ -171,6 +173,7 @@ class NodeProfile:
     live_bytes: int
     flops: int
     bytes_moved: int
+    inputs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,7 @@ class GraphProfile:
                     "live_bytes": n.live_bytes,
                     "flops": n.flops,
                     "bytes_moved": n.bytes_moved,
+                    "inputs": list(n.inputs),
                 }
                 for n in self.nodes
             ],
@@ -440,6 +444,7 @@ def profile_graph(
                 live_bytes=live + scratch,
                 flops=flops,
                 bytes_moved=moved,
+                inputs=tuple(a.name for a in n.all_input_nodes),
             )
         )
         live -= freed

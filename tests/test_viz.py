@@ -1,0 +1,111 @@
+"""memcompile.viz: the Inspection snapshot and the notebook views (inline SVG / PNG)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+import memcompile
+from memcompile.cli_target import resolve_target
+from memcompile.viz.capture import resolve_budget
+
+import cli_targets
+
+pytest.importorskip("graphviz", reason="the viz extra (graphviz, matplotlib) is not installed")
+pytest.importorskip("matplotlib", reason="the viz extra (graphviz, matplotlib) is not installed")
+
+# after the skips: these need the viz extra
+import memcompile.viz as mv
+from memcompile.viz.draw import node_roles
+from memcompile.viz.fragments import transition_graph
+
+needs_dot = pytest.mark.skipif(
+    shutil.which("dot") is None, reason="graphviz's `dot` program is not installed"
+)
+
+
+@pytest.fixture(scope="module")
+def swapped() -> mv.Inspection:
+    """The MLP planned with swaps only: one tensor to the host, its reload prefetched."""
+    wl = resolve_target("cli_targets:mlp")
+    return mv.collect(wl, budget="90%", measure=False, recompute=False)
+
+
+def test_inspection_survives_its_json_round_trip(swapped: mv.Inspection, tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(swapped.to_json())
+    assert mv.load(path) == swapped
+
+
+def test_node_roles_follow_the_plan(swapped: mv.Inspection) -> None:
+    (frag,) = swapped.fragments
+    plan = swapped.plan_of(frag)
+    assert plan is not None and plan.swapped and plan.prefetch
+    roles = node_roles(frag, plan)
+    for d in plan.decisions:
+        expected = {"keep": "keep", "recompute": "recompute"}.get(d.action, "swap")
+        assert roles[("forward", d.tensor)] == expected
+    reloads = {name for (kind, name), _ in roles.items() if name.startswith("reload")}
+    assert reloads == {r for r, _ in plan.prefetch}
+    assert all(roles[("backward", r)] == "prefetch" for r in reloads)
+    assert any(role == "swap" and name.startswith("offload") for (_, name), role in roles.items())
+    assert roles[("forward", frag.forward.nodes[0].name)] == "input"  # type: ignore[union-attr]
+
+
+@needs_dot
+def test_show_plan_displays_inline_svg_and_saves(swapped: mv.Inspection, tmp_path: Path) -> None:
+    img = mv.show_plan(swapped)
+    svg = img._repr_svg_()
+    assert "<svg" in svg and "PEAK" in svg and "reload" in svg
+    assert img.save(tmp_path / "p.svg").read_text() == svg
+
+
+def test_show_timeline_displays_inline_png_and_saves(
+    swapped: mv.Inspection, tmp_path: Path
+) -> None:
+    from memcompile.viz.timeline import curve
+
+    img = mv.show_timeline(swapped)
+    assert img._repr_png_()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert img.save(tmp_path / "t.png").read_bytes() == img.png
+    (frag,) = swapped.fragments
+    after, _ = curve(frag, frag.forward, frag.backward)
+    before, _ = curve(frag, frag.before_forward, frag.before_backward)
+    assert swapped.budget is not None
+    assert max(after) <= swapped.budget < max(before)  # the plot's two curves and its line
+    assert max(after) == swapped.predicted_peak
+
+
+@needs_dot
+def test_show_fragments_draws_the_block_transitions(swapped: mv.Inspection) -> None:
+    g = transition_graph(swapped)
+    assert list(g.nodes) == ["F0.fw", "F0.bw"]
+    assert g.edges["F0.fw", "F0.bw"]["count"] == 1
+    svg = mv.show_fragments(swapped)._repr_svg_()
+    assert "F0.fw" in svg and "F0.bw" in svg
+
+
+def test_a_compiled_model_is_shown_from_its_report() -> None:
+    model, batch = cli_targets.mlp()
+    compiled = memcompile.compile(model)
+    import torch.nn.functional as F
+
+    F.cross_entropy(compiled(batch[0]), batch[1]).backward()
+    insp = mv.as_inspection(compiled)
+    assert insp.target == "Sequential" and insp.before_peak is None
+    assert [c.label for c in insp.step] == ["F0.fw", "F0.bw"]
+    assert mv.show_timeline(insp).png[:4] == b"\x89PNG"
+    with pytest.raises(TypeError, match="memcompile"):
+        mv.as_inspection(object())
+
+
+def test_a_percentage_budget_is_relative_to_the_unplanned_step() -> None:
+    assert resolve_budget("50%", resident=100, unplanned_peak=300) == 200
+    assert resolve_budget("1KiB", resident=0, unplanned_peak=None) == 1024
+    assert resolve_budget(None, resident=0, unplanned_peak=None) is None
+    with pytest.raises(ValueError, match="needs the unplanned step"):
+        resolve_budget("50%", resident=0, unplanned_peak=None)
+    with pytest.raises(ValueError, match="positive percentage"):
+        resolve_budget("-5%", resident=0, unplanned_peak=10)
