@@ -173,5 +173,5 @@ def test_bad_arguments_name_the_argument() -> None:
         Pilot(window=4)
     with pytest.raises(ValueError, match=r"Pilot: threshold must be in \[0, 1\]; got 1.5"):
         Pilot(threshold=1.5)
-    with pytest.raises(RuntimeError, match="Pilot.save: no model yet"):
+    with pytest.raises(RuntimeError, match=r"Pilot\.save: no model yet"):
         Pilot().save("/nonexistent")
