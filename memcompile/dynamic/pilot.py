@@ -105,7 +105,8 @@ class PilotStats:
         predictions: predictions scored at ``horizon``.
         predict_us_p50: median :meth:`Pilot.predict` time, microseconds (features included).
         active: ``"lightgbm"`` once a model is trained or loaded, else ``"markov"``.
-        fallback_rate: fraction of predictions that fell back to Markov.
+        fallback_rate: of the predictions made once a model existed, the fraction in which at
+            least one horizon fell back to Markov (``None``: no model yet).
         models_trained: completed trainings.
     """
 
@@ -252,7 +253,7 @@ class Pilot:
         self._hits = [0] * horizon
         self._scored = [0] * horizon
         self._fallbacks = 0
-        self._predictions = 0
+        self._model_predictions = 0
         self._latency_ns: deque[int] = deque(maxlen=10_000)
 
     # -- the stream ---------------------------------------------------------------------------
@@ -347,8 +348,9 @@ class Pilot:
             sources.append("markov")
             conf.append(_NAN)
         self._latency_ns.append(time.perf_counter_ns() - start)
-        self._predictions += 1
-        self._fallbacks += models is not None and "markov" in sources
+        if models is not None:
+            self._model_predictions += 1
+            self._fallbacks += "markov" in sources
         self._made.append((self._t - 1, tuple(ids)))
         labels = self._labels
         return Prediction(
@@ -409,7 +411,9 @@ class Pilot:
             predictions=self._scored[self.horizon - 1],
             predict_us_p50=lat[len(lat) // 2] / 1000 if lat else None,
             active=self.active,
-            fallback_rate=self._fallbacks / self._predictions if self._predictions else None,
+            fallback_rate=(
+                self._fallbacks / self._model_predictions if self._model_predictions else None
+            ),
             models_trained=self.models_trained,
         )
 
