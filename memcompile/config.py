@@ -223,7 +223,6 @@ class MemConfig:
                 self.pilot in ("lightgbm", "markov"),
                 "the dynamic-network pilot (the dynamic issue)",
             ),
-            "trace_path": (self.trace_path is not None, "block traces (the dynamic issue)"),
         }
         for key, (needs, feature) in pending.items():
             if needs:

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from torch._dynamo.exc import ShortenTraceback
 
-__all__ = ["MemcompileError", "MemoryBudgetError", "MemoryBudgetWarning", "format_bytes"]
+__all__ = [
+    "MemcompileError",
+    "MemoryBudgetError",
+    "MemoryBudgetWarning",
+    "PilotWarning",
+    "format_bytes",
+]
 
 
 def format_bytes(n: int | float) -> str:
@@ -62,3 +68,8 @@ class MemoryBudgetError(MemcompileError):
 class MemoryBudgetWarning(UserWarning):
     """A plan does not meet the budget (``on_infeasible="best_effort"``, or a prediction that the
     built graphs exceed it): the step may peak above the budget."""
+
+
+class PilotWarning(UserWarning):
+    """The dynamic-network pilot cannot use a saved model (missing, corrupt, or made for other
+    features) and predicts with its Markov fallback until it has trained a new one."""

@@ -23,7 +23,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch._dynamo
@@ -57,12 +57,26 @@ from memcompile.runtime.store import TieredStore, is_host_placed, place_on_host,
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MemCompiler", "StepEvent"]
+__all__ = ["BlockObserver", "MemCompiler", "StepEvent"]
 
 #: One fragment call in a training step: (fragment index, "forward" | "backward" | "inference",
 #: block key). The block key tells apart calls of one graph with different parameters (one
 #: compiled graph serves every expert): the address of the first parameter, 0 if none.
 StepEvent = tuple[int, str, int]
+
+
+class BlockObserver(Protocol):
+    """Sees every fragment call (``MemCompiler.block_observers``), e.g. the trace recorder.
+
+    ``on_block`` runs before the call with the step number, the :data:`StepEvent` fields and the
+    call's arguments (read sizes only: a reference kept would keep activations alive)."""
+
+    def on_block(
+        self, step: int, index: int, kind: str, block: int, args: Sequence[Any]
+    ) -> None: ...
+
+    def reset(self) -> None: ...
+
 
 #: When a budgeted plan uses the dropout rewrite (passes/dropout.py): ``"auto"`` when the plan
 #: without it misses the budget and the one with it fits or peaks lower; ``"always"`` and
@@ -429,7 +443,7 @@ class _FragmentBuild:
             block = args[key_pos].data_ptr() if key_pos >= 0 else 0
             if block not in blocks:  # a new set of parameters (another expert): remember them
                 blocks[block] = storage_sizes(args[i] for i in static)
-            on_call(index, kind, block)
+            on_call(index, kind, block, args)
             if _profiler_enabled():
                 with torch.profiler.record_function(range_name):
                     return fn(args)
@@ -538,8 +552,19 @@ class MemCompiler:
         self.model: weakref.ref[torch.nn.Module] | None = None
         self.store = TieredStore(self.config.disk_path)
         self.store_key = register_store(self.store)
+        #: Told of every fragment call, in order (dynamic/: the trace recorder, the pilot).
+        self.block_observers: list[BlockObserver] = []
+        if self.config.trace_path is not None:
+            from memcompile.dynamic.trace import TraceRecorder
+
+            self.block_observers.append(
+                TraceRecorder(self.config.trace_path, records=self.records, model=self._model)
+            )
         _apply_dynamo_settings()
         _all_compilers.add(self)
+
+    def _model(self) -> torch.nn.Module | None:
+        return self.model() if self.model is not None else None
 
     def __repr__(self) -> str:
         return f"MemCompiler({len(self.fragments)} fragments, inner={self.config.inner!r})"
@@ -634,6 +659,8 @@ class MemCompiler:
             self._checked_steps.clear()
             self.over_budget = False
             self.steps_observed = 0
+        for observer in self.block_observers:
+            observer.reset()
 
     # -- budget bookkeeping ----------------------------------------------------------------------
     def cost_profile(self, example: Sequence[Any]) -> DeviceProfile:
@@ -758,7 +785,7 @@ class MemCompiler:
         the model's first call)."""
         self._claim(monitor.claim_functions(functions))
 
-    def _on_call(self, index: int, kind: str, block: int) -> None:
+    def _on_call(self, index: int, kind: str, block: int, args: Sequence[Any] = ()) -> None:
         # A training step is its forward calls, then its backward calls: the next forward after a
         # backward starts a new step. A step of inference calls ends when its first call repeats
         # (a training forward may repeat a shared fragment, e.g. one graph for every expert).
@@ -787,6 +814,8 @@ class MemCompiler:
         step.append((index, kind, block))
         self._step_trains |= kind == "forward"
         self._last_kind = kind
+        for observer in self.block_observers:
+            observer.on_block(self.steps_observed, index, kind, block, args)
 
     def step_sequence(self) -> tuple[StepEvent, ...]:
         """The step predictions replay: :meth:`current_step`, with the backward assumed (reverse

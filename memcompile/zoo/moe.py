@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memcompile.zoo import register
-from memcompile.zoo.base import Workload, generator
+from memcompile.zoo.base import Workload, check_size, generator
 
 _CONFIGS: dict[str, dict[str, int]] = {
     "tiny": dict(
@@ -210,7 +210,27 @@ def _topic_stream(
 @register("moe")
 def build_moe(size: str, seed: int) -> Workload:
     """A top-k mixture-of-experts transformer on a structured token stream."""
-    cfg = _CONFIGS[size]
+    return moe_workload(size, seed)
+
+
+def moe_workload(size: str = "tiny", seed: int = 0, **overrides: int) -> Workload:
+    """:func:`build_moe` with some of the size's settings replaced, e.g. ``batch=1, seq_len=8``
+    for sparse routing: few tokens per step leave some experts idle, so the step's block sequence
+    varies (with the zoo sizes every expert gets tokens in almost every step).
+
+    Raises:
+        ValueError: an unknown setting, or a value that is not a positive int.
+    """
+    check_size(size)
+    cfg = dict(_CONFIGS[size])
+    for key, value in overrides.items():
+        if key not in cfg:
+            raise ValueError(f"moe_workload: unknown setting {key!r}; settings: {', '.join(cfg)}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"moe_workload: {key} must be a positive int; got {value!r}")
+        cfg[key] = value
+    if cfg["top_k"] > cfg["experts"]:
+        raise ValueError(f"moe_workload: top_k={cfg['top_k']} exceeds experts={cfg['experts']}")
     torch.manual_seed(seed)
     model = MoETransformer(
         layers=cfg["layers"],

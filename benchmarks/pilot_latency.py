@@ -1,0 +1,127 @@
+"""Per-prediction latency of the pilot: LightGBM's C fast path vs ``Booster.predict``.
+
+    OMP_NUM_THREADS=1 python benchmarks/pilot_latency.py [--steps 60] [--calls 5000] [--out DIR]
+
+Collects a block trace of the zoo MoE (``benchmarks/dynamic.py``'s setup: ``small``, batch 1,
+8 tokens), trains a :class:`memcompile.dynamic.pilot.Pilot` (horizon 2, default size) on it, then
+times, over the trace's own feature rows, one call each of:
+
+* ``FastBooster.predict``: ``LGBM_BoosterPredictForMatSingleRowFast`` through ctypes on a
+  preallocated row (the pilot's path), one horizon's booster;
+* ``Booster.predict(row, num_threads=1)``: LightGBM's Python API on a 1-row array, same booster;
+* ``Pilot.predict()``: everything the pilot does per block (both horizons, threshold, Markov
+  fallback, labels), on the trace's rows as ``observe`` builds them;
+* ``MarkovPredictor.predict()``.
+
+Median and p90 of ``time.perf_counter_ns`` per call, after 200 warm-up calls. Writes
+``benchmarks/results/pilot_latency.md`` with the command, machine and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from dynamic import collect_trace, forward_stream  # noqa: E402
+
+from memcompile.dynamic.pilot import Pilot  # noqa: E402
+
+
+def _time(fn: Callable[[int], object], calls: int) -> tuple[float, float]:
+    for i in range(200):
+        fn(i)
+    ts = np.empty(calls)
+    for i in range(calls):
+        t = time.perf_counter_ns()
+        fn(i)
+        ts[i] = time.perf_counter_ns() - t
+    return float(np.median(ts)) / 1000, float(np.percentile(ts, 90)) / 1000
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    trace, facts = collect_trace(args.steps, size="small", batch=1, seq_len=8)
+    stream = forward_stream(trace)
+    pilot = Pilot(horizon=2, warmup_steps=args.steps, retrain_every=1, seed=0)
+    for t, (step, block, fragment, sizes, idioms) in enumerate(stream):
+        pilot.observe(block, fragment, sizes, idioms)
+        if t + 1 == len(stream) or stream[t + 1][0] != step:
+            pilot.end_step()
+    pilot.wait()
+    models = pilot._models
+    assert models is not None and models[0].booster is not None, "the pilot did not train"
+    booster, fast = models[0].booster, models[0].fast
+    assert fast is not None
+    rows = np.array([r for r, _ in pilot._rows], dtype=np.float64)
+    n = len(rows)
+
+    def fast_call(i: int) -> object:
+        fast.row[:] = rows[i % n]
+        return fast.predict()
+
+    row_lists = [list(r) for r, _ in pilot._rows]
+
+    def pilot_call(i: int) -> object:
+        pilot._row = row_lists[i % n]  # as if observe() had just built this row
+        return pilot.predict()
+
+    def booster_call(i: int) -> object:
+        return booster.predict(rows[i % n : i % n + 1], num_threads=1)
+
+    # same answers (probabilities) from both paths
+    for i in range(50):
+        np.testing.assert_allclose(fast_call(i), booster_call(i)[0], rtol=1e-9)
+    results = {
+        "FastBooster.predict (C fast path, ctypes)": _time(fast_call, args.calls),
+        "Booster.predict(row, num_threads=1)": _time(booster_call, min(args.calls, 2000)),
+        "Pilot.predict() (2 horizons, fallback, labels)": _time(pilot_call, args.calls),
+        "MarkovPredictor.predict()": _time(lambda i: pilot.markov.predict(), args.calls),
+    }
+    command = "OMP_NUM_THREADS=1 python benchmarks/pilot_latency.py " + " ".join(
+        argv or sys.argv[1:]
+    )
+    cpu = platform.processor() or platform.machine()
+    machine = f"{platform.node()}: {cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    lines = [
+        "# Pilot prediction latency",
+        "",
+        f"- command: `{command.strip()}`",
+        f"- machine: {machine}, torch {torch.__version__}; shared machine, other jobs running",
+        f"- date: {datetime.date.today().isoformat()}",
+        f"- model: trained on {n} rows of {args.steps} steps of {facts['workload']}; "
+        f"{booster.num_trees()} trees per horizon ({len(models[0].classes)} classes x "
+        f"{pilot.rounds} rounds), {booster.num_feature()} features",
+        "",
+        "| call | median us | p90 us |",
+        "|---|---|---|",
+    ]
+    for name, (p50, p90) in results.items():
+        lines.append(f"| {name} | {p50:.1f} | {p90:.1f} |")
+    lines.append("")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "pilot_latency.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

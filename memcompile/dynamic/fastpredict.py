@@ -1,0 +1,80 @@
+"""LightGBM's single-row fast prediction path, through ctypes.
+
+``Booster.predict`` spends ~20–35 µs in Python per call whatever the model size (research/04
+§Q3); the C API's ``LGBM_BoosterPredictForMatSingleRowFast`` with a configuration prepared once
+(``...FastInit``) predicts a ~100-tree model in a few µs. This wraps it:
+
+    fast = FastBooster(booster)          # prepares the fast configuration once
+    fast.row[:] = features               # a preallocated float64 row
+    probs = fast.predict()               # numpy view of the preallocated output (class probs)
+
+The output array is reused by the next call: copy it to keep it. Calls release the GIL (ctypes),
+and each :class:`FastBooster` has its own buffers: use one per thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import lightgbm as lgb
+import numpy as np
+from lightgbm.basic import _LIB, _safe_call
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FastBooster"]
+
+_C_API_DTYPE_FLOAT64 = 1
+_C_API_PREDICT_NORMAL = 0
+
+
+class FastBooster:
+    """Single-row predictions of ``booster`` through LightGBM's fast C path.
+
+    Args:
+        booster: a trained booster (kept alive by this object).
+
+    Attributes:
+        row: the input row (float64, one value per feature; NaN is "missing").
+        out: the output of the last :meth:`predict` (class probabilities, or one value).
+    """
+
+    def __init__(self, booster: lgb.Booster) -> None:
+        self.booster = booster
+        ncol = booster.num_feature()
+        num_class = ctypes.c_int(0)
+        _safe_call(_LIB.LGBM_BoosterGetNumClasses(booster._handle, ctypes.byref(num_class)))
+        classes = num_class.value
+        self.row = np.zeros(ncol, dtype=np.float64)
+        self.out = np.zeros(classes, dtype=np.float64)
+        self._row_ptr = self.row.ctypes.data_as(ctypes.c_void_p)
+        self._out_ptr = self.out.ctypes.data_as(ctypes.POINTER(ctypes.c_double))
+        self._out_len = ctypes.c_int64(0)
+        self._out_len_ref = ctypes.byref(self._out_len)
+        self._config = ctypes.c_void_p()
+        _safe_call(
+            _LIB.LGBM_BoosterPredictForMatSingleRowFastInit(
+                booster._handle,
+                ctypes.c_int(_C_API_PREDICT_NORMAL),
+                ctypes.c_int(0),  # start iteration
+                ctypes.c_int(-1),  # all iterations
+                ctypes.c_int(_C_API_DTYPE_FLOAT64),
+                ctypes.c_int32(ncol),
+                ctypes.c_char_p(b"num_threads=1"),
+                ctypes.byref(self._config),
+            )
+        )
+        self._predict = _LIB.LGBM_BoosterPredictForMatSingleRowFast
+
+    def predict(self) -> np.ndarray:
+        """Predict :attr:`row`; returns :attr:`out` (overwritten by the next call)."""
+        if self._predict(self._config, self._row_ptr, self._out_len_ref, self._out_ptr) != 0:
+            raise lgb.basic.LightGBMError(_LIB.LGBM_GetLastError().decode("utf-8"))
+        return self.out
+
+    def __del__(self) -> None:
+        config = getattr(self, "_config", None)
+        if config is not None and config.value:
+            _LIB.LGBM_FastConfigFree(config)
+            config.value = None

@@ -1,0 +1,496 @@
+"""The pilot: a LightGBM model predicting the next ``k`` blocks of a dynamic network, online.
+
+It sees the forward block stream (the backward order is the reverse of the forward's, known at
+the end of the forward: DESIGN.md), one :meth:`Pilot.observe` per block, and after each one can
+predict the next ``horizon`` blocks:
+
+    pilot = Pilot(horizon=2, warmup_steps=4, retrain_every=4, seed=0)
+    for step in trace:                                   # list[StepTrace], see trace.py
+        idioms = dict(step.idioms)
+        for e in step.events:
+            if e.phase != "backward":
+                pilot.observe(e.block, e.fragment, e.sizes, idioms.get(e.fragment))
+                nxt = pilot.predict()                    # Prediction(blocks=(b1, b2), ...)
+        pilot.end_step()                                 # may start retraining (a thread)
+    pilot.stats()                                        # PilotStats: accuracies, latency
+    pilot.save("pilot/")                                 # LightGBM text + meta.json, no pickle
+
+Features of the row after block ``t`` (:data:`FEATURES`): the last ``history`` block ids
+(categorical), the position in the step's forward, the block's fragment idioms (idioms.py), the
+element counts of its non-parameter inputs (an expert's token count: the router's decision,
+observed for free), how many calls in a row its fragment has made (which expert of a layer) and
+the sums of those counts over the run (tokens routed so far in the layer: how many are left), and
+the blocks that followed this position in the previous step (categorical). Targets: the block
+``j`` calls ahead, one multiclass booster per ``j`` (direct, not recursive: errors do not
+compound).
+
+Online: nothing is trained before ``warmup_steps`` steps; then every ``retrain_every`` steps a
+background thread trains on the last ``window`` rows (``num_threads=1``, ``deterministic=True``,
+seeded: the same rows give the same model) and swaps the models in when done; :meth:`wait` joins
+it (tests and benchmarks, for a deterministic swap point). A prediction whose probability is
+below ``threshold``, or made before any model exists, is the Markov predictor's (markov.py).
+Predictions go through LightGBM's C single-row fast path (fastpredict.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import lightgbm as lgb
+import numpy as np
+
+from memcompile.dynamic.fastpredict import FastBooster
+from memcompile.dynamic.idioms import IDIOMS, IdiomVector
+from memcompile.dynamic.markov import UNKNOWN, MarkovPredictor
+from memcompile.dynamic.trace import MAX_SIZES
+from memcompile.errors import PilotWarning
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FEATURES", "Pilot", "PilotStats", "Prediction", "feature_names"]
+
+_FORMAT = 1  # meta.json version
+_NAN = float("nan")
+_ZERO_IDIOMS: IdiomVector = (0, 0, 0, 0, 0, 0)
+
+
+def feature_names(history: int, horizon: int) -> tuple[str, ...]:
+    """Column names of a feature row (``hist_0`` is the current block)."""
+    return (
+        *(f"hist_{i}" for i in range(history)),
+        "position",
+        *(f"idiom_{name}" for name in IDIOMS),
+        *(f"size_{i}" for i in range(MAX_SIZES)),
+        "run",
+        *(f"run_size_{i}" for i in range(MAX_SIZES)),
+        *(f"prev_step_{j}" for j in range(1, horizon + 1)),
+    )
+
+
+#: Feature names with the default ``history=4``, ``horizon=2``.
+FEATURES = feature_names(4, 2)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The next blocks, as the pilot predicts them after the last observed block.
+
+    Attributes:
+        blocks: block ids ``1..horizon`` calls ahead (``None``: no prediction).
+        sources: ``"lightgbm"`` or ``"markov"`` for each.
+        confidence: LightGBM's class probability (``nan`` for Markov predictions).
+    """
+
+    blocks: tuple[str | None, ...]
+    sources: tuple[str, ...]
+    confidence: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class PilotStats:
+    """How well the pilot predicts, for the report.
+
+    Attributes:
+        accuracy: fraction of next-block predictions that were right (``None``: none scored).
+        k_ahead_accuracy: the same ``horizon`` blocks ahead.
+        predictions: predictions scored at ``horizon``.
+        predict_us_p50: median :meth:`Pilot.predict` time, microseconds (features included).
+        active: ``"lightgbm"`` once a model is trained or loaded, else ``"markov"``.
+        fallback_rate: of the predictions made once a model existed, the fraction in which at
+            least one horizon fell back to Markov (``None``: no model yet).
+        models_trained: completed trainings.
+    """
+
+    accuracy: float | None
+    k_ahead_accuracy: float | None
+    predictions: int
+    predict_us_p50: float | None
+    active: str
+    fallback_rate: float | None
+    models_trained: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "accuracy": self.accuracy,
+            "k_ahead_accuracy": self.k_ahead_accuracy,
+            "predictions": self.predictions,
+            "predict_us_p50": self.predict_us_p50,
+            "active": self.active,
+            "fallback_rate": self.fallback_rate,
+            "models_trained": self.models_trained,
+        }
+
+
+class _Horizon:
+    """The model for one horizon: a booster over the classes seen, or a constant."""
+
+    def __init__(self, classes: np.ndarray, booster: lgb.Booster | None) -> None:
+        self.classes = classes  # class index -> block id
+        self.booster = booster
+        self.fast = FastBooster(booster) if booster is not None else None
+
+    def predict(self, row: Sequence[float]) -> tuple[int, float]:
+        if self.fast is None:
+            return int(self.classes[0]), 1.0
+        self.fast.row[:] = row
+        probs = self.fast.predict()
+        best = int(probs.argmax())
+        return int(self.classes[best]), float(probs[best])
+
+
+def _train(
+    x: np.ndarray, y: np.ndarray, categorical: list[int], params: dict[str, Any], rounds: int
+) -> tuple[_Horizon, ...]:
+    models = []
+    for j in range(y.shape[1]):
+        classes = np.unique(y[:, j])  # sorted: deterministic class order
+        if len(classes) == 1:
+            models.append(_Horizon(classes, None))
+            continue
+        labels = np.searchsorted(classes, y[:, j])
+        data = lgb.Dataset(
+            x, labels, categorical_feature=categorical, params={"verbose": -1}, free_raw_data=True
+        )
+        booster = lgb.train({**params, "num_class": len(classes)}, data, num_boost_round=rounds)
+        models.append(_Horizon(classes, booster))
+    return tuple(models)
+
+
+class Pilot:
+    """Online next-blocks predictor; see the module docstring.
+
+    Args:
+        horizon: blocks predicted ahead (``k``, >= 1; memcompile prefetches ``prefetch_depth``).
+        history: recent block ids in a feature row.
+        warmup_steps: steps observed before the first training.
+        retrain_every: steps between trainings.
+        window: most recent rows trained on.
+        threshold: below this class probability, predict with Markov instead.
+        rounds, num_leaves: LightGBM size (trees = rounds x blocks seen, per horizon).
+        seed: LightGBM's seed.
+        background: train on a thread (``False``: inline in :meth:`end_step`).
+    """
+
+    def __init__(
+        self,
+        *,
+        horizon: int = 2,
+        history: int = 4,
+        warmup_steps: int = 5,
+        retrain_every: int = 5,
+        window: int = 4096,
+        threshold: float = 0.5,
+        rounds: int = 10,
+        num_leaves: int = 7,
+        seed: int = 0,
+        background: bool = True,
+    ) -> None:
+        for name, value, least in (
+            ("horizon", horizon, 1),
+            ("history", history, 1),
+            ("warmup_steps", warmup_steps, 1),
+            ("retrain_every", retrain_every, 1),
+            ("window", window, 16),
+            ("rounds", rounds, 1),
+            ("num_leaves", num_leaves, 2),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"Pilot: {name} must be an int >= {least}; got {value!r}")
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"Pilot: threshold must be in [0, 1]; got {threshold!r}")
+        self.horizon, self.history = horizon, history
+        self.warmup_steps, self.retrain_every, self.window = warmup_steps, retrain_every, window
+        self.threshold, self.rounds = threshold, rounds
+        self.background = background
+        self.features = feature_names(history, horizon)
+        self._categorical = [
+            i for i, n in enumerate(self.features) if n.startswith(("hist_", "prev_step_"))
+        ]
+        self._params: dict[str, Any] = {
+            "objective": "multiclass",
+            "num_leaves": num_leaves,
+            "learning_rate": 0.2,
+            "lambda_l2": 1.0,
+            "min_data_in_leaf": 5,
+            "min_data_per_group": 3,
+            "cat_smooth": 1.0,
+            "max_cat_to_onehot": 64,
+            "seed": seed,
+            "deterministic": True,
+            "force_row_wise": True,
+            "num_threads": 1,
+            "verbose": -1,
+        }
+        self._labels: list[str] = []
+        self._ids: dict[str, int] = {}
+        self.markov = MarkovPredictor(horizon)
+        self._models: tuple[_Horizon, ...] | None = None
+        self._thread: threading.Thread | None = None
+        self.models_trained = 0
+        self.steps = 0
+        # stream state
+        self._recent: deque[int] = deque(maxlen=history)
+        self._fragment = ""
+        self._run = 0
+        self._run_sizes = [0.0] * MAX_SIZES
+        self._step_seq: list[int] = []
+        self._prev_seq: list[int] = []
+        self._row: list[float] | None = None
+        self._t = 0  # forward blocks observed
+        # training rows: (row, targets); the last ``horizon`` rows still wait for targets
+        self._rows: deque[tuple[list[float], list[int]]] = deque(maxlen=window + horizon)
+        # scoring: (time, predicted ids) of predictions not yet fully scored
+        self._made: deque[tuple[int, tuple[int, ...]]] = deque()
+        self._hits = [0] * horizon
+        self._scored = [0] * horizon
+        self._fallbacks = 0
+        self._model_predictions = 0
+        self._latency_ns: deque[int] = deque(maxlen=10_000)
+
+    # -- the stream ---------------------------------------------------------------------------
+    def block_id(self, label: str) -> int:
+        """The int id of a block label (new labels get the next id)."""
+        i = self._ids.get(label)
+        if i is None:
+            i = self._ids[label] = len(self._labels)
+            self._labels.append(label)
+        return i
+
+    def observe(
+        self,
+        block: str,
+        fragment: str,
+        sizes: Sequence[int] = (),
+        idioms: IdiomVector | None = None,
+    ) -> None:
+        """The next forward (or inference) block ran: learn from it and prepare the features."""
+        b = self.block_id(block)
+        t = self._t
+        # score earlier predictions of this block, and fill in earlier rows' targets
+        made = self._made
+        while made and t - made[0][0] > self.horizon:
+            made.popleft()
+        for when, predicted in made:
+            j = t - when
+            if 1 <= j <= self.horizon:
+                self._scored[j - 1] += 1
+                self._hits[j - 1] += predicted[j - 1] == b
+        rows = self._rows
+        for j in range(1, min(self.horizon, len(rows)) + 1):
+            rows[-j][1][j - 1] = b
+        self.markov.observe(b)
+        if fragment == self._fragment:
+            self._run += 1
+            run_sizes = self._run_sizes
+        else:
+            self._run = 1
+            run_sizes = self._run_sizes = [0.0] * MAX_SIZES
+        self._fragment = fragment
+        for i in range(min(len(sizes), MAX_SIZES)):
+            run_sizes[i] += sizes[i]
+        self._recent.appendleft(b)
+        pos = len(self._step_seq)
+        self._step_seq.append(b)
+        prev = self._prev_seq
+        recent = self._recent
+        row: list[float] = [
+            float(recent[i]) if i < len(recent) else _NAN for i in range(self.history)
+        ]
+        row.append(float(pos))
+        row.extend(float(x) for x in (idioms or _ZERO_IDIOMS))
+        row.extend(float(sizes[i]) if i < len(sizes) else 0.0 for i in range(MAX_SIZES))
+        row.append(float(self._run))
+        row.extend(run_sizes)
+        row.extend(
+            float(prev[pos + j]) if pos + j < len(prev) else _NAN
+            for j in range(1, self.horizon + 1)
+        )
+        self._row = row
+        rows.append((row, [UNKNOWN] * self.horizon))
+        self._t = t + 1
+
+    def end_step(self) -> None:
+        """The step's forward is over; retrain when it is time."""
+        self._prev_seq, self._step_seq = self._step_seq, []
+        self.steps += 1
+        due = self.steps >= self.warmup_steps and (
+            (self.steps - self.warmup_steps) % self.retrain_every == 0
+        )
+        if due:
+            self._retrain()
+
+    def predict(self) -> Prediction:
+        """The next ``horizon`` blocks after the last observed one."""
+        start = time.perf_counter_ns()
+        markov = self.markov.predict()
+        models, row = self._models, self._row
+        ids: list[int] = []
+        sources: list[str] = []
+        conf: list[float] = []
+        for j in range(self.horizon):
+            if models is not None and row is not None:
+                b, p = models[j].predict(row)
+                if p >= self.threshold or markov[j] == UNKNOWN:
+                    ids.append(b)
+                    sources.append("lightgbm")
+                    conf.append(p)
+                    continue
+            ids.append(markov[j])
+            sources.append("markov")
+            conf.append(_NAN)
+        self._latency_ns.append(time.perf_counter_ns() - start)
+        if models is not None:
+            self._model_predictions += 1
+            self._fallbacks += "markov" in sources
+        self._made.append((self._t - 1, tuple(ids)))
+        labels = self._labels
+        return Prediction(
+            blocks=tuple(labels[i] if i >= 0 else None for i in ids),
+            sources=tuple(sources),
+            confidence=tuple(conf),
+        )
+
+    # -- training -----------------------------------------------------------------------------
+    def _retrain(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            log.debug("pilot: training still running; skipping this retrain")
+            return
+        done = list(self._rows)[: max(0, len(self._rows) - self.horizon)]
+        done = done[-self.window :]
+        if len(done) < 16:
+            return
+        x = np.array([r for r, _ in done], dtype=np.float64)
+        y = np.array([t for _, t in done], dtype=np.int64)
+        if self.background:
+            self._thread = threading.Thread(
+                target=self._train_job, args=(x, y), name="memcompile-pilot", daemon=True
+            )
+            self._thread.start()
+        else:
+            self._train_job(x, y)
+
+    def _train_job(self, x: np.ndarray, y: np.ndarray) -> None:
+        try:
+            models = _train(x, y, self._categorical, self._params, self.rounds)
+        except Exception as e:  # a failed training keeps the previous model
+            log.warning("memcompile pilot: training failed (%s); keeping the previous model", e)
+            return
+        self._models = models  # one assignment: the predicting thread sees old or new
+        self.models_trained += 1
+        log.debug("pilot: trained on %d rows", len(x))
+
+    def wait(self) -> None:
+        """Wait for a training in progress to finish."""
+        if self._thread is not None:
+            self._thread.join()
+
+    # -- results ------------------------------------------------------------------------------
+    @property
+    def active(self) -> str:
+        return "lightgbm" if self._models is not None else "markov"
+
+    def stats(self) -> PilotStats:
+        """Accuracy of the predictions made so far, latency, and which predictor is active."""
+
+        def acc(j: int) -> float | None:
+            return self._hits[j] / self._scored[j] if self._scored[j] else None
+
+        lat = sorted(self._latency_ns)
+        return PilotStats(
+            accuracy=acc(0),
+            k_ahead_accuracy=acc(self.horizon - 1),
+            predictions=self._scored[self.horizon - 1],
+            predict_us_p50=lat[len(lat) // 2] / 1000 if lat else None,
+            active=self.active,
+            fallback_rate=(
+                self._fallbacks / self._model_predictions if self._model_predictions else None
+            ),
+            models_trained=self.models_trained,
+        )
+
+    # -- files --------------------------------------------------------------------------------
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Write the models as LightGBM text (``h1.txt`` …) and ``meta.json`` (block labels,
+        classes, features) into ``directory``.
+
+        Raises:
+            RuntimeError: no model has been trained or loaded yet.
+        """
+        models = self._models
+        if models is None:
+            raise RuntimeError("Pilot.save: no model yet (train past warmup_steps, or load one)")
+        os.makedirs(directory, exist_ok=True)
+        meta = {
+            "format": _FORMAT,
+            "features": list(self.features),
+            "horizon": self.horizon,
+            "blocks": list(self._labels),
+            "classes": [m.classes.tolist() for m in models],
+        }
+        for j, m in enumerate(models, 1):
+            path = os.path.join(directory, f"h{j}.txt")
+            if m.booster is not None:
+                m.booster.save_model(path)
+            elif os.path.exists(path):
+                os.remove(path)  # a constant horizon: no stale booster beside it
+        with open(os.path.join(directory, "meta.json"), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1)
+
+    def load(self, directory: str | os.PathLike[str]) -> bool:
+        """Use the models saved in ``directory``. A missing or corrupt file, or one made for
+        other features, warns (:class:`~memcompile.errors.PilotWarning`) and leaves the pilot on
+        its current predictor (Markov if none). Returns whether the models were loaded."""
+        try:
+            models = self._read(os.fspath(directory))
+        except (OSError, ValueError, KeyError, TypeError, lgb.basic.LightGBMError) as e:
+            warnings.warn(
+                f"memcompile pilot: cannot load {os.fspath(directory)!r} ({e}); predicting with "
+                f"the {self.active} predictor until a model is trained",
+                PilotWarning,
+                stacklevel=2,
+            )
+            return False
+        self._models = models
+        return True
+
+    def _read(self, directory: str) -> tuple[_Horizon, ...]:
+        with open(os.path.join(directory, "meta.json"), encoding="utf-8") as f:
+            meta = json.load(f)
+        if meta.get("format") != _FORMAT:
+            raise ValueError(f"meta.json format {meta.get('format')!r}, expected {_FORMAT}")
+        if tuple(meta["features"]) != self.features or meta["horizon"] != self.horizon:
+            raise ValueError("the model was trained for other features or another horizon")
+        # Block ids are features: the saved ones must mean the same blocks here.
+        labels = [str(label) for label in meta["blocks"]]
+        for i, label in enumerate(labels):
+            known = self._labels[i] if i < len(self._labels) else None
+            if (known is not None and known != label) or (known is None and label in self._ids):
+                raise ValueError(f"block id {i} is {label!r} in the file, {known!r} here")
+        for label in labels:
+            self.block_id(label)
+        models = []
+        for j, classes in enumerate(meta["classes"], 1):
+            ids = np.asarray(classes, dtype=np.int64)
+            if len(ids) == 0 or ids.min() < 0 or ids.max() >= len(labels):
+                raise ValueError(f"classes of horizon {j} are not block ids")
+            if len(classes) == 1:
+                models.append(_Horizon(ids, None))
+                continue
+            with open(os.path.join(directory, f"h{j}.txt"), encoding="utf-8") as f:
+                text = f.read()
+            booster = lgb.Booster(model_str=text)
+            if booster.num_feature() != len(self.features):
+                raise ValueError(f"h{j}.txt has {booster.num_feature()} features")
+            models.append(_Horizon(ids, booster))
+        if len(models) != self.horizon:
+            raise ValueError(f"{len(models)} horizons saved, expected {self.horizon}")
+        return tuple(models)

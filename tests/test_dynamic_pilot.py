@@ -1,0 +1,177 @@
+"""The pilot: Markov fallback, LightGBM's fast path, online training, files, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+
+import lightgbm as lgb
+import numpy as np
+import pytest
+
+from memcompile.dynamic.fastpredict import FastBooster
+from memcompile.dynamic.markov import UNKNOWN, MarkovPredictor
+from memcompile.dynamic.pilot import Pilot, PilotStats
+from memcompile.errors import PilotWarning
+
+# A step is "E", then an "R" router block and one of two expert pairs chosen by the step's
+# input size, twice. The block after "R" depends on the sizes (Markov sees only "R" and keeps
+# guessing what followed last time); the block after an expert depends on which expert it is.
+_CHOICES = (("X1", "X2"), ("Y1", "Y2"))
+
+
+def _step(rng: np.random.Generator) -> list[tuple[str, str, tuple[int, ...]]]:
+    out = [("E", "fe", (8,))]
+    for layer in range(2):
+        pick = int(rng.integers(2))
+        out.append((f"R{layer}", "fr", (4 + pick,)))
+        out.extend((f"{layer}{b}", "fx", (4 + pick,)) for b in _CHOICES[pick])
+    out.append(("H", "fh", (8,)))
+    return out
+
+
+def _run(pilot: Pilot, steps: int, seed: int = 0, *, wait: bool = True) -> list[str]:
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        for block, fragment, sizes in _step(rng):
+            pilot.observe(block, fragment, sizes, (0, 1, 0, 1, 0, 0))
+            pilot.predict()
+        pilot.end_step()
+        if wait:
+            pilot.wait()
+    return pilot._labels
+
+
+def test_markov_predicts_last_successors() -> None:
+    m = MarkovPredictor(horizon=2)
+    assert m.predict() == (UNKNOWN, UNKNOWN)
+    for b in (0, 1, 2, 0, 1, 3):
+        m.observe(b)
+    assert m.predict() == (UNKNOWN, UNKNOWN)  # nothing followed 3 yet
+    m.observe(0)
+    assert m.predict() == (1, 3)  # what followed 0 last time, 1 and 2 calls ahead
+    with pytest.raises(ValueError, match="horizon must be an int >= 1; got 0"):
+        MarkovPredictor(horizon=0)
+    with pytest.raises(ValueError, match="block ids are >= 0; got -1"):
+        m.observe(-1)
+
+
+def test_fast_path_matches_booster_predict() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(400, 6))
+    y = (x[:, 0] > 0).astype(int) + (x[:, 1] > 0.5)
+    params = {"objective": "multiclass", "num_class": 3, "verbose": -1, "num_threads": 1}
+    booster = lgb.train({**params, "seed": 0, "deterministic": True}, lgb.Dataset(x, y), 5)
+    fast = FastBooster(booster)
+    assert fast.out.shape == (3,)
+    for row in x[:20]:
+        fast.row[:] = row
+        np.testing.assert_allclose(fast.predict(), booster.predict(row[None])[0], rtol=1e-12)
+    # a booster read back from its text predicts the same through the fast path
+    again = FastBooster(lgb.Booster(model_str=booster.model_to_string()))
+    again.row[:] = x[0]
+    fast.row[:] = x[0]
+    np.testing.assert_array_equal(again.predict(), fast.predict())
+
+
+def test_lightgbm_beats_markov_where_the_next_block_depends_on_features() -> None:
+    pilot = Pilot(horizon=2, warmup_steps=10, retrain_every=10, background=False)
+    _run(pilot, 60)
+    stats = pilot.stats()
+    markov = Pilot(horizon=2, warmup_steps=10_000, background=False)  # never trains
+    _run(markov, 60)
+    base = markov.stats()
+    assert stats.active == "lightgbm" and base.active == "markov"
+    assert stats.models_trained == 6
+    # After "R" and after each layer's second expert, Markov is right half the time.
+    assert base.accuracy < 0.9
+    # (the first 10 steps are Markov's in both; 2 ahead of "R" is a coin toss for both)
+    assert stats.accuracy > base.accuracy + 0.07, (stats, base)
+    assert stats.k_ahead_accuracy > base.k_ahead_accuracy + 0.05, (stats, base)
+    assert stats.predict_us_p50 is not None and stats.predict_us_p50 > 0
+    assert isinstance(stats, PilotStats)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.accuracy = 1.0  # type: ignore[misc]
+
+
+def test_predictions_name_blocks_and_their_source() -> None:
+    pilot = Pilot(horizon=2, warmup_steps=5, retrain_every=5, background=False, threshold=0.0)
+    labels = _run(pilot, 10)
+    pilot.observe("E", "fe", (8,))
+    p = pilot.predict()
+    assert p.sources == ("lightgbm", "lightgbm")
+    assert p.blocks[0] in ("R0",) and p.blocks[1] in ("0X1", "0Y1")
+    assert all(0.0 <= c <= 1.0 for c in p.confidence)
+    assert set(labels) >= {"E", "R0", "H"}
+    # below the threshold, the Markov prediction is used
+    cautious = Pilot(horizon=2, warmup_steps=5, retrain_every=5, background=False, threshold=1.0)
+    _run(cautious, 10)
+    cautious.observe("R0", "fr", (4,))
+    q = cautious.predict()
+    assert "markov" in q.sources
+    assert cautious.stats().fallback_rate > 0
+
+
+def test_background_training_is_deterministic(tmp_path) -> None:
+    a = Pilot(horizon=2, warmup_steps=5, retrain_every=5, seed=3)
+    b = Pilot(horizon=2, warmup_steps=5, retrain_every=5, seed=3)
+    for p in (a, b):
+        _run(p, 5, wait=False)  # the 5th step starts a training thread
+        assert p.active == "markov" or p.models_trained == 1
+        p.wait()
+        assert p.active == "lightgbm" and p.models_trained == 1
+    a.save(tmp_path / "a")
+    b.save(tmp_path / "b")
+    for name in ("h1.txt", "h2.txt", "meta.json"):
+        assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text()
+
+
+def test_saved_models_are_lightgbm_text_and_load_in_a_new_pilot(tmp_path) -> None:
+    pilot = Pilot(horizon=2, warmup_steps=5, retrain_every=5, background=False, threshold=0.0)
+    _run(pilot, 10)
+    pilot.save(tmp_path / "m")
+    assert sorted(os.listdir(tmp_path / "m")) == ["h1.txt", "h2.txt", "meta.json"]
+    assert (tmp_path / "m" / "h1.txt").read_text().startswith("tree\n")  # no pickle
+    fresh = Pilot(horizon=2, warmup_steps=5, background=False, threshold=0.0)
+    assert fresh.load(tmp_path / "m") is True
+    assert fresh.active == "lightgbm"
+    for p in (pilot, fresh):
+        p.observe("E", "fe", (8,), (0, 1, 0, 1, 0, 0))
+        p.observe("R0", "fr", (5,), (0, 1, 0, 1, 0, 0))
+    assert fresh.predict().blocks == pilot.predict().blocks
+
+
+def test_missing_or_corrupt_models_warn_and_fall_back_to_markov(tmp_path) -> None:
+    pilot = Pilot(horizon=2, warmup_steps=5, retrain_every=5, background=False)
+    _run(pilot, 5)
+    pilot.save(tmp_path / "m")
+    fresh = Pilot(horizon=2, background=False)
+    with pytest.warns(PilotWarning, match=r"cannot load .*nowhere.*markov predictor"):
+        assert fresh.load(tmp_path / "nowhere") is False
+    (tmp_path / "m" / "h1.txt").write_text("tree\nthis is not a model\n")
+    with pytest.warns(PilotWarning, match="cannot load"):
+        assert fresh.load(tmp_path / "m") is False
+    assert fresh.active == "markov"
+    (tmp_path / "m" / "meta.json").write_text("{not json")
+    with pytest.warns(PilotWarning, match="cannot load"):
+        assert fresh.load(tmp_path / "m") is False
+    # a model for another horizon is refused, too
+    pilot.save(tmp_path / "m")
+    with pytest.warns(PilotWarning, match="other features or another horizon"):
+        assert Pilot(horizon=3).load(tmp_path / "m") is False
+    fresh.observe("E", "fe", (8,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fresh.predict().sources == ("markov", "markov")
+
+
+def test_bad_arguments_name_the_argument() -> None:
+    with pytest.raises(ValueError, match="Pilot: horizon must be an int >= 1; got 0"):
+        Pilot(horizon=0)
+    with pytest.raises(ValueError, match="Pilot: window must be an int >= 16; got 4"):
+        Pilot(window=4)
+    with pytest.raises(ValueError, match=r"Pilot: threshold must be in \[0, 1\]; got 1.5"):
+        Pilot(threshold=1.5)
+    with pytest.raises(RuntimeError, match=r"Pilot\.save: no model yet"):
+        Pilot().save("/nonexistent")
