@@ -206,3 +206,20 @@ def test_random_network_with_host_placed_parameters(program, fraction: float, ba
 
     with mock.patch.object(memcompile, "compile", with_params_on_host):
         _check_case(program, fraction, batch)
+
+
+def test_block_ids_name_the_experts_when_their_parameters_move(tmp_path) -> None:
+    # The trace names a block by its parameters' storages; host placement moves them.
+    from memcompile.dynamic.trace import read_trace
+    from memcompile.report import find_compiler
+
+    torch._dynamo.reset()
+    wl = zoo.build("moe", size="tiny")
+    path = tmp_path / "trace.jsonl"
+    compiled = memcompile.compile(wl.model, offload_params=True, trace_path=str(path))
+    train(wl, compiled, "sgd", 2)
+    for observer in find_compiler(compiled)[0].block_observers:
+        observer.flush()
+    blocks = {b for step in read_trace(path) for b in step.blocks()}
+    assert any(b.endswith("/blocks.0.experts.1") for b in blocks), sorted(blocks)
+    assert not any("/#" in b for b in blocks), sorted(blocks)

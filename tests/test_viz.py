@@ -54,6 +54,18 @@ def test_node_roles_follow_the_plan(swapped: mv.Inspection) -> None:
     assert roles[("forward", frag.forward.nodes[0].name)] == "input"  # type: ignore[union-attr]
 
 
+def test_host_placed_parameters_and_their_fetches_have_their_role() -> None:
+    wl = resolve_target("cli_targets:mlp")
+    insp = mv.collect(wl, measure=False, offload_params=True)
+    (frag,) = insp.fragments
+    plan = insp.plan_of(frag)
+    assert plan is not None and plan.host_params
+    roles = node_roles(frag, plan)
+    hosted = {name for (kind, name), role in roles.items() if role == "host_parameter"}
+    assert set(plan.host_params) <= hosted
+    assert any(name.startswith("fetch_param") for name in hosted)
+
+
 @needs_dot
 def test_show_plan_displays_inline_svg_and_saves(swapped: mv.Inspection, tmp_path: Path) -> None:
     img = mv.show_plan(swapped)

@@ -442,7 +442,7 @@ class _FragmentBuild:
                 guard()
             block = args[key_pos].data_ptr() if key_pos >= 0 else 0
             if block not in blocks:  # a new set of parameters (another expert): remember them
-                blocks[block] = storage_sizes(args[i] for i in static)
+                blocks[block] = storage_sizes((args[i] for i in static), keep_host=True)
             on_call(index, kind, block, args)
             if _profiler_enabled():
                 with torch.profiler.record_function(range_name):

@@ -232,6 +232,10 @@ class _BlockNamer:
         if not block or not storages:
             return f"{record.id}/"
         names = self._storage_names(phase)
+        if names is not None and not all(s in names for s in storages):
+            # Storages move (offload_params puts parameters in the host tier): look again.
+            self._names = None
+            names = self._storage_names(phase)
         if names is not None and all(s in names for s in storages):
             return f"{record.id}/{block_owner([names[s] for s in storages])}"
         ordinals = self._ordinals.setdefault(record.index, {})

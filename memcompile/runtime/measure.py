@@ -142,10 +142,13 @@ def reachable_tensors(*objects: Any) -> list[torch.Tensor]:
     return list(out.values())
 
 
-def storage_sizes(tensors: Iterable[Any], device: str | None = None) -> dict[int, int]:
+def storage_sizes(
+    tensors: Iterable[Any], device: str | None = None, *, keep_host: bool = False
+) -> dict[int, int]:
     """``{storage address: nbytes}`` of the real tensors among ``tensors`` (on ``device`` if
-    given): shared storages appear once. Fake and meta tensors have no memory, and host-tier
-    tensors (runtime/store.py) none on the device: they are skipped."""
+    given): shared storages appear once. Fake and meta tensors have no memory and are skipped;
+    so are host-tier tensors (runtime/store.py), which have none on the device, or with
+    ``keep_host`` they are listed with 0 bytes (their addresses identify them)."""
     found: dict[int, int] = {}
     for t in tensors:
         if (
@@ -153,11 +156,13 @@ def storage_sizes(tensors: Iterable[Any], device: str | None = None) -> dict[int
             or isinstance(t, torch._subclasses.FakeTensor)
             or t.device.type == "meta"
             or (device is not None and t.device.type != device)
-            or is_host_placed(t)
         ):
             continue
         s = t.untyped_storage()
-        if s.nbytes():
+        if is_host_placed(t):
+            if keep_host:
+                found[s.data_ptr()] = 0
+        elif s.nbytes():
             found[s.data_ptr()] = s.nbytes()
     return found
 

@@ -13,11 +13,11 @@ tensors are the edges between the two. Colours (:data:`ROLE_COLOURS`):
     recompute  a saved tensor the plan recomputes, and the backward's copies that recompute it
     swap       a tensor swapped to the host or disk tier, and the offload/reload/wait nodes
     prefetch   a reload the plan issues early (``FragmentPlan.prefetch``), so its copy overlaps
+    host_parameter  a parameter kept in the host tier (``FragmentPlan.host_params``), and the
+               fetches that copy it to the device before each reader (``passes/params.py``)
     input      a graph input (parameters, buffers, the batch, incoming gradients)
 
-"host-placed parameter" has a colour and a legend entry, but no plan places parameters on the host
-yet (``offload_params=True`` is not implemented): the role is never assigned today. The node
-where the fragment's step peak falls has a thick red border and ``PEAK`` in its label.
+The node where the fragment's step peak falls has a thick red border and ``PEAK`` in its label.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Literal
 import graphviz
 
 from memcompile.errors import format_bytes
+from memcompile.passes.params import FETCH_PREFIX
 from memcompile.passes.plan import FragmentPlan
 from memcompile.viz.snapshot import FragmentView, GraphView, Inspection, NodeView
 
@@ -60,6 +61,7 @@ def node_roles(fragment: FragmentView, plan: FragmentPlan | None) -> dict[tuple[
     """``(graph kind, node name) -> role`` for every node of the fragment's built graphs."""
     actions = {d.tensor: d.action for d in plan.decisions} if plan is not None else {}
     prefetched = {reload for reload, _ in plan.prefetch} if plan is not None else set()
+    hosted = set(plan.host_params) if plan is not None else set()
     forward_ops = {
         n.name
         for n in (fragment.forward.nodes if fragment.forward else ())
@@ -72,7 +74,9 @@ def node_roles(fragment: FragmentView, plan: FragmentPlan | None) -> dict[tuple[
         for n in graph.nodes:
             role: Role = "op"
             if n.op == "placeholder":
-                role = "input"
+                role = "host_parameter" if n.name in hosted else "input"
+            elif n.name.startswith(FETCH_PREFIX) and n.target == _RELOAD:
+                role = "host_parameter"
             elif n.target in _SWAP_OPS:
                 role = "prefetch" if n.target == _RELOAD and n.name in prefetched else "swap"
             elif graph.kind != "backward" and n.name in actions:
