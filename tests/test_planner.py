@@ -191,3 +191,19 @@ def test_tight_budget_on_bench_gpt_is_met_recompute_only() -> None:
     wl.loss(compiled, 0).backward()
     (plan,) = memcompile.report(compiled).plan.fragments
     assert plan.feasible and plan.predicted_peak <= budget
+
+
+@pytest.mark.parametrize("name", ["gpt", "branchy"])
+def test_a_larger_target_is_never_infeasible_where_a_smaller_one_fits(name: str) -> None:
+    # The greedy ranks moves by the gap to its target; a search stuck above a target must not
+    # report a smallest peak above what a search for a lower target finds.
+    found = capture_joint(name)
+    model = found["model"]
+    baseline = plan_fragment(model, target=None, resident_bytes=0).baseline_peak
+    least = plan_fragment(model, target=1, resident_bytes=0).predicted_peak
+    assert least < baseline
+    for k in range(9):
+        target = least + (baseline - least) * k // 8
+        plan = plan_fragment(model, target=target, resident_bytes=0)
+        assert plan.feasible, (k, target, plan.predicted_peak, least)
+        assert plan.predicted_peak <= target

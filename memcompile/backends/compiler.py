@@ -226,6 +226,7 @@ class _FragmentBuild:
                     if better or mode == "always":
                         joint, model, plan = rewritten, model2, plan2
         hosted: list[int] = []
+        host_peak: int | None = None  # the plan with parameters on the host, when tried
         candidates = self._host_candidates(static)
         device = _device_of(self.example_inputs)
         if config.offload_params is True and device is not None and device.type != "cpu":
@@ -242,6 +243,7 @@ class _FragmentBuild:
             # fetches its own copy (passes/params.py); "auto" only when nothing else fits.
             fetched = self._fetch_params(joint, num_fwd_outputs, candidates)
             model2, plan2 = self._plan(fetched, num_fwd_outputs, static, host=candidates)
+            host_peak = plan2.predicted_peak
             log.info(
                 "F%d: with %d parameters on the host the plan peaks at %s (%s without)",
                 self.index,
@@ -256,7 +258,7 @@ class _FragmentBuild:
             ):
                 joint, model, plan, hosted = fetched, model2, plan2, candidates
         if not plan.feasible:
-            compiler.infeasible(self, plan, tried_host=bool(hosted))
+            compiler.infeasible(self, plan, hosted=bool(hosted), host_peak=host_peak)
         self.hosted_inputs = tuple(hosted) + tuple(placed)
         if hosted:  # only now: an infeasible plan raised above with the parameters untouched
             from torch.utils._python_dispatch import _disable_current_modes
@@ -708,29 +710,42 @@ class MemCompiler:
         return self.device_other_bytes
 
     def infeasible(
-        self, build: _FragmentBuild, plan: FragmentPlan, *, tried_host: bool = False
+        self,
+        build: _FragmentBuild,
+        plan: FragmentPlan,
+        *,
+        hosted: bool = False,
+        host_peak: int | None = None,
     ) -> None:
         """No plan fits: raise MemoryBudgetError, or warn (``on_infeasible="best_effort"``).
-        ``tried_host``: the plan already keeps this fragment's parameters on the host."""
+        ``hosted``: the plan keeps this fragment's parameters on the host; ``host_peak``: the
+        smallest peak found with them there, when that was tried and did not help."""
         budget = self.config.budget
         assert budget is not None
         tips = [f"enable {k}=True" for k in ("recompute", "swap") if not getattr(self.config, k)]
         device = _device_of(build.example_inputs)
-        if tried_host:
+        resident = format_bytes(plan.resident_bytes)
+        if hosted:
             tips.append(
-                f"with the parameters on the host, {format_bytes(plan.resident_bytes)} of the "
-                "peak is still buffers, inputs and other fragments' memory"
+                f"with the parameters on the host, {resident} of the peak is still buffers, "
+                "inputs and other fragments' memory"
+            )
+        elif host_peak is not None:
+            tips.append(
+                f"{resident} of the peak is parameters, buffers and inputs; keeping the "
+                f"parameters on the host does not help (smallest peak then "
+                f"{format_bytes(host_peak)})"
             )
         elif self.config.offload_params is False and device is not None and device.type == "cpu":
             tips.append(
-                f"{format_bytes(plan.resident_bytes)} of the peak is parameters, buffers and "
-                "inputs: offload_params=True (or 'auto') keeps parameters on the host"
+                f"{resident} of the peak is parameters, buffers and inputs: offload_params=True "
+                "(or 'auto') keeps parameters on the host"
             )
         else:
             tips.append(
-                f"{format_bytes(plan.resident_bytes)} of the peak is parameters, buffers and "
-                "inputs, which stay on the device (parameters on the host are only implemented "
-                "for the CPU device in this version)"
+                f"{resident} of the peak is parameters, buffers and inputs, which stay on the "
+                "device (parameters on the host are only implemented for the CPU device in this "
+                "version)"
             )
         if self.device_other_bytes:
             tips.append(

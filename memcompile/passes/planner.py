@@ -367,6 +367,24 @@ def search_saved_set(
         elif ordered.peak <= current.peak:
             current = ordered
     evaluations = search.evaluations + 1 + reorder
+    if current.peak > target > 0:
+        # Stuck above the target. The greedy ranks moves by how they close the gap to the
+        # target, so a search for a lower target can end lower than this one did (seen: 991 KiB
+        # for a 910 KiB target, 1.22 MiB for 1 MiB). Search for the smallest peak instead; what
+        # it finds either fits (then take back the moves the target does not need) or is a
+        # truthful smallest peak for the error message.
+        least = _Search(model, 0, recompute, swap_tier)
+        low, low_applied = least.greedy(baseline)
+        if reorder:
+            ordered = least.evaluate(low.saved, dict(low.swapped), schedule=True)
+            low = ordered if ordered.peak <= low.peak else low
+        evaluations += least.evaluations
+        if low.peak < current.peak:
+            log.debug("planner: the least-peak search ends at %d B (target %d B)", low.peak, target)
+            current, applied = low, low_applied
+            if current.peak <= target:
+                current = search.undo(current, applied, schedule=reorder)
+                evaluations += search.evaluations
     log.debug(
         "planner: %d evaluations, %d moves (%d kept), peak %d -> %d B (target %d B), "
         "recompute %.3f ms, swap %.3f ms",
