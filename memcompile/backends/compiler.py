@@ -197,14 +197,19 @@ class _FragmentBuild:
         # Without a budget the plan keeps eager's saved set and only reorders (it costs nothing).
         config, compiler = self.compiler.config, self.compiler
         ctx = PassContext(fragment=f"F{self.index}", graph="joint")
-        if len([p for p in joint.graph.find_nodes(op="placeholder") if not P._is_tangent(p)]) != (
-            len(self.example_inputs)
-        ):
-            raise RuntimeError(
-                f"memcompile: F{self.index}: the joint graph's inputs do not match the "
-                "fragment's inputs; cannot tell which are parameters"
+        # Host placement needs the joint graph's primals to be the fragment's inputs, in order
+        # (AOTAutograd may rewrite them, e.g. for mutated inputs that alias each other).
+        aligned = len(
+            [p for p in joint.graph.find_nodes(op="placeholder") if not P._is_tangent(p)]
+        ) == len(self.example_inputs)
+        if not aligned and config.offload_params is True:
+            warnings.warn(
+                f"memcompile: F{self.index}: AOTAutograd changed this fragment's inputs, so its "
+                "parameters stay on the device (offload_params=True)",
+                MemoryBudgetWarning,
+                stacklevel=2,
             )
-        placed = self._host_placed()
+        placed = self._host_placed() if aligned else []
         if placed:  # another fragment moved some of these parameters: fetch them here too
             joint = self._fetch_params(joint, num_fwd_outputs, placed)
         model, plan = self._plan(joint, num_fwd_outputs, static)
@@ -227,7 +232,7 @@ class _FragmentBuild:
                         joint, model, plan = rewritten, model2, plan2
         hosted: list[int] = []
         host_peak: int | None = None  # the plan with parameters on the host, when tried
-        candidates = self._host_candidates(static)
+        candidates = self._host_candidates(static) if aligned else []
         device = _device_of(self.example_inputs)
         if config.offload_params is True and device is not None and device.type != "cpu":
             raise NotImplementedError(
@@ -741,6 +746,8 @@ class MemCompiler:
                 f"{resident} of the peak is parameters, buffers and inputs: offload_params=True "
                 "(or 'auto') keeps parameters on the host"
             )
+        elif device is not None and device.type == "cpu":
+            tips.append(f"{resident} of the peak is buffers, inputs and other fragments' memory")
         else:
             tips.append(
                 f"{resident} of the peak is parameters, buffers and inputs, which stay on the "

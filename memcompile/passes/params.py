@@ -106,12 +106,13 @@ def param_fetch_pass(
         return node
 
     out = gm.graph.find_nodes(op="output")[0]
-    grad_of = {
-        primal_nodes.index(p): num_fwd_outputs + k
+    # The joint graph's outputs: the forward's, then one gradient per primal (None: no grad).
+    grad_positions = {
+        num_fwd_outputs + k
         for k, p in enumerate(primal_nodes)
         if p in hosted and num_fwd_outputs + k < len(out.args[0])
     }
-    grads = {out.args[0][pos] for pos in grad_of.values()} - {None}
+    grads = {out.args[0][pos] for pos in grad_positions} - {None}
     offloaded: dict[fx.Node, fx.Node] = {}
     local: dict[fx.Node, fx.Node] = {}  # the node being copied: its fetches
 
@@ -120,9 +121,8 @@ def param_fetch_pass(
 
     for n in gm.graph.nodes:
         if n.op == "output":
-            positions = set(grad_of.values())
             outputs = [
-                (offloaded[a] if pos in positions else env[a]) if isinstance(a, fx.Node) else a
+                (offloaded[a] if pos in grad_positions else env[a]) if isinstance(a, fx.Node) else a
                 for pos, a in enumerate(n.args[0])
             ]
             new.output(tuple(outputs))
