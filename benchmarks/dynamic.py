@@ -29,7 +29,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -41,6 +40,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
+
+from machine import describe_machine  # noqa: E402
 
 import memcompile  # noqa: E402
 from memcompile.dynamic.markov import UNKNOWN, MarkovPredictor  # noqa: E402
@@ -180,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         lightgbm_only=lgbm_stats.to_dict(),
     )
     command = "OMP_NUM_THREADS=1 python benchmarks/dynamic.py " + " ".join(argv or sys.argv[1:])
-    cpu = platform.processor() or platform.machine()
-    machine = f"{platform.node()}: {cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    machine = describe_machine()
     date = datetime.date.today().isoformat()
     lines = [
         "# Pilot accuracy on the zoo MoE's block traces",

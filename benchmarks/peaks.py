@@ -17,11 +17,12 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from machine import describe_machine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -115,8 +116,7 @@ def main() -> None:
         rows.append({"memcompile": mc, "eager": eager})
 
     command = "OMP_NUM_THREADS=1 python " + " ".join(sys.argv)
-    cpu = platform.processor() or platform.machine()
-    machine = f"{platform.node()}: {cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    machine = describe_machine()
     import torch
 
     date = datetime.date.today().isoformat()

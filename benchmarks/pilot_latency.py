@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -37,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from dynamic import collect_trace, forward_stream  # noqa: E402
+from machine import describe_machine  # noqa: E402
 
 from memcompile.dynamic.pilot import Pilot  # noqa: E402
 
@@ -99,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "OMP_NUM_THREADS=1 python benchmarks/pilot_latency.py " + " ".join(
         argv or sys.argv[1:]
     )
-    cpu = platform.processor() or platform.machine()
-    machine = f"{platform.node()}: {cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    machine = describe_machine()
     lines = [
         "# Pilot prediction latency",
         "",

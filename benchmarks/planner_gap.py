@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from machine import describe_machine
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -143,8 +142,7 @@ def main() -> None:
     ok = all(s["over_5_percent"] == 0 and s["misses"] == 0 for s in stats.values())
 
     command = "OMP_NUM_THREADS=1 python " + " ".join(sys.argv)
-    cpu = platform.processor() or platform.machine()
-    machine = f"{platform.node()}: {cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    machine = describe_machine()
     lines = [
         "# Greedy planner vs the exact MILP on random graphs of <= 60 joint nodes",
         "",

@@ -22,7 +22,6 @@ import datetime
 import io
 import json
 import os
-import platform
 import pstats
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from machine import describe_machine
 from torch import nn
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -176,8 +176,7 @@ def _write(
     profile_text: str,
 ) -> bool:
     """Write ``planner_scale.{md,json}``; whether the default run met the limit and target."""
-    cpu = platform.processor() or platform.machine()
-    machine = f"{platform.node()}: {cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    machine = describe_machine()
     date = datetime.date.today().isoformat()
     default = runs[0]
     ok = default["seconds"] <= args.limit and default["feasible"]
