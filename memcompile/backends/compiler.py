@@ -32,6 +32,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch import partitioners as P
 from torch._functorch.partitioners import default_partition
 from torch._logging._internal import trace_structured_artifact
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memcompile.backends.dynamo_hooks import calling_dynamo_context, install_call_hook
 from memcompile.backends.fallbacks import Fallback, FunctionSpan, monitor
@@ -53,7 +54,13 @@ from memcompile.passes.step import StepPrediction, simulate_step
 from memcompile.passes.swap import swap_pass
 from memcompile.passes.workspace import clone_workspace, probe_workspaces
 from memcompile.runtime.measure import storage_sizes
-from memcompile.runtime.store import TieredStore, is_host_placed, place_on_host, register_store
+from memcompile.runtime.store import (
+    TieredStore,
+    can_host_place,
+    is_host_placed,
+    place_on_host,
+    register_store,
+)
 
 log = logging.getLogger(__name__)
 
@@ -169,13 +176,7 @@ class _FragmentBuild:
         out = []
         for i in static:
             t = self.example_inputs[i] if i < len(self.example_inputs) else None
-            if (
-                isinstance(t, torch.nn.Parameter)
-                and t.device.type == "cpu"
-                and not is_host_placed(t)
-                and t.storage_offset() == 0
-                and t.numel() * t.element_size() == t.untyped_storage().nbytes()
-            ):
+            if isinstance(t, torch.nn.Parameter) and can_host_place(t) and not is_host_placed(t):
                 out.append(i)
         return out
 
@@ -266,8 +267,6 @@ class _FragmentBuild:
             compiler.infeasible(self, plan, hosted=bool(hosted), host_peak=host_peak)
         self.hosted_inputs = tuple(hosted) + tuple(placed)
         if hosted:  # only now: an infeasible plan raised above with the parameters untouched
-            from torch.utils._python_dispatch import _disable_current_modes
-
             with _disable_current_modes():  # partitioning runs under the fake mode
                 moved = sum(place_on_host(self.example_inputs[i]) for i in hosted)
             compiler.host_param_bytes += moved
@@ -435,20 +434,24 @@ class _FragmentBuild:
         hosted = self.hosted_inputs if kind == "forward" else ()
         compiler = self.compiler
 
-        def run(args: list[Any]) -> Any:
-            # Pass the same list through: the inner callable clears it (boxed convention).
-            setattr(stats, counter, getattr(stats, counter) + 1)
+        def place(args: list[Any]) -> None:
             for i in hosted:
-                # One graph serves every expert: parameters first seen now join the host tier.
                 if not is_host_placed(args[i]):
                     try:
                         compiler.host_param_bytes += place_on_host(args[i])
                     except ValueError as e:  # still correct: the graph fetches a device copy
                         log.warning("memcompile: F%d input %d stays on the device: %s", index, i, e)
+
+        def run(args: list[Any]) -> Any:
+            # Pass the same list through: the inner callable clears it (boxed convention).
+            setattr(stats, counter, getattr(stats, counter) + 1)
             if guard is not None:
                 guard()
             block = args[key_pos].data_ptr() if key_pos >= 0 else 0
             if block not in blocks:  # a new set of parameters (another expert): remember them
+                if hosted:  # one graph serves every expert: these join the host tier now
+                    place(args)
+                    block = args[key_pos].data_ptr()
                 blocks[block] = storage_sizes((args[i] for i in static), keep_host=True)
             on_call(index, kind, block, args)
             if _profiler_enabled():

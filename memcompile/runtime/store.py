@@ -56,6 +56,7 @@ __all__ = [
     "OffloadError",
     "Tier",
     "TieredStore",
+    "can_host_place",
     "get_store",
     "host_storage_bytes",
     "is_host_placed",
@@ -110,6 +111,23 @@ def host_storage_bytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes() if is_host_placed(t) else 0
 
 
+def _host_copy(x: torch.Tensor) -> torch.Tensor:
+    # A copy of a CPU tensor that covers its storage, in a (registered) host-tier buffer.
+    out = _as_torch(_host_buffer(x.untyped_storage().nbytes()), x)
+    out.copy_(x)
+    return out
+
+
+def can_host_place(p: torch.Tensor) -> bool:
+    """Whether :func:`place_on_host` takes ``p``: a CPU tensor covering its whole storage (a
+    view of a larger buffer would keep the device copy alive through its other users)."""
+    return (
+        p.device.type == "cpu"
+        and p.storage_offset() == 0
+        and p.numel() * p.element_size() == p.untyped_storage().nbytes()
+    )
+
+
 def place_on_host(p: torch.Tensor) -> int:
     """Move a CPU parameter's storage (and its gradient's, if any) into the host tier, in place:
     ``p`` keeps its identity, values, shape and strides, so optimizers and autograd see the same
@@ -125,14 +143,11 @@ def place_on_host(p: torch.Tensor) -> int:
         raise ValueError(
             f"host-placed parameters need a CPU tensor (the CPU device's host tier); got {p.device}"
         )
-    storage = p.untyped_storage()
-    if p.storage_offset() != 0 or p.numel() * p.element_size() != storage.nbytes():
+    if not can_host_place(p):
         raise ValueError("a parameter that is a view of a larger buffer cannot be host-placed")
-    freed = storage.nbytes()
+    freed = p.untyped_storage().nbytes()
     with torch.no_grad():
-        host = _as_torch(_host_buffer(freed), p)
-        host.copy_(p)
-        p.data = host
+        p.data = _host_copy(p)
     _grad_to_host(p)
     if p.requires_grad:
         # The graphs send gradients to the host, but autograd may still make a device one:
@@ -144,12 +159,10 @@ def place_on_host(p: torch.Tensor) -> int:
 
 def _grad_to_host(p: torch.Tensor) -> None:
     g = p.grad
-    if g is None or is_host_placed(g) or not g.is_contiguous():
+    if g is None or is_host_placed(g) or not can_host_place(g):
         return
     with torch.no_grad():
-        host = _as_torch(_host_buffer(g.numel() * g.element_size()), g)
-        host.copy_(g)
-        p.grad = host
+        p.grad = _host_copy(g)
 
 
 def _storage_bytes(x: torch.Tensor) -> np.ndarray:
@@ -217,8 +230,7 @@ class TieredStore:
             else:
                 out.copy_(x)
         elif tier == "host":
-            out = _as_torch(_host_buffer(nbytes), x)
-            out.copy_(x)
+            out = _host_copy(x)
         else:
             out = self._to_disk(x, nbytes)
         with self._lock:
