@@ -194,3 +194,65 @@ def test_predicted_peak_equals_allocator_peak_on_random_programs(program) -> Non
     measured = measure(lambda: run(list(inputs)))
     assert measured.resident_bytes == len(inputs) * TENSOR
     assert measured.peak - measured.resident_bytes == profile.peak_bytes
+
+
+def test_attention_without_dropout_does_not_draw_random_numbers() -> None:
+    # The attention kernels carry nondeterministic_seeded for their optional dropout: with
+    # dropout_p == 0 they are deterministic, so the planner may recompute them (what
+    # checkpointing does); with dropout, or a real dropout op, never.
+    from memcompile.passes.schedule import draws_random, has_effect
+
+    q = torch.randn(1, 2, 8, 4)
+
+    def attn(p: object, as_kwarg: bool) -> fx.GraphModule:  # built, not run (CPU: p must be 0)
+        g = fx.Graph()
+        x = g.placeholder("q")
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        args, kwargs = ((x, x, x), {"dropout_p": p}) if as_kwarg else ((x, x, x, p), {})
+        g.output(g.call_function(op, args, kwargs))
+        return fx.GraphModule({}, g)
+
+    def drop(q: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten.native_dropout(q, 0.1, True)[0]
+
+    def random_nodes(gm: fx.GraphModule) -> list[str]:
+        return [
+            n.target._opname for n in gm.graph.nodes if n.op == "call_function" and draws_random(n)
+        ]
+
+    sdpa = ["_scaled_dot_product_flash_attention_for_cpu"]
+    assert (
+        random_nodes(
+            make_fx(lambda q: torch.nn.functional.scaled_dot_product_attention(q, q, q))(q)
+        )
+        == []
+    )
+    for as_kwarg in (False, True):
+        assert random_nodes(attn(0.0, as_kwarg)) == []
+        assert random_nodes(attn(0.25, as_kwarg)) == sdpa
+    g = fx.Graph()  # the default (0.0) when the argument is left out
+    x = g.placeholder("q")
+    g.output(
+        g.call_function(
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, (x, x, x)
+        )
+    )
+    assert random_nodes(fx.GraphModule({}, g)) == []
+    gm = make_fx(drop)(q)
+    assert random_nodes(gm) == ["native_dropout"]
+    assert [n.target._opname for n in gm.graph.nodes if has_effect(n)] == ["native_dropout"]
+
+
+def test_gpt_plans_may_recompute_attention_and_stay_bit_identical() -> None:
+    import memcompile
+
+    from helpers import predicted_peak, train_under_budget
+
+    base = predicted_peak("gpt", size="tiny")
+    compiled, _, measured = train_under_budget(
+        "gpt", "sgd", int(base * 0.8), swap=False, offload_params=False
+    )
+    (plan,) = memcompile.report(compiled).plan.fragments
+    recomputed = [n for n in plan.backward_order if "scaled_dot_product" in n]
+    assert recomputed, plan.backward_order
+    assert measured == memcompile.report(compiled).predicted_peak

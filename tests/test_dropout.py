@@ -67,21 +67,25 @@ def test_pass_rewrites_every_gpt_dropout_and_keeps_the_joint() -> None:
 
 
 def test_gpt_under_a_budget_recomputes_dropout_outputs() -> None:
-    # The "small" GPT: at this budget the plan without the rewrite peaks over it (the residual
+    # The tiny GPT: at this budget the plan without the rewrite peaks over it (the residual
     # stream after each dropout must be saved); with it the plan fits. The budget is a fraction
-    # of the unplanned predicted peak (50.2 MiB with torch 2.13): without the rewrite the
-    # smallest plan found is 0.461x, with it 0.433x.
-    base = predicted_peak("gpt", size="small")
-    budget = int(base * 0.445)
+    # of the unplanned predicted peak (1.92 MB with torch 2.13): without the rewrite no plan
+    # fits 0.735x (smallest found 0.750x), with it 0.733x. (On the small GPT it no longer
+    # helps: with attention recomputable and the loss head in place the forward binds there,
+    # and the rewrite adds a forward transient.)
+    base = predicted_peak("gpt", size="tiny")
+    budget = int(base * 0.738)
     torch._dynamo.reset()
-    compiled, _, measured = train_under_budget("gpt", "adam", budget, size="small", swap=False)
+    compiled, _, measured = train_under_budget(
+        "gpt", "adam", budget, size="tiny", swap=False, offload_params=False
+    )
     rep = memcompile.report(compiled)
     (plan,) = rep.plan.fragments
     assert plan.feasible
     # The rewrite is tried only when the plan without it does not fit: that it was kept shows
-    # the budget needed it; the backward recomputes rebuilt dropout outputs.
-    recomputed = [n for n in plan.backward_order if n.startswith(SCALED_PREFIX)]
-    assert recomputed, plan.backward_order
+    # the budget needed it (the plan's forward computes the rebuilt dropout outputs).
+    rebuilt = [n for n in plan.forward_order if n.startswith(SCALED_PREFIX)]
+    assert rebuilt, plan.forward_order
     assert measured <= budget * 1.02, (measured, budget)
     assert abs(rep.predicted_peak - measured) <= 0.03 * measured, (rep.predicted_peak, measured)
 

@@ -45,6 +45,7 @@ from memcompile.passes.costmodel import DeviceProfile, device_profile, resolve_p
 from memcompile.passes.dropout import dropout_pass
 from memcompile.passes.fragment import FragmentProfile, accumulate_clone_bytes, profile_fragment
 from memcompile.passes.joint import JointModel
+from memcompile.passes.losshead import loss_head_pass
 from memcompile.passes.params import param_fetch_pass
 from memcompile.passes.partition import partition_pass
 from memcompile.passes.plan import FragmentPlan
@@ -89,6 +90,10 @@ class BlockObserver(Protocol):
 #: without it misses the budget and the one with it fits or peaks lower; ``"always"`` and
 #: ``"never"`` are for tests and benchmarks (not a user option: "auto" is the contract).
 DROPOUT_REWRITE: Literal["auto", "always", "never"] = "auto"
+
+#: Planned fragments compute cross-entropy heads in place (passes/losshead.py); ``False`` is for
+#: tests and benchmarks that compare against the aten ops.
+LOSS_HEAD_IN_PLACE = True
 
 # A step that never sees a backward (inference loops) is cut at this many calls.
 _MAX_STEP_EVENTS = 100_000
@@ -198,6 +203,9 @@ class _FragmentBuild:
         # Without a budget the plan keeps eager's saved set and only reorders (it costs nothing).
         config, compiler = self.compiler.config, self.compiler
         ctx = PassContext(fragment=f"F{self.index}", graph="joint")
+        if LOSS_HEAD_IN_PLACE:
+            # Costs no time (the same kernels, a block of rows at a time): always.
+            joint = loss_head_pass(joint, ctx)
         # Host placement needs the joint graph's primals to be the fragment's inputs, in order
         # (AOTAutograd may rewrite them, e.g. for mutated inputs that alias each other).
         aligned = len(

@@ -31,7 +31,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from memcompile.passes.analysis import StorageIds, node_cost, tensor_vals
 from memcompile.passes.costmodel import DeviceProfile
-from memcompile.passes.schedule import has_effect
+from memcompile.passes.schedule import draws_random, has_effect
 from memcompile.passes.schedule import schedule as schedule_nodes
 
 log = logging.getLogger(__name__)
@@ -40,14 +40,6 @@ __all__ = ["JointEval", "JointModel"]
 
 _PRIMAL, _TANGENT, _FW, _BW, _OTHER = range(5)
 _OFFLOAD = torch.ops.memcompile.offload.default
-
-
-def _is_random(node: fx.Node) -> bool:
-    target = node.target
-    return (
-        isinstance(target, torch._ops.OpOverload)
-        and torch.Tag.nondeterministic_seeded in target.tags
-    )
 
 
 class _WithCopies:
@@ -265,9 +257,9 @@ class JointModel:
             return False
 
     def _recomputable(self, n: fx.Node) -> bool:
-        if n.op != "call_function" or P._must_be_in_forward(n) or _is_random(n):
+        if n.op != "call_function" or P._must_be_in_forward(n) or draws_random(n):
             return False
-        if n.is_impure():
+        if n.is_impure(impure_random=False):
             return False
         val = n.meta.get("val")
         # Sizes that only exist at run time (unbacked symbols) cannot be recreated reliably.

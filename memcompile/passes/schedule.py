@@ -28,17 +28,42 @@ from torch import fx
 if TYPE_CHECKING:
     from memcompile.passes.joint import JointModel
 
-__all__ = ["has_effect", "schedule"]
+__all__ = ["draws_random", "has_effect", "schedule"]
+
+
+def draws_random(node: fx.Node) -> bool:
+    """The op draws from the random generator when it runs.
+
+    Ops tagged ``nondeterministic_seeded`` do, except those whose only randomness is a
+    ``dropout_p`` argument that is 0 here: the attention kernels
+    (``_scaled_dot_product_flash_attention[_for_cpu]``, ``_efficient_attention``, ...) carry the
+    tag for their optional dropout, and ``F.scaled_dot_product_attention`` without dropout
+    passes ``dropout_p=0.0``. Such a call is as deterministic as a matmul, so it may be
+    recomputed (what checkpointing does) and reordered.
+    """
+    target = node.target
+    if not (
+        isinstance(target, torch._ops.OpOverload)
+        and torch.Tag.nondeterministic_seeded in target.tags
+    ):
+        return False
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name != "dropout_p":
+            continue
+        if arg.kwarg_only or i >= len(node.args):
+            value = node.kwargs.get(arg.name, arg.default_value)
+        else:
+            value = node.args[i]
+        # Only a literal 0 counts: a symbolic or traced probability may be non-zero.
+        return not (isinstance(value, (int, float)) and value == 0)
+    return True
 
 
 def has_effect(node: fx.Node) -> bool:
     """Random (draws from the generator) or impure (mutates, communicates)."""
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload) and (
-        torch.Tag.nondeterministic_seeded in target.tags
-    ):
+    if draws_random(node):
         return True
-    return node.op == "call_function" and node.is_impure()
+    return node.op == "call_function" and node.is_impure(impure_random=False)
 
 
 def schedule(

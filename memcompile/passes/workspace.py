@@ -204,7 +204,12 @@ def probe_workspaces(gm: fx.GraphModule) -> dict[str, int] | None:
         with _disable_current_modes(), torch.random.fork_rng(devices=devices), torch.no_grad():
             _cache.update(_run_probes(list(jobs.items()), device))
         log.debug("probed %d distinct ops for workspace", len(jobs))
-    return {name: _cache[key] for name, key in keys.items() if _cache.get(key, 0) > 0}
+    found = {name: _cache[key] for name, key in keys.items() if _cache.get(key, 0) > 0}
+    # memcompile's own kernels state their scratch (e.g. passes/losshead.py): no probe needed.
+    for node in gm.graph.nodes:
+        if node.meta.get("memcompile_workspace"):
+            found[node.name] = int(node.meta["memcompile_workspace"])
+    return found
 
 
 def clone_workspace(grad: torch.Tensor) -> int | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+import memcompile.runtime.losshead  # noqa: F401 - registers the loss head's in-place ops
 from memcompile.runtime.store import get_store
 
 __all__ = ["DIRECT", "TIERS", "offload", "reload", "wait"]
