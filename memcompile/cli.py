@@ -5,7 +5,7 @@
     memcompile plan TARGET --budget B -o plan.json       # the plan, with what draw/timeline need
     memcompile draw TARGET|plan.json -o plan.svg         # graphviz: nodes coloured by decision
     memcompile timeline TARGET|plan.json -o step.png     # live bytes before/after, budget line
-    memcompile bench [--suite anchors|dynamic|all] [--quick]
+    memcompile bench [--suite anchors|dynamic|all] [--quick] [--dry-run]
 
 TARGET is a zoo workload name (``--size tiny|small|bench``, default tiny) or ``module:function``
 returning ``(model, batch)`` or ``(model, batch, loss)`` (see ``memcompile/cli_target.py``).
@@ -372,40 +372,59 @@ def _timeline(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _bench(args: argparse.Namespace) -> dict[str, Any]:
-    from memcompile.cli_bench import BenchError, run_suite, suites_for
+    from memcompile.cli_bench import (
+        BenchError,
+        BenchOptions,
+        harness_commands,
+        run_suite,
+        suites_for,
+    )
     from memcompile.cli_output import progress
 
+    opts = BenchOptions(
+        quick=args.quick,
+        models=args.models,
+        configs=args.configs,
+        reps=args.reps,
+        no_sweep=args.no_sweep,
+        steps=args.steps,
+        size=args.size,
+    )
     try:
-        run, skipped = suites_for(args.suite)
+        suites = suites_for(args.suite)
+        opts.check(suites)
+        if args.dry_run:
+            commands = {s: harness_commands(s, opts, args.out) for s in suites}
+        else:
+            runs = []
+            for suite in suites:
+                runs.append(run_suite(suite, opts, args.out, lambda label: progress(None, label)))
+                if not args.json:
+                    print(runs[-1].report, end="")
+                    print(f"results: {runs[-1].out}")
     except BenchError as e:
         raise CliError(str(e)) from None
-    for name in skipped:
-        print(f"memcompile bench: suite {name!r} does not exist yet; skipped", file=sys.stderr)
-    harness: list[str] = []
-    if args.quick:
-        harness.append("--quick")
-    for flag in ("models", "configs", "reps"):
-        value = getattr(args, flag)
-        if value is not None:
-            harness += [f"--{flag}", str(value)]
-    if args.no_sweep:
-        harness.append("--no-sweep")
-    runs = []
-    for suite in run:
-        with progress(None, suite) as reporter:
-            try:
-                runs.append(run_suite(suite, harness, args.out, reporter))
-            except BenchError as e:
-                raise CliError(str(e)) from None
+    if args.dry_run:
         if not args.json:
-            print(runs[-1].report, end="")
-            print(f"results: {runs[-1].out}")
+            for suite, cmds in commands.items():
+                for cmd in cmds:
+                    print(f"{suite}: OMP_NUM_THREADS=1 {' '.join(cmd)}")
+        return {
+            "dry_run": True,
+            "suites": [
+                {"suite": s, "commands": [list(c) for c in cmds]} for s, cmds in commands.items()
+            ],
+        }
     return {
         "suites": [
-            {"suite": r.suite, "rows": list(r.rows), "out": r.out, "command": list(r.command)}
+            {
+                "suite": r.suite,
+                "rows": list(r.rows),
+                "out": r.out,
+                "commands": [list(c) for c in r.commands],
+            }
             for r in runs
         ],
-        "skipped": skipped,
     }
 
 
@@ -490,12 +509,15 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bench", parents=[common], help="run the benchmark harness (benchmarks/, a checkout)"
     )
-    b.add_argument("--suite", default="anchors", help="anchors, dynamic (not yet) or all")
-    b.add_argument("--quick", action="store_true", help="the harness's quick mode")
-    b.add_argument("--models", help="comma list of models (harness default: all)")
-    b.add_argument("--configs", help="comma list of configurations (harness default: all)")
-    b.add_argument("--reps", type=int, help="paired timing repetitions")
-    b.add_argument("--no-sweep", action="store_true", help="skip the largest-model sweep")
+    b.add_argument("--suite", default="anchors", help="anchors (default), dynamic or all")
+    b.add_argument("--quick", action="store_true", help="each harness's quick mode")
+    b.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    b.add_argument("--models", help="anchors: comma list of models (harness default: all)")
+    b.add_argument("--configs", help="anchors: comma list of configurations (default: all)")
+    b.add_argument("--reps", type=int, help="anchors: paired timing repetitions")
+    b.add_argument("--no-sweep", action="store_true", help="anchors: skip the largest-model sweep")
+    b.add_argument("--steps", type=int, help="dynamic: MoE training steps (harness default: 300)")
+    b.add_argument("--size", help="dynamic: zoo MoE size, tiny, small or bench (default: small)")
     b.add_argument(
         "--out", type=Path, default=None, help="results folder (default: benchmarks/results)"
     )
