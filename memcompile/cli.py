@@ -4,6 +4,7 @@
     memcompile inspect TARGET [--budget B]               # fragments, peaks, plans, fallbacks
     memcompile plan TARGET --budget B -o plan.json       # the plan, with what draw/timeline need
     memcompile draw TARGET|plan.json -o plan.svg         # graphviz: nodes coloured by decision
+        [--compact|--full]                               # runs of nodes (default when large)
     memcompile timeline TARGET|plan.json -o step.png     # live bytes before/after, budget line
     memcompile bench [--suite anchors|dynamic|all] [--quick] [--dry-run]
 
@@ -339,16 +340,24 @@ def _output_format(path: str, allowed: Sequence[str]) -> str:
 
 
 def _draw(args: argparse.Namespace) -> dict[str, Any]:
-    from memcompile.viz.draw import plan_digraph, render
+    from memcompile.viz.draw import COMPACT_ABOVE, node_count, plan_digraph, render
 
     fmt = _output_format(args.output, ("svg", "png", "pdf", "dot"))
     insp = _load_or_collect(args)
-    data = render(plan_digraph(insp), fmt)
+    nodes = node_count(insp)
+    compact = nodes > COMPACT_ABOVE if args.compact is None else args.compact
+    data = render(plan_digraph(insp, compact=compact), fmt)
     Path(args.output).write_bytes(data)
-    nodes = sum(len(g.nodes) for f in insp.fragments for g in (f.forward, f.backward) if g)
     if not args.json:
-        print(f"wrote {args.output}: {len(insp.fragments)} fragment(s), {nodes} nodes")
-    return {"output": args.output, "format": fmt, "fragments": len(insp.fragments), "nodes": nodes}
+        mode = " (compact: runs of nodes; --full draws every node)" if compact else ""
+        print(f"wrote {args.output}: {len(insp.fragments)} fragment(s), {nodes} nodes{mode}")
+    return {
+        "output": args.output,
+        "format": fmt,
+        "fragments": len(insp.fragments),
+        "nodes": nodes,
+        "compact": compact,
+    }
 
 
 def _timeline(args: argparse.Namespace) -> dict[str, Any]:
@@ -494,6 +503,18 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("target", metavar="TARGET|PLAN.json")
     dr.add_argument("--budget", help=budget_help)
     dr.add_argument("-o", "--output", required=True, help="out.svg (or .png, .pdf, .dot)")
+    mode = dr.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--compact",
+        dest="compact",
+        action="store_const",
+        const=True,
+        default=None,
+        help="one box per run of nodes with one decision (default for large graphs)",
+    )
+    mode.add_argument(
+        "--full", dest="compact", action="store_const", const=False, help="every node"
+    )
     dr.set_defaults(func=_draw)
 
     tl = sub.add_parser(

@@ -134,6 +134,24 @@ def test_draw_dot_source_needs_no_graphviz_program(
     assert "subgraph cluster_F0" in source
 
 
+def test_draw_compact_draws_runs_of_nodes_and_full_every_node(
+    capsys: pytest.CaptureFixture[str], plan_file: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "plan.dot"
+    code, printed, err = run(capsys, "draw", str(plan_file), "-o", str(out), "--json")
+    assert code == 0, err
+    assert json.loads(printed)["compact"] is False  # a small graph: every node by default
+    full = out.read_text()
+    code, printed, err = run(capsys, "draw", str(plan_file), "-o", str(out), "--compact")
+    assert code == 0, err
+    assert "(compact: runs of nodes; --full draws every node)" in printed
+    compact = out.read_text()
+    assert "(compact: runs of nodes)" in compact and "PEAK" in compact
+    assert compact.count("fillcolor=") < full.count("fillcolor=")
+    code, printed, _ = run(capsys, "draw", str(plan_file), "-o", str(out), "--full", "--json")
+    assert code == 0 and json.loads(printed)["compact"] is False and out.read_text() == full
+
+
 def test_timeline_from_a_plan_file_writes_a_png(
     capsys: pytest.CaptureFixture[str], plan_file: Path, tmp_path: Path
 ) -> None:

@@ -64,11 +64,15 @@ def as_inspection(x: Inspection | str | Path | Any) -> Inspection:
     )
 
 
-def show_plan(x: Inspection | str | Path | Any) -> SvgImage:
-    """Every fragment's graphs, nodes coloured by the plan's decisions (``memcompile draw``)."""
+def show_plan(x: Inspection | str | Path | Any, *, compact: bool | None = None) -> SvgImage:
+    """Every fragment's graphs, nodes coloured by the plan's decisions (``memcompile draw``).
+
+    ``compact``: draw runs of nodes instead of nodes (``None``: above
+    :data:`memcompile.viz.draw.COMPACT_ABOVE` nodes; see :mod:`memcompile.viz.draw`).
+    """
     from memcompile.viz.draw import plan_digraph, render
 
-    return SvgImage(render(plan_digraph(as_inspection(x)), "svg").decode())
+    return SvgImage(render(plan_digraph(as_inspection(x), compact=compact), "svg").decode())
 
 
 def show_timeline(x: Inspection | str | Path | Any) -> PngImage:
