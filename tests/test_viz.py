@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -183,3 +184,53 @@ def test_small_graphs_are_drawn_in_full_by_default(swapped: mv.Inspection) -> No
 def test_show_plan_renders_the_compact_drawing(gpt: mv.Inspection) -> None:
     svg = mv.show_plan(gpt, compact=True)._repr_svg_()
     assert "<svg" in svg and "PEAK" in svg and " nodes: " in svg
+
+
+def _trace(*steps: str) -> list[Any]:
+    """StepTraces of forward blocks; ``"r a b"``: the root fragment's block, then experts."""
+    from memcompile.dynamic.trace import BlockEvent, StepTrace
+
+    def event(name: str) -> BlockEvent:
+        block = "ffff/" if name == "r" else f"eeee/experts.{name}"
+        return BlockEvent("forward", block.split("/")[0], block, 0.0)
+
+    out = []
+    for i, s in enumerate(steps):
+        events = [event(n) for n in s.split()]
+        events.append(BlockEvent("backward", "ffff", "ffff/", 0.0))  # not counted
+        out.append(StepTrace(i, tuple(events)))
+    return out
+
+
+def test_trace_transitions_carry_probabilities_per_source_block() -> None:
+    from memcompile.viz.fragments import trace_transition_graph
+
+    g = trace_transition_graph(_trace("r 0 1", "r 0 2", "r 0 1", "r 3"))
+    assert list(g.nodes) == [
+        "F0:root",
+        "F1:experts.0",
+        "F1:experts.1",
+        "F1:experts.2",
+        "F1:experts.3",
+    ]
+    assert g.nodes["F0:root"]["calls"] == 4
+    assert g.edges["F0:root", "F1:experts.0"]["p"] == 0.75
+    assert g.edges["F0:root", "F1:experts.3"]["p"] == 0.25
+    assert g.edges["F1:experts.0", "F1:experts.1"]["count"] == 2
+    assert g.edges["F1:experts.0", "F1:experts.1"]["p"] == pytest.approx(2 / 3)
+    assert not g.has_edge("F1:experts.1", "F0:root")  # no edge across steps
+    for a in g.nodes:
+        out = [d["p"] for _, _, d in g.out_edges(a, data=True)]
+        assert not out or sum(out) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no block calls in phases forward"):
+        trace_transition_graph(_trace("r")[:0])
+
+
+@needs_dot
+def test_show_fragments_of_a_trace_labels_edges_with_probabilities() -> None:
+    svg = mv.show_fragments(_trace("r 0 1", "r 0 2"))._repr_svg_()
+    assert "F1:experts.0" in svg and "p=0.50" in svg and "p=1.00 (2)" in svg
+    counts = mv.show_fragments(_trace("r 0 1", "r 0 2"), probabilities=False)._repr_svg_()
+    assert "p=" not in counts
+    with pytest.raises(TypeError, match="must hold StepTrace"):
+        mv.show_fragments([1, 2])
