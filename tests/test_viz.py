@@ -230,6 +230,8 @@ def test_trace_transitions_carry_probabilities_per_source_block() -> None:
 def test_show_fragments_of_a_trace_labels_edges_with_probabilities() -> None:
     svg = mv.show_fragments(_trace("r 0 1", "r 0 2"))._repr_svg_()
     assert "F1:experts.0" in svg and "p=0.50" in svg and "p=1.00 (2)" in svg
+    # four blocks, three edges: "F1:experts.0" is one node, not node F1 with a port
+    assert svg.count('class="node"') == 4 and svg.count('class="edge"') == 3
     counts = mv.show_fragments(_trace("r 0 1", "r 0 2"), probabilities=False)._repr_svg_()
     assert "p=" not in counts
     with pytest.raises(TypeError, match="must hold StepTrace"):

@@ -131,21 +131,24 @@ def transition_digraph(
     dot = graphviz.Digraph(name="memcompile_blocks")
     dot.attr(rankdir="LR", label=title, labelloc="t")
     dot.attr("node", shape="box", style="filled,rounded", fontname="Helvetica")
+    # Node ids are indices: graphviz reads "F2:blocks.0" as node F2, port blocks.0.
+    ids = {name: f"b{i}" for i, name in enumerate(g.nodes)}
     for name, data in g.nodes(data=True):  # insertion order: first-seen, deterministic
         calls = data["calls"]
         dot.node(
-            name,
+            ids[name],
             f"{name}\\n{calls} call{'s' if calls != 1 else ''}",
             fillcolor=_KIND_COLOURS.get(data["kind"], "#ffffff"),
+            tooltip=name,
         )
     for a, b, data in g.edges(data=True):
         count = data["count"]
         if probabilities and "p" in data:
             p = data["p"]
             label = f"p={p:.2f}" + (f" ({count})" if count > 1 else "")
-            dot.edge(a, b, label=label, penwidth=f"{0.5 + 2.5 * p:.2f}", fontsize="9")
+            dot.edge(ids[a], ids[b], label=label, penwidth=f"{0.5 + 2.5 * p:.2f}", fontsize="9")
         else:
-            dot.edge(a, b, label=str(count) if count > 1 else "")
+            dot.edge(ids[a], ids[b], label=str(count) if count > 1 else "")
     return dot
 
 
