@@ -32,6 +32,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +54,25 @@ from memcompile.zoo.moe import moe_workload  # noqa: E402
 Stream = list[tuple[int, str, str, tuple[int, ...], tuple[int, ...] | None]]
 
 
+def progress_ticks(steps: int, parts: int = 10) -> list[int]:
+    """The steps (1-based) after which training reports progress: about ``parts`` of them."""
+    every = max(1, -(-steps // parts))
+    return sorted({*range(every, steps + 1, every), steps})
+
+
 def collect_trace(
-    steps: int, *, size: str, batch: int, seq_len: int, seed: int = 0
+    steps: int,
+    *,
+    size: str,
+    batch: int,
+    seq_len: int,
+    seed: int = 0,
+    on_tick: Callable[[int], None] | None = None,
 ) -> tuple[list[StepTrace], dict[str, Any]]:
-    """Train the MoE under memcompile for ``steps`` steps; its block trace and run facts."""
+    """Train the MoE under memcompile for ``steps`` steps; its block trace and run facts.
+
+    ``on_tick(done)`` is called after each step of :func:`progress_ticks`.
+    """
     torch._dynamo.reset()
     wl = moe_workload(size, seed, batch=batch, seq_len=seq_len)
     with tempfile.TemporaryDirectory() as tmp:
@@ -64,10 +80,13 @@ def collect_trace(
         compiled = memcompile.compile(wl.model, trace_path=path)
         opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3)
         start = time.perf_counter()
+        ticks = set(progress_ticks(steps))
         for step in range(steps):
             wl.loss(compiled, step).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if on_tick is not None and step + 1 in ticks:
+                on_tick(step + 1)
         seconds = time.perf_counter() - start
         compiler, _ = find_compiler(compiled)
         (recorder,) = compiler.block_observers
@@ -158,18 +177,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retrain-every", type=int, default=10)
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
+    if args.steps <= args.warmup:
+        ap.error(
+            f"--steps ({args.steps}) must be more than --warmup ({args.warmup}): "
+            "nothing would be scored"
+        )
     torch.set_num_threads(1)
-    trace, facts = collect_trace(args.steps, size=args.size, batch=args.batch, seq_len=args.seq_len)
+    # "progress I/N TEXT" on stderr: `memcompile bench --suite dynamic` draws its bar from them
+    total = len(progress_ticks(args.steps)) + 4
+    done = 0
+
+    def report(text: str) -> None:
+        nonlocal done
+        done += 1
+        print(f"progress {done}/{total} {text}", file=sys.stderr, flush=True)
+
+    trace, facts = collect_trace(
+        args.steps,
+        size=args.size,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        on_tick=lambda n: report(f"trained {n}/{args.steps} MoE steps"),
+    )
     stream = forward_stream(trace)
     h = args.horizon
     pilot_preds, pilot_stats = run_pilot(stream, h, args.warmup, args.retrain_every, 0.5)
+    report("pilot (threshold 0.5) replayed")
     lgbm_preds, lgbm_stats = run_pilot(stream, h, args.warmup, args.retrain_every, 0.0)
+    report("lightgbm (no threshold) replayed")
     results = {
         "pilot": score(stream, pilot_preds, h, args.warmup),
         "lightgbm": score(stream, lgbm_preds, h, args.warmup),
         "markov": score(stream, run_markov(stream, h), h, args.warmup),
-        "replay": score(stream, run_replay(stream, h), h, args.warmup),
     }
+    report("markov replayed")
+    results["replay"] = score(stream, run_replay(stream, h), h, args.warmup)
+    report("replay scored")
     per_step = [len(s.blocks("forward", "inference")) for s in trace]
     facts.update(
         steps=len(trace),

@@ -1,6 +1,7 @@
 """Per-prediction latency of the pilot: LightGBM's C fast path vs ``Booster.predict``.
 
-    OMP_NUM_THREADS=1 python benchmarks/pilot_latency.py [--steps 60] [--calls 5000] [--out DIR]
+    OMP_NUM_THREADS=1 python benchmarks/pilot_latency.py [--steps 60] [--calls 5000] [--size small]
+        [--out DIR]
 
 Collects a block trace of the zoo MoE (``benchmarks/dynamic.py``'s setup: ``small``, batch 1,
 8 tokens), trains a :class:`memcompile.dynamic.pilot.Pilot` (horizon 2, default size) on it, then
@@ -55,10 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--size", default="small", help="zoo MoE size (default: small)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    trace, facts = collect_trace(args.steps, size="small", batch=1, seq_len=8)
+    # "progress I/N TEXT" on stderr: `memcompile bench --suite dynamic` draws its bar from them
+    print(f"progress 1/3 collecting a {args.steps}-step MoE trace", file=sys.stderr, flush=True)
+    trace, facts = collect_trace(args.steps, size=args.size, batch=1, seq_len=8)
+    print("progress 2/3 training the pilot", file=sys.stderr, flush=True)
     stream = forward_stream(trace)
     pilot = Pilot(horizon=2, warmup_steps=args.steps, retrain_every=1, seed=0)
     for t, (step, block, fragment, sizes, idioms) in enumerate(stream):
@@ -89,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     # same answers (probabilities) from both paths
     for i in range(50):
         np.testing.assert_allclose(fast_call(i), booster_call(i)[0], rtol=1e-9)
+    print("progress 3/3 timing predictions", file=sys.stderr, flush=True)
     results = {
         "FastBooster.predict (C fast path, ctypes)": _time(fast_call, args.calls),
         "Booster.predict(row, num_threads=1)": _time(booster_call, min(args.calls, 2000)),

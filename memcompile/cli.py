@@ -4,8 +4,9 @@
     memcompile inspect TARGET [--budget B]               # fragments, peaks, plans, fallbacks
     memcompile plan TARGET --budget B -o plan.json       # the plan, with what draw/timeline need
     memcompile draw TARGET|plan.json -o plan.svg         # graphviz: nodes coloured by decision
+        [--compact|--full]                               # runs of nodes (default when large)
     memcompile timeline TARGET|plan.json -o step.png     # live bytes before/after, budget line
-    memcompile bench [--suite anchors|dynamic|all] [--quick]
+    memcompile bench [--suite anchors|dynamic|all] [--quick] [--dry-run]
 
 TARGET is a zoo workload name (``--size tiny|small|bench``, default tiny) or ``module:function``
 returning ``(model, batch)`` or ``(model, batch, loss)`` (see ``memcompile/cli_target.py``).
@@ -339,16 +340,24 @@ def _output_format(path: str, allowed: Sequence[str]) -> str:
 
 
 def _draw(args: argparse.Namespace) -> dict[str, Any]:
-    from memcompile.viz.draw import plan_digraph, render
+    from memcompile.viz.draw import COMPACT_ABOVE, node_count, plan_digraph, render
 
     fmt = _output_format(args.output, ("svg", "png", "pdf", "dot"))
     insp = _load_or_collect(args)
-    data = render(plan_digraph(insp), fmt)
+    nodes = node_count(insp)
+    compact = nodes > COMPACT_ABOVE if args.compact is None else args.compact
+    data = render(plan_digraph(insp, compact=compact), fmt)
     Path(args.output).write_bytes(data)
-    nodes = sum(len(g.nodes) for f in insp.fragments for g in (f.forward, f.backward) if g)
     if not args.json:
-        print(f"wrote {args.output}: {len(insp.fragments)} fragment(s), {nodes} nodes")
-    return {"output": args.output, "format": fmt, "fragments": len(insp.fragments), "nodes": nodes}
+        mode = " (compact: runs of nodes; --full draws every node)" if compact else ""
+        print(f"wrote {args.output}: {len(insp.fragments)} fragment(s), {nodes} nodes{mode}")
+    return {
+        "output": args.output,
+        "format": fmt,
+        "fragments": len(insp.fragments),
+        "nodes": nodes,
+        "compact": compact,
+    }
 
 
 def _timeline(args: argparse.Namespace) -> dict[str, Any]:
@@ -372,40 +381,59 @@ def _timeline(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _bench(args: argparse.Namespace) -> dict[str, Any]:
-    from memcompile.cli_bench import BenchError, run_suite, suites_for
+    from memcompile.cli_bench import (
+        BenchError,
+        BenchOptions,
+        harness_commands,
+        run_suite,
+        suites_for,
+    )
     from memcompile.cli_output import progress
 
+    opts = BenchOptions(
+        quick=args.quick,
+        models=args.models,
+        configs=args.configs,
+        reps=args.reps,
+        no_sweep=args.no_sweep,
+        steps=args.steps,
+        size=args.size,
+    )
     try:
-        run, skipped = suites_for(args.suite)
+        suites = suites_for(args.suite)
+        opts.check(suites)
+        if args.dry_run:
+            commands = {s: harness_commands(s, opts, args.out) for s in suites}
+        else:
+            runs = []
+            for suite in suites:
+                runs.append(run_suite(suite, opts, args.out, lambda label: progress(None, label)))
+                if not args.json:
+                    print(runs[-1].report, end="")
+                    print(f"results: {runs[-1].out}")
     except BenchError as e:
         raise CliError(str(e)) from None
-    for name in skipped:
-        print(f"memcompile bench: suite {name!r} does not exist yet; skipped", file=sys.stderr)
-    harness: list[str] = []
-    if args.quick:
-        harness.append("--quick")
-    for flag in ("models", "configs", "reps"):
-        value = getattr(args, flag)
-        if value is not None:
-            harness += [f"--{flag}", str(value)]
-    if args.no_sweep:
-        harness.append("--no-sweep")
-    runs = []
-    for suite in run:
-        with progress(None, suite) as reporter:
-            try:
-                runs.append(run_suite(suite, harness, args.out, reporter))
-            except BenchError as e:
-                raise CliError(str(e)) from None
+    if args.dry_run:
         if not args.json:
-            print(runs[-1].report, end="")
-            print(f"results: {runs[-1].out}")
+            for suite, cmds in commands.items():
+                for cmd in cmds:
+                    print(f"{suite}: OMP_NUM_THREADS=1 {' '.join(cmd)}")
+        return {
+            "dry_run": True,
+            "suites": [
+                {"suite": s, "commands": [list(c) for c in cmds]} for s, cmds in commands.items()
+            ],
+        }
     return {
         "suites": [
-            {"suite": r.suite, "rows": list(r.rows), "out": r.out, "command": list(r.command)}
+            {
+                "suite": r.suite,
+                "rows": list(r.rows),
+                "out": r.out,
+                "commands": [list(c) for c in r.commands],
+            }
             for r in runs
         ],
-        "skipped": skipped,
     }
 
 
@@ -475,6 +503,18 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("target", metavar="TARGET|PLAN.json")
     dr.add_argument("--budget", help=budget_help)
     dr.add_argument("-o", "--output", required=True, help="out.svg (or .png, .pdf, .dot)")
+    mode = dr.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--compact",
+        dest="compact",
+        action="store_const",
+        const=True,
+        default=None,
+        help="one box per run of nodes with one decision (default for large graphs)",
+    )
+    mode.add_argument(
+        "--full", dest="compact", action="store_const", const=False, help="every node"
+    )
     dr.set_defaults(func=_draw)
 
     tl = sub.add_parser(
@@ -490,12 +530,15 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bench", parents=[common], help="run the benchmark harness (benchmarks/, a checkout)"
     )
-    b.add_argument("--suite", default="anchors", help="anchors, dynamic (not yet) or all")
-    b.add_argument("--quick", action="store_true", help="the harness's quick mode")
-    b.add_argument("--models", help="comma list of models (harness default: all)")
-    b.add_argument("--configs", help="comma list of configurations (harness default: all)")
-    b.add_argument("--reps", type=int, help="paired timing repetitions")
-    b.add_argument("--no-sweep", action="store_true", help="skip the largest-model sweep")
+    b.add_argument("--suite", default="anchors", help="anchors (default), dynamic or all")
+    b.add_argument("--quick", action="store_true", help="each harness's quick mode")
+    b.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    b.add_argument("--models", help="anchors: comma list of models (harness default: all)")
+    b.add_argument("--configs", help="anchors: comma list of configurations (default: all)")
+    b.add_argument("--reps", type=int, help="anchors: paired timing repetitions")
+    b.add_argument("--no-sweep", action="store_true", help="anchors: skip the largest-model sweep")
+    b.add_argument("--steps", type=int, help="dynamic: MoE training steps (harness default: 300)")
+    b.add_argument("--size", help="dynamic: zoo MoE size, tiny, small or bench (default: small)")
     b.add_argument(
         "--out", type=Path, default=None, help="results folder (default: benchmarks/results)"
     )

@@ -134,6 +134,24 @@ def test_draw_dot_source_needs_no_graphviz_program(
     assert "subgraph cluster_F0" in source
 
 
+def test_draw_compact_draws_runs_of_nodes_and_full_every_node(
+    capsys: pytest.CaptureFixture[str], plan_file: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "plan.dot"
+    code, printed, err = run(capsys, "draw", str(plan_file), "-o", str(out), "--json")
+    assert code == 0, err
+    assert json.loads(printed)["compact"] is False  # a small graph: every node by default
+    full = out.read_text()
+    code, printed, err = run(capsys, "draw", str(plan_file), "-o", str(out), "--compact")
+    assert code == 0, err
+    assert "(compact: runs of nodes; --full draws every node)" in printed
+    compact = out.read_text()
+    assert "(compact: runs of nodes)" in compact and "PEAK" in compact
+    assert compact.count("fillcolor=") < full.count("fillcolor=")
+    code, printed, _ = run(capsys, "draw", str(plan_file), "-o", str(out), "--full", "--json")
+    assert code == 0 and json.loads(printed)["compact"] is False and out.read_text() == full
+
+
 def test_timeline_from_a_plan_file_writes_a_png(
     capsys: pytest.CaptureFixture[str], plan_file: Path, tmp_path: Path
 ) -> None:
@@ -209,13 +227,71 @@ def test_an_unknown_output_format_is_refused_before_compiling(
     assert_one_line_error(code, err, "must end in one of .svg, .png, .pdf, .dot")
 
 
-def test_bench_dynamic_suite_says_it_does_not_exist_yet(
+def test_bench_refuses_an_unknown_suite_and_flags_of_a_suite_not_running(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code, _, err = run(capsys, "bench", "--suite", "dynamic")
-    assert_one_line_error(code, err, "'dynamic' suite does not exist yet", "available: anchors")
     code, _, err = run(capsys, "bench", "--suite", "nope")
-    assert_one_line_error(code, err, "unknown suite 'nope'")
+    assert_one_line_error(code, err, "unknown suite 'nope'", "anchors, dynamic, all")
+    code, _, err = run(capsys, "bench", "--suite", "dynamic", "--models", "gpt")
+    assert_one_line_error(code, err, "--models applies to the 'anchors' suite")
+    code, _, err = run(capsys, "bench", "--steps", "5")  # --suite anchors by default
+    assert_one_line_error(code, err, "--steps applies to the 'dynamic' suite")
+    code, _, err = run(capsys, "bench", "--suite", "dynamic", "--steps", "0")
+    assert_one_line_error(code, err, "--steps must be >= 1")
+
+
+def test_bench_dry_run_lists_every_script_of_all_with_its_flags(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    argv = ["bench", "--suite", "all", "--dry-run", "--json", "--out", str(tmp_path)]
+    code, out, err = run(capsys, *argv, "--steps", "40", "--size", "tiny", "--reps", "2")
+    assert code == 0, err
+    data = json.loads(out)
+    scripts = {
+        s["suite"]: [(Path(c[1]).name, c[2:]) for c in s["commands"]] for s in data["suites"]
+    }
+    out_flag = ["--out", str(tmp_path)]
+    assert scripts == {
+        "anchors": [("anchors.py", ["--reps", "2", *out_flag])],
+        "dynamic": [
+            ("dynamic.py", ["--steps", "40", "--size", "tiny", *out_flag]),
+            ("pilot_latency.py", ["--steps", "40", "--size", "tiny", "--calls", "1000", *out_flag]),
+        ],
+    }
+    assert not list(tmp_path.iterdir())  # nothing ran
+
+
+def test_bench_dynamic_runs_the_pilot_accuracy_harness_with_progress(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from memcompile import cli_bench
+
+    # dynamic.py alone (~10 s at this size): the dry run above shows pilot_latency.py follows it
+    monkeypatch.setitem(cli_bench.SUITES, "dynamic", ("dynamic.py",))
+    argv = ["bench", "--suite", "dynamic", "--steps", "12", "--size", "tiny"]
+    code, out, err = run(capsys, *argv, "--out", str(tmp_path), "--json")
+    assert code == 0, err
+    (suite,) = json.loads(out)["suites"]
+    assert suite["suite"] == "dynamic" and suite["out"] == str(tmp_path)
+    assert suite["rows"][-1] == "dynamic: replay scored"
+    assert "dynamic [1/10] trained 2/12 MoE steps" in err  # plain progress: one line per row
+    assert "dynamic [10/10] replay scored" in err
+    result = json.loads((tmp_path / "dynamic.json").read_text())
+    assert result["facts"]["steps"] == 12
+    assert set(result["accuracy"]) == {"pilot", "lightgbm", "markov", "replay"}
+    assert "| markov |" in (tmp_path / "dynamic.md").read_text()
+
+
+def test_bench_dynamic_harness_error_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # 5 steps with the harness's 10 warm-up steps: nothing to score, refused before training
+    code, _, err = run(
+        capsys, "bench", "--suite", "dynamic", "--steps", "5", "--out", str(tmp_path)
+    )
+    lines = [ln for ln in err.splitlines() if ln.startswith("memcompile: error:")]
+    assert code == 1 and len(lines) == 1 and "Traceback" not in err
+    assert "dynamic failed" in lines[0] and "must be more than --warmup" in lines[0]
 
 
 def test_bench_harness_failure_is_one_line(
@@ -227,16 +303,14 @@ def test_bench_harness_failure_is_one_line(
     assert "anchors failed" in lines[0] and "nosuch" in lines[0]
 
 
-def test_bench_all_runs_a_tiny_anchor_table_and_skips_dynamic(
+def test_bench_anchors_runs_a_tiny_anchor_table(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    argv = ["bench", "--suite", "all", "--models", "branchy", "--configs", "eager"]
+    argv = ["bench", "--suite", "anchors", "--models", "branchy", "--configs", "eager"]
     argv += ["--reps", "1", "--no-sweep", "--out", str(tmp_path), "--json"]
     code, out, err = run(capsys, *argv)
     assert code == 0, err
     data: dict[str, Any] = json.loads(out)
-    assert data["skipped"] == ["dynamic"]
-    assert "suite 'dynamic' does not exist yet; skipped" in err
     (suite,) = data["suites"]
     assert suite["suite"] == "anchors" and len(suite["rows"]) == 1
     assert "branchy" in suite["rows"][0] and "eager" in suite["rows"][0]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -121,3 +123,116 @@ def test_a_percentage_budget_is_relative_to_the_unplanned_step() -> None:
         resolve_budget("50%", resident=0, unplanned_peak=None)
     with pytest.raises(ValueError, match="positive percentage"):
         resolve_budget("-5%", resident=0, unplanned_peak=10)
+
+
+@pytest.fixture(scope="module")
+def gpt() -> mv.Inspection:
+    """The tiny zoo GPT under a budget that recomputes and swaps: 452 nodes in all."""
+    from memcompile import zoo
+
+    return mv.collect(zoo.build("gpt", size="tiny"), budget="60%", measure=False)
+
+
+def _drawn_nodes(source: str) -> list[str]:
+    """Node statements of a dot source, the legend's left out."""
+    return [ln for ln in source.splitlines() if "fillcolor=" in ln and '"legend/' not in ln]
+
+
+def test_runs_cut_the_schedule_where_the_decision_changes(gpt: mv.Inspection) -> None:
+    from memcompile.viz.draw import runs
+
+    (frag,) = gpt.fragments
+    roles = node_roles(frag, gpt.plan_of(frag))
+    for graph in (frag.forward, frag.backward):
+        assert graph is not None
+        cut = runs(graph, roles)
+        assert [n for run in cut for n in run] == [n for n in graph.nodes if n.op != "output"]
+        decided = [{roles[(graph.kind, n.name)] for n in run} - {"op"} for run in cut]
+        assert all(len(d) <= 1 for d in decided)
+        assert all(decided)  # a run starts at a decided node (plain ops join the run they're in)
+        assert all(a != b for a, b in itertools.pairwise(decided))  # cut where it changes
+
+
+def test_the_compact_drawing_is_much_smaller_keeps_colours_and_the_peak(
+    gpt: mv.Inspection,
+) -> None:
+    from memcompile.viz.draw import COMPACT_ABOVE, ROLE_COLOURS, node_count, plan_digraph
+
+    full = plan_digraph(gpt, compact=False).source
+    compact = plan_digraph(gpt, compact=True).source
+    assert node_count(gpt) > COMPACT_ABOVE
+    assert len(_drawn_nodes(compact)) * 4 < len(_drawn_nodes(full))
+    for role in ("keep", "recompute", "swap", "prefetch", "input"):
+        colour = f'fillcolor="{ROLE_COLOURS[role]}"'
+        assert colour in full, role  # the plan uses it ...
+        assert any(colour in ln for ln in _drawn_nodes(compact)), role  # ... and so does the box
+    (frag,) = gpt.fragments
+    (peak,) = [ln for ln in _drawn_nodes(compact) if "PEAK" in ln]
+    assert f"at {frag.peak_node}" in peak and "penwidth=3" in peak
+    assert "(compact: runs of nodes)" in compact
+    assert plan_digraph(gpt).source == compact  # automatic above COMPACT_ABOVE nodes
+
+
+def test_small_graphs_are_drawn_in_full_by_default(swapped: mv.Inspection) -> None:
+    from memcompile.viz.draw import plan_digraph
+
+    assert plan_digraph(swapped).source == plan_digraph(swapped, compact=False).source
+    assert "compact" not in plan_digraph(swapped).source
+
+
+@needs_dot
+def test_show_plan_renders_the_compact_drawing(gpt: mv.Inspection) -> None:
+    svg = mv.show_plan(gpt, compact=True)._repr_svg_()
+    assert "<svg" in svg and "PEAK" in svg and " nodes: " in svg
+
+
+def _trace(*steps: str) -> list[Any]:
+    """StepTraces of forward blocks; ``"r a b"``: the root fragment's block, then experts."""
+    from memcompile.dynamic.trace import BlockEvent, StepTrace
+
+    def event(name: str) -> BlockEvent:
+        block = "ffff/" if name == "r" else f"eeee/experts.{name}"
+        return BlockEvent("forward", block.split("/")[0], block, 0.0)
+
+    out = []
+    for i, s in enumerate(steps):
+        events = [event(n) for n in s.split()]
+        events.append(BlockEvent("backward", "ffff", "ffff/", 0.0))  # not counted
+        out.append(StepTrace(i, tuple(events)))
+    return out
+
+
+def test_trace_transitions_carry_probabilities_per_source_block() -> None:
+    from memcompile.viz.fragments import trace_transition_graph
+
+    g = trace_transition_graph(_trace("r 0 1", "r 0 2", "r 0 1", "r 3"))
+    assert list(g.nodes) == [
+        "F0:root",
+        "F1:experts.0",
+        "F1:experts.1",
+        "F1:experts.2",
+        "F1:experts.3",
+    ]
+    assert g.nodes["F0:root"]["calls"] == 4
+    assert g.edges["F0:root", "F1:experts.0"]["p"] == 0.75
+    assert g.edges["F0:root", "F1:experts.3"]["p"] == 0.25
+    assert g.edges["F1:experts.0", "F1:experts.1"]["count"] == 2
+    assert g.edges["F1:experts.0", "F1:experts.1"]["p"] == pytest.approx(2 / 3)
+    assert not g.has_edge("F1:experts.1", "F0:root")  # no edge across steps
+    for a in g.nodes:
+        out = [d["p"] for _, _, d in g.out_edges(a, data=True)]
+        assert not out or sum(out) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no block calls in phases forward"):
+        trace_transition_graph(_trace("r")[:0])
+
+
+@needs_dot
+def test_show_fragments_of_a_trace_labels_edges_with_probabilities() -> None:
+    svg = mv.show_fragments(_trace("r 0 1", "r 0 2"))._repr_svg_()
+    assert "F1:experts.0" in svg and "p=0.50" in svg and "p=1.00 (2)" in svg
+    # four blocks, three edges: "F1:experts.0" is one node, not node F1 with a port
+    assert svg.count('class="node"') == 4 and svg.count('class="edge"') == 3
+    counts = mv.show_fragments(_trace("r 0 1", "r 0 2"), probabilities=False)._repr_svg_()
+    assert "p=" not in counts
+    with pytest.raises(TypeError, match="must hold StepTrace"):
+        mv.show_fragments([1, 2])

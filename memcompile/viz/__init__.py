@@ -5,6 +5,7 @@
     mv.show_plan(insp)            # graphviz: nodes coloured by keep / recompute / swap / prefetch
     mv.show_timeline(insp)        # matplotlib: live bytes before and after, budget line
     mv.show_fragments(insp)       # networkx: the block transition graph of the step
+    mv.show_fragments(read_trace("moe.jsonl"))  # ... of every step of a block trace, P(next)
     mv.show_plan(insp).save("plan.svg")
 
 Every ``show_*`` takes an :class:`Inspection`, the path of a plan file written by
@@ -16,11 +17,15 @@ displays inline. Needs the ``viz`` extra (graphviz, matplotlib) and graphviz's `
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memcompile.viz.image import PngImage, SvgImage
 from memcompile.viz.snapshot import Inspection, InspectionFileError, load_inspection
+
+if TYPE_CHECKING:
+    from memcompile.dynamic.trace import StepTrace
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +69,15 @@ def as_inspection(x: Inspection | str | Path | Any) -> Inspection:
     )
 
 
-def show_plan(x: Inspection | str | Path | Any) -> SvgImage:
-    """Every fragment's graphs, nodes coloured by the plan's decisions (``memcompile draw``)."""
+def show_plan(x: Inspection | str | Path | Any, *, compact: bool | None = None) -> SvgImage:
+    """Every fragment's graphs, nodes coloured by the plan's decisions (``memcompile draw``).
+
+    ``compact``: draw runs of nodes instead of nodes (``None``: above
+    :data:`memcompile.viz.draw.COMPACT_ABOVE` nodes; see :mod:`memcompile.viz.draw`).
+    """
     from memcompile.viz.draw import plan_digraph, render
 
-    return SvgImage(render(plan_digraph(as_inspection(x)), "svg").decode())
+    return SvgImage(render(plan_digraph(as_inspection(x), compact=compact), "svg").decode())
 
 
 def show_timeline(x: Inspection | str | Path | Any) -> PngImage:
@@ -78,8 +87,22 @@ def show_timeline(x: Inspection | str | Path | Any) -> PngImage:
     return PngImage(render_png(timeline_figure(as_inspection(x))))
 
 
-def show_fragments(x: Inspection | str | Path | Any) -> SvgImage:
-    """The block transition graph of the observed step."""
-    from memcompile.viz.fragments import render_transitions
+def show_fragments(
+    x: Inspection | str | Path | Sequence[StepTrace] | Any, *, probabilities: bool = True
+) -> SvgImage:
+    """The block transition graph: of the observed step, or of every step of a block trace
+    (a list of :class:`~memcompile.dynamic.trace.StepTrace`, e.g. ``read_trace(path)``), edges
+    labelled with the transition probability ``P(next | block)`` (``probabilities=False``: counts).
+    """
+    from memcompile.viz.fragments import render_trace_transitions, render_transitions
 
-    return SvgImage(render_transitions(as_inspection(x), "svg").decode())
+    if isinstance(x, (list, tuple)):
+        from memcompile.dynamic.trace import StepTrace
+
+        if not x or not all(isinstance(s, StepTrace) for s in x):
+            raise TypeError(
+                "show_fragments: a sequence must hold StepTrace objects (read_trace(path)); got "
+                + (type(x[0]).__name__ if x else "an empty sequence")
+            )
+        return SvgImage(render_trace_transitions(x, probabilities=probabilities).decode())
+    return SvgImage(render_transitions(as_inspection(x), probabilities=probabilities).decode())

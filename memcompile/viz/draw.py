@@ -18,6 +18,16 @@ tensors are the edges between the two. Colours (:data:`ROLE_COLOURS`):
     input      a graph input (parameters, buffers, the batch, incoming gradients)
 
 The node where the fragment's step peak falls has a thick red border and ``PEAK`` in its label.
+
+**Compact mode** (``plan_digraph(insp, compact=True)``; automatic above :data:`COMPACT_ABOVE`
+nodes, ``memcompile draw --compact/--full``): a drawing of a few hundred nodes takes graphviz
+seconds and is read by zooming. Compact mode draws each graph's schedule as runs instead of nodes:
+a run is a maximal stretch of consecutive nodes (schedule order) whose decided nodes all share one
+role (plain ops join the run they are in; a run of plain ops only is white). A run of one node is
+drawn as that node; a longer one is one box, coloured by its role, labelled with its length,
+its first and last node, the decided tensors it holds (``3 keep: mm, gelu, addmm``) and the bytes
+it allocates. The run holding the peak node is marked as the peak node would be, and its label
+names the node (``PEAK 1.4 MiB at mm_4``). Edges join runs (duplicates merged).
 """
 
 from __future__ import annotations
@@ -34,7 +44,20 @@ from memcompile.viz.snapshot import FragmentView, GraphView, Inspection, NodeVie
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ROLE_COLOURS", "DrawError", "Role", "node_roles", "plan_digraph", "render"]
+__all__ = [
+    "COMPACT_ABOVE",
+    "ROLE_COLOURS",
+    "DrawError",
+    "Role",
+    "node_count",
+    "node_roles",
+    "plan_digraph",
+    "render",
+    "runs",
+]
+
+#: ``plan_digraph(compact=None)`` draws compactly above this many graph nodes in all.
+COMPACT_ABOVE = 150
 
 Role = Literal["keep", "recompute", "swap", "prefetch", "host_parameter", "input", "op"]
 
@@ -100,6 +123,46 @@ def _label(n: NodeView, peak: int | None) -> str:
     return f"PEAK {format_bytes(peak)}\\n{text}" if peak is not None else text
 
 
+def runs(graph: GraphView, roles: dict[tuple[str, str], Role]) -> list[list[NodeView]]:
+    """``graph``'s nodes (``output`` left out) cut into the runs of compact mode: consecutive
+    nodes whose roles other than ``"op"`` are all the same (see the module docstring)."""
+    out: list[list[NodeView]] = []
+    current: list[NodeView] = []
+    current_role: Role | None = None
+    for n in graph.nodes:
+        if n.op == "output":
+            continue
+        role = roles[(graph.kind, n.name)]
+        if role != "op" and current_role is not None and role != current_role:
+            out.append(current)
+            current, current_role = [], None
+        current.append(n)
+        if role != "op":
+            current_role = role
+    if current:
+        out.append(current)
+    return out
+
+
+def _run_label(
+    run: list[NodeView], graph: GraphView, roles: dict[tuple[str, str], Role], peak: str | None
+) -> str:
+    decided = [n.name for n in run if roles[(graph.kind, n.name)] != "op"]
+    placeholders = sum(1 for n in run if n.op == "placeholder")
+    what = "inputs" if placeholders == len(run) else "nodes"
+    lines = [f"{len(run)} {what}: {run[0].name} … {run[-1].name}"]
+    if decided and what == "nodes":
+        role = roles[(graph.kind, decided[0])].replace("_", " ")
+        names = ", ".join(decided[:3]) + (", …" if len(decided) > 3 else "")
+        lines.append(f"{len(decided)} {role}: {names}")
+    new = sum(n.new_bytes for n in run)
+    if new:
+        lines.append(f"allocates {format_bytes(new)}")
+    if peak is not None:
+        lines.insert(0, peak)
+    return "\\n".join(lines)
+
+
 def _add_graph(
     cluster: graphviz.Digraph,
     edges: list[tuple[str, str]],
@@ -107,37 +170,82 @@ def _add_graph(
     graph: GraphView,
     roles: dict[tuple[str, str], Role],
     forward_ids: dict[str, str],
+    *,
+    compact: bool = False,
 ) -> None:
     ids: dict[str, str] = {}
-    for n in graph.nodes:
-        if n.op == "output":
+    groups = runs(graph, roles) if compact else [[n] for n in graph.nodes if n.op != "output"]
+    held = fragment.held_output_bytes if graph.kind == "backward" else 0
+    for group in groups:
+        drawn = [
+            n
+            for n in group
+            if not (graph.kind == "backward" and n.op == "placeholder" and n.name in forward_ids)
+        ]
+        drawn_names = {n.name for n in drawn}
+        for n in group:
+            if n.name not in drawn_names:
+                # A saved forward value: drawn once, so the saved set is the edges between the
+                # two graphs. (Parameters the backward reads are drawn again inside it: edges from
+                # the forward's inputs would cross the whole drawing.)
+                ids[n.name] = forward_ids[n.name]
+        if not drawn:
             continue
-        if graph.kind == "backward" and n.op == "placeholder" and n.name in forward_ids:
-            # A saved forward value: drawn once, so the saved set is the edges between the two
-            # graphs. (Parameters the backward reads are drawn again inside it: edges from the
-            # forward's inputs would cross the whole drawing.)
-            ids[n.name] = forward_ids[n.name]
-            continue
-        node_id = f"{fragment.name}/{graph.kind}/{n.name}"
-        ids[n.name] = node_id
-        peak = graph.kind == fragment.peak_graph and n.name == fragment.peak_node
-        role = roles[(graph.kind, n.name)]
-        attrs = {"fillcolor": ROLE_COLOURS[role], "tooltip": f"{n.target} ({role})"}
-        if n.op == "placeholder":
+        first = drawn[0]
+        node_id = f"{fragment.name}/{graph.kind}/{first.name}"
+        for n in drawn:
+            ids[n.name] = node_id
+        peak_node = next(
+            (
+                n
+                for n in drawn
+                if graph.kind == fragment.peak_graph and n.name == fragment.peak_node
+            ),
+            None,
+        )
+        role: Role = next(
+            (roles[(graph.kind, n.name)] for n in drawn if roles[(graph.kind, n.name)] != "op"),
+            "op",
+        )
+        names = ", ".join(n.name for n in drawn)
+        attrs = {"fillcolor": ROLE_COLOURS[role], "tooltip": f"{first.target} ({role})"}
+        if all(n.op == "placeholder" for n in drawn):
             attrs["shape"] = "ellipse"
-        if peak:
-            attrs.update(color="#e03131", penwidth="3", fontcolor="#c92a2a")
         # The peak label is absolute device bytes, as the budget and the timeline are.
-        held = fragment.held_output_bytes if graph.kind == "backward" else 0
-        absolute = fragment.base_bytes + held + n.live_bytes
-        cluster.node(node_id, _label(n, absolute if peak else None), **attrs)
+        absolute = None if peak_node is None else fragment.base_bytes + held + peak_node.live_bytes
+        if peak_node is not None:
+            attrs.update(color="#e03131", penwidth="3", fontcolor="#c92a2a")
+        if len(drawn) == 1:
+            label = _label(first, absolute)
+        else:
+            attrs["tooltip"] = f"{role}: {names}"
+            peak = (
+                None
+                if peak_node is None or absolute is None
+                else f"PEAK {format_bytes(absolute)} at {peak_node.name}"
+            )
+            label = _run_label(drawn, graph, roles, peak)
+            attrs["style"] = "filled,bold"
+        cluster.node(node_id, label, **attrs)
+    seen: set[tuple[str, str]] = set()
     for n in graph.nodes:
-        if n.name in ids:
-            edges.extend((ids[a], ids[n.name]) for a in n.inputs if a in ids)
+        if n.name not in ids:
+            continue
+        for a in n.inputs:
+            if a in ids:
+                edge = (ids[a], ids[n.name])
+                if edge[0] != edge[1] and edge not in seen:
+                    seen.add(edge)
+                    edges.append(edge)
     if graph.kind == "forward":
         forward_ids.update(
             (n.name, ids[n.name]) for n in graph.nodes if n.op != "placeholder" and n.name in ids
         )
+
+
+def node_count(insp: Inspection) -> int:
+    """Nodes of every built graph of ``insp`` (what a full drawing draws, give or take)."""
+    return sum(len(g.nodes) for f in insp.fragments for g in (f.forward, f.backward) if g)
 
 
 def _legend(dot: graphviz.Digraph) -> None:
@@ -154,13 +262,26 @@ def _legend(dot: graphviz.Digraph) -> None:
         legend.edge(previous or "legend/peak", "legend/peak", style="invis")
 
 
-def plan_digraph(insp: Inspection, *, legend: bool = True) -> graphviz.Digraph:
-    """The drawing of every fragment of ``insp`` (see the module docstring)."""
+def plan_digraph(
+    insp: Inspection, *, legend: bool = True, compact: bool | None = None
+) -> graphviz.Digraph:
+    """The drawing of every fragment of ``insp`` (see the module docstring).
+
+    Args:
+        compact: draw runs of nodes instead of nodes; ``None``: when ``insp`` has more than
+            :data:`COMPACT_ABOVE` nodes.
+    """
+    if compact is None:
+        compact = node_count(insp) > COMPACT_ABOVE
+    log.info("drawing %s: %d nodes, compact=%s", insp.target, node_count(insp), compact)
     budget = "no budget" if insp.budget is None else f"budget {format_bytes(insp.budget)}"
     peak = "-" if insp.predicted_peak is None else format_bytes(insp.predicted_peak)
     dot = graphviz.Digraph(name="memcompile_plan")
+    mode = " (compact: runs of nodes)" if compact else ""
     dot.attr(
-        label=f"{insp.target}: {budget}, predicted step peak {peak}", labelloc="t", fontsize="18"
+        label=f"{insp.target}: {budget}, predicted step peak {peak}{mode}",
+        labelloc="t",
+        fontsize="18",
     )
     dot.attr("node", shape="box", style="filled", fontname="Helvetica", fontsize="10")
     dot.attr("edge", color="#868e96", arrowsize="0.5")
@@ -182,7 +303,7 @@ def plan_digraph(insp: Inspection, *, legend: bool = True) -> graphviz.Digraph:
                     continue
                 with fc.subgraph(name=f"cluster_{frag.name}_{graph.kind}") as gc:
                     gc.attr(label=graph.kind, style="dashed", color="#adb5bd")
-                    _add_graph(gc, edges, frag, graph, roles, forward_ids)
+                    _add_graph(gc, edges, frag, graph, roles, forward_ids, compact=compact)
     for a, b in edges:
         dot.edge(a, b)
     if legend:
