@@ -479,7 +479,7 @@ class _FragmentBuild:
                 if hosted:  # one graph serves every expert: these join the host tier now
                     place(args)
                     block = args[key_pos].data_ptr()
-                if blocks and block not in blocks:
+                if block and any(blocks):  # a second parameter set (key 0: none)
                     compiler.note_dynamic(f"F{index} serves several parameter sets")
                 blocks[block] = storage_sizes((args[i] for i in static), keep_host=True)
             on_call(index, kind, block, args)
