@@ -143,7 +143,7 @@ def make_predictor(kind: str, horizon: int, *, seed: int = 0) -> BlockPredictor:
     if kind in ("lightgbm", "auto"):
         from memcompile.dynamic.pilot import Pilot
 
-        return Pilot(horizon=horizon, seed=seed, **PILOT_KNOBS)
+        return Pilot(**{"horizon": horizon, "seed": seed, **PILOT_KNOBS})
     raise ValueError(f"no predictor for pilot={kind!r}")
 
 
