@@ -163,7 +163,8 @@ class PilotReport:
         predictions: predictions scored at ``horizon``.
         predict_us_p50: median prediction time, microseconds.
         hit_rate: prefetched bytes used / host-parameter bytes the forward fetched (``None``:
-            nothing fetched yet).
+            nothing fetched yet). The first block of a step is never prefetched (the optimizer
+            step comes between), so its bytes are always misses.
         needed_bytes, hit_bytes: those two byte counts.
         prefetched_bytes: bytes copied ahead of use.
         wasted_bytes: prefetched copies freed unused (mispredictions, stale copies, copies
