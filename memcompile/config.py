@@ -218,12 +218,7 @@ class MemConfig:
 
     def _check_landed(self) -> None:
         # Values whose feature is a later issue: refuse loudly instead of ignoring them.
-        pending = {
-            "pilot": (
-                self.pilot in ("lightgbm", "markov"),
-                "the dynamic-network pilot (the dynamic issue)",
-            ),
-        }
+        pending: dict[str, tuple[bool, str]] = {}
         for key, (needs, feature) in pending.items():
             if needs:
                 raise NotImplementedError(

@@ -3,6 +3,7 @@
     r = memcompile.report(compiled)
     r.predicted_peak            # bytes: absolute device peak of one training step
     r.fragments[0].predicted_peak, r.fallbacks, r.to_dict()
+    r.pilot.hit_rate            # dynamic networks: the pilot's accuracy, hits, wasted bytes
     print(r)                    # a table
 
 The report never recompiles or re-profiles anything: it reads ``MemCompiler.fragments`` and the
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._dynamo.eval_frame import innermost_backend
@@ -26,6 +27,9 @@ from memcompile.config import MemConfig
 from memcompile.errors import format_bytes
 from memcompile.passes.fragment import FragmentProfile
 from memcompile.passes.plan import FragmentPlan, MemoryPlan
+
+if TYPE_CHECKING:  # the pilot imports LightGBM: only when a model uses it
+    from memcompile.dynamic.prefetch import PilotReport
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +100,11 @@ class MemReport:
         over_budget: a budget is set and the step is predicted to exceed it (memcompile warned).
         host_param_bytes: parameter bytes memcompile moved to the host tier (``offload_params``);
             they are not in ``resident_bytes``.
+        pilot: the pilot's predictions and prefetches (``None`` with ``pilot="off"``); see
+            :class:`memcompile.dynamic.prefetch.PilotReport`.
+        dynamic: why the model counts as dynamic (``""``: not seen to be).
+        recompile_limit_raised: ``(old, new)`` when memcompile raised Dynamo's recompile limit
+            for this dynamic model (frames over the limit still run eagerly: ``fallbacks``).
     """
 
     config: MemConfig
@@ -108,6 +117,14 @@ class MemReport:
     fallbacks: tuple[Fallback, ...]
     over_budget: bool = False
     host_param_bytes: int = 0
+    pilot: PilotReport | None = None
+    dynamic: str = ""
+    recompile_limit_raised: tuple[int, int] | None = None
+
+    @property
+    def eager_frames(self) -> int:
+        """Frames Dynamo ran eagerly (each listed in ``fallbacks``): memory there is unmanaged."""
+        return len(self.fallbacks)
 
     @property
     def budget(self) -> int | None:
@@ -137,6 +154,12 @@ class MemReport:
             "steps_observed": self.steps_observed,
             "fragments": [f.to_dict() for f in self.fragments],
             "fallbacks": [f.to_dict() for f in self.fallbacks],
+            "eager_frames": self.eager_frames,
+            "dynamic": self.dynamic,
+            "recompile_limit_raised": (
+                list(self.recompile_limit_raised) if self.recompile_limit_raised else None
+            ),
+            "pilot": self.pilot.to_dict() if self.pilot is not None else None,
         }
 
     def __str__(self) -> str:
@@ -161,9 +184,38 @@ class MemReport:
             )
         if self.host_param_bytes:
             lines.append(f"  parameters on the host: {format_bytes(self.host_param_bytes)}")
+        if self.dynamic:
+            raised = ""
+            if self.recompile_limit_raised:
+                raised = ", Dynamo recompile limit raised {} -> {}".format(
+                    *self.recompile_limit_raised
+                )
+            lines.append(f"  dynamic: {self.dynamic}{raised}")
+        if self.pilot is not None:
+            lines.append(_pilot_line(self.pilot))
         for fb in self.fallbacks:
             lines.append(f"  EAGER {fb.code}: {fb.kind}: {fb.reason}")
         return "\n".join(lines)
+
+
+def _pilot_line(p: PilotReport) -> str:
+    if not p.enabled:
+        return (
+            f"  pilot ({p.mode}): not running (the model was not seen to be dynamic with "
+            "parameters on the host)"
+        )
+
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    us = "n/a" if p.predict_us_p50 is None else f"{p.predict_us_p50:.1f} us"
+    return (
+        f"  pilot ({p.mode}, active {p.active}): next-block accuracy {pct(p.accuracy)}, "
+        f"{p.horizon}-ahead {pct(p.k_ahead_accuracy)}, hit rate {pct(p.hit_rate)} of "
+        f"{format_bytes(p.needed_bytes)} fetched, wasted {format_bytes(p.wasted_bytes)}, "
+        f"stall {p.stall_us / 1000:.2f} ms (CPU), predict p50 {us}, reserve "
+        f"{format_bytes(p.reserve_bytes)}"
+    )
 
 
 def _own_functions(compiled: Any, model: torch.nn.Module | None) -> set[FunctionSpan]:
@@ -271,6 +323,9 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
         steps_observed=compiler.steps_observed,
         fallbacks=tuple(compiler.fallbacks),
         host_param_bytes=compiler.host_param_bytes,
+        pilot=compiler.prefetcher.report() if compiler.prefetcher is not None else None,
+        dynamic=compiler.dynamic,
+        recompile_limit_raised=compiler.recompile_limit_raised,
         over_budget=compiler.over_budget
         or (
             prediction is not None

@@ -23,7 +23,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 import torch._dynamo
@@ -63,6 +63,9 @@ from memcompile.runtime.store import (
     register_store,
 )
 
+if TYPE_CHECKING:
+    from memcompile.dynamic.prefetch import Prefetcher
+
 log = logging.getLogger(__name__)
 
 __all__ = ["BlockObserver", "MemCompiler", "StepEvent"]
@@ -100,6 +103,10 @@ _MAX_STEP_EVENTS = 100_000
 
 _all_compilers: weakref.WeakSet[MemCompiler] = weakref.WeakSet()
 
+#: Dynamo's recompile limit for a model memcompile sees is dynamic (when the limit is still
+#: torch's default): MoE expert graphs, early exits and trees recompile for new shapes/paths.
+DYNAMIC_RECOMPILE_LIMIT = 64
+
 
 def _apply_dynamo_settings() -> None:
     # An empty resume graph otherwise makes Dynamo skip a *shared* resume frame for good, running
@@ -133,6 +140,8 @@ class _FragmentBuild:
         self.hosted_inputs: tuple[int, ...] = ()
         # block key -> parameter storages (address -> bytes) of the calls with that key
         self.blocks: dict[int, dict[int, int]] = {}
+        # Bytes this fragment's plan leaves to the pilot's prefetch cache (dynamic/prefetch.py).
+        self.prefetch_reserve = 0
         self._bw_gm: fx.GraphModule | None = None
 
     # -- AOTAutograd hooks -------------------------------------------------------------------
@@ -271,9 +280,11 @@ class _FragmentBuild:
                 or plan2.predicted_peak < plan.predicted_peak
             ):
                 joint, model, plan, hosted = fetched, model2, plan2, candidates
+        self.prefetch_reserve = self._reserve(hosted)
         if not plan.feasible:
             compiler.infeasible(self, plan, hosted=bool(hosted), host_peak=host_peak)
         self.hosted_inputs = tuple(hosted) + tuple(placed)
+        compiler.planned_reserve(self, tuple(hosted) + tuple(placed))
         if hosted:  # only now: an infeasible plan raised above with the parameters untouched
             with _disable_current_modes():  # partitioning runs under the fake mode
                 moved = sum(place_on_host(self.example_inputs[i]) for i in hosted)
@@ -336,7 +347,7 @@ class _FragmentBuild:
             workspace=probe_workspaces(joint),
             clone_bytes=accumulate_clone_bytes(grads, primals, set(static), clone_workspace),
         )
-        resident = compiler.resident_bytes(self, host=host)
+        resident = compiler.resident_bytes(self, host=host) + self._reserve(host)
         plan = plan_fragment(
             model,
             target=None if config.budget is None else config.budget - resident,
@@ -346,6 +357,20 @@ class _FragmentBuild:
             reorder=config.reorder,
         )
         return model, plan
+
+    def _reserve(self, host: Sequence[int]) -> int:
+        """The prefetch cache's share of the budget if this fragment fetches the inputs at
+        ``host`` (and those already in the host tier); see dynamic/prefetch.py."""
+        compiler = self.compiler
+        if not compiler.pilot_plans():
+            return 0
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for i in (*host, *self._host_placed())
+            if isinstance(t := self.example_inputs[i], torch.Tensor)
+        }
+        own_bytes = sum(storages.values())
+        return compiler.config.prefetch_depth * max(compiler.max_block_host_bytes, own_bytes)
 
     def _profile(self, gm: fx.GraphModule, bw: fx.GraphModule | None) -> None:
         ctx = torch._guards.TracingContext.try_get()
@@ -441,6 +466,8 @@ class _FragmentBuild:
         guard = self._resident_guard() if kind == "forward" else None
         hosted = self.hosted_inputs if kind == "forward" else ()
         compiler = self.compiler
+        prefetcher = compiler.prefetcher  # the pilot (None: pilot="off"); dynamic/prefetch.py
+        build = self
 
         def place(args: list[Any]) -> None:
             for i in hosted:
@@ -460,12 +487,21 @@ class _FragmentBuild:
                 if hosted:  # one graph serves every expert: these join the host tier now
                     place(args)
                     block = args[key_pos].data_ptr()
+                if block and any(blocks):  # a second parameter set (key 0: none)
+                    compiler.note_dynamic(f"F{index} serves several parameter sets")
                 blocks[block] = storage_sizes((args[i] for i in static), keep_host=True)
             on_call(index, kind, block, args)
+            tail = prefetcher is not None and prefetcher.before(
+                compiler.steps_observed, index, kind, block, args, hosted, build.prefetch_reserve
+            )
             if _profiler_enabled():
                 with torch.profiler.record_function(range_name):
-                    return fn(args)
-            return fn(args)
+                    out = fn(args)
+            else:
+                out = fn(args)
+            if tail:  # the tail of a forward call: predict the next blocks, prefetch them
+                prefetcher.after()  # type: ignore[union-attr]
+            return out
 
         run._boxed_call = True  # type: ignore[attr-defined]
         return run  # type: ignore[return-value]
@@ -572,6 +608,27 @@ class MemCompiler:
         self.store_key = register_store(self.store)
         #: Told of every fragment call, in order (dynamic/: the trace recorder, the pilot).
         self.block_observers: list[BlockObserver] = []
+        #: Why the model counts as dynamic ("" until seen): a fragment with symbolic shapes, a
+        #: recompiled frame, or one graph serving several parameter sets (MoE experts).
+        self.dynamic = ""
+        #: (old, new) when memcompile raised Dynamo's recompile limit for this dynamic model.
+        self.recompile_limit_raised: tuple[int, int] | None = None
+        #: The largest host-placed parameter bytes of one block planned so far (the reserve).
+        self.max_block_host_bytes = 0
+        #: The pilot: predicts the next blocks and prefetches their host-placed parameters
+        #: (dynamic/prefetch.py); ``None`` with ``pilot="off"``.
+        self.prefetcher: Prefetcher | None = None
+        if self.config.pilot != "off":
+            from memcompile.dynamic.prefetch import Prefetcher
+
+            self.prefetcher = Prefetcher(
+                self.config.pilot,
+                self.config.prefetch_depth,
+                records=self.records,
+                model=self._model,
+                gate=self._pilot_gate if self.config.pilot == "auto" else None,
+            )
+            self.store.prefetched = self.prefetcher.cache
         if self.config.trace_path is not None:
             from memcompile.dynamic.trace import TraceRecorder
 
@@ -584,11 +641,77 @@ class MemCompiler:
     def _model(self) -> torch.nn.Module | None:
         return self.model() if self.model is not None else None
 
+    # -- dynamic models and the pilot ------------------------------------------------------------
+    def pilot_plans(self) -> bool:
+        """Whether plans leave a prefetch reserve: an explicit pilot, or ``"auto"`` once the
+        model is known to be dynamic."""
+        pilot = self.config.pilot
+        return pilot in ("markov", "lightgbm") or (pilot == "auto" and bool(self.dynamic))
+
+    def _pilot_gate(self) -> bool:
+        # pilot="auto": prefetch once the model is dynamic and has parameters on the host.
+        return bool(self.dynamic) and self.host_param_bytes > 0
+
+    def note_dynamic(self, reason: str) -> None:
+        """The model is dynamic (first reason kept). Dynamo's recompile limit is raised for it,
+        deliberately and once, unless the user changed it: a dynamic model recompiles more
+        often, and a frame over the limit runs eagerly (reported as a fallback)."""
+        if self.dynamic:
+            return
+        self.dynamic = reason
+        log.info("memcompile: the model is dynamic (%s)", reason)
+        config = torch._dynamo.config
+        limit = config.recompile_limit
+        if limit == config._config["recompile_limit"].default and limit < DYNAMIC_RECOMPILE_LIMIT:
+            config.recompile_limit = DYNAMIC_RECOMPILE_LIMIT
+            self.recompile_limit_raised = (limit, DYNAMIC_RECOMPILE_LIMIT)
+            log.info(
+                "memcompile: raised torch._dynamo.config.recompile_limit from %d to %d for this "
+                "dynamic model",
+                limit,
+                DYNAMIC_RECOMPILE_LIMIT,
+            )
+
+    def note_dynamic_fragment(self, index: int, gm: fx.GraphModule) -> None:
+        """A fragment with symbolic input shapes, or a recompiled frame, makes the model
+        dynamic."""
+        for p in gm.graph.find_nodes(op="placeholder"):
+            v = p.meta.get("example_value", p.meta.get("val"))
+            if isinstance(v, torch.SymInt) or (
+                isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)
+            ):
+                self.note_dynamic(f"F{index} has symbolic shapes")
+                break
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        if compile_id is not None and getattr(compile_id, "frame_compile_id", 0):
+            self.note_dynamic(f"F{index} recompiles a frame")
+
+    def planned_reserve(self, build: _FragmentBuild, fetched: Sequence[int]) -> None:
+        """``build`` was planned with ``build.prefetch_reserve`` for the cache and fetches the
+        inputs at ``fetched`` from the host tier."""
+        own = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for i in fetched
+            if isinstance(t := build.example_inputs[i], torch.Tensor)
+        }
+        self.max_block_host_bytes = max(self.max_block_host_bytes, sum(own.values()))
+        if self.prefetcher is not None:
+            self.prefetcher.add_reserve(build.prefetch_reserve)
+
     def __repr__(self) -> str:
         return f"MemCompiler({len(self.fragments)} fragments, inner={self.config.inner!r})"
 
     # -- Dynamo backend protocol ---------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        device = _device_of(example_inputs)
+        if self.config.pilot in ("markov", "lightgbm") and device is not None:
+            if device.type != "cpu":
+                raise NotImplementedError(
+                    f"memcompile option pilot={self.config.pilot!r} prefetches host-placed "
+                    f"parameters, which is only implemented for the CPU device; on {device.type} "
+                    "the copies would need a side stream and events, not implemented in this "
+                    "version of memcompile (use pilot='off' or 'auto')"
+                )
         ctx = calling_dynamo_context()
         if ctx is not None:
             # torch.compile(backend="memcompile"): watch this model's later calls. (Failures before
@@ -596,6 +719,7 @@ class MemCompiler:
             self.attach(ctx)
         # Dynamo compiles under its own global lock, so the next index cannot be taken meanwhile.
         build = _FragmentBuild(self, len(self.fragments), example_inputs)
+        self.note_dynamic_fragment(build.index, gm)
         compiled, record = self._compile_fragment(build, gm, example_inputs)
         with self._lock:
             self.fragments.append(record)
@@ -679,6 +803,8 @@ class MemCompiler:
             self.steps_observed = 0
         for observer in self.block_observers:
             observer.reset()
+        if self.prefetcher is not None:
+            self.prefetcher.reset()
 
     # -- budget bookkeeping ----------------------------------------------------------------------
     def cost_profile(self, example: Sequence[Any]) -> DeviceProfile:
@@ -769,6 +895,11 @@ class MemCompiler:
             tips.append(
                 f"of which {format_bytes(self.device_other_bytes)} was already allocated on the "
                 "device by others (other tensors, optimizer state, library workspaces)"
+            )
+        if build.prefetch_reserve:
+            tips.append(
+                f"{format_bytes(build.prefetch_reserve)} of it is reserved for the pilot's "
+                "prefetch cache (pilot='off', or a smaller prefetch_depth, frees it)"
             )
         hint = "; ".join(tips)
         if self.config.on_infeasible == "error":

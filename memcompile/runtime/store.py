@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from memcompile.errors import MemcompileError, format_bytes
+from memcompile.runtime.cache import PrefetchCache
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +193,9 @@ class TieredStore:
         self._side: dict[int, torch.cuda.Stream] = {}  # device index -> copy stream
         # Copies in flight on a side stream, by the destination's data pointer, until ``wait``.
         self._pending: dict[int, torch.cuda.Event] = {}
+        #: Prefetched device copies of host-placed parameters (the pilot's, cache.py): ``get``
+        #: serves a hit from it. ``None``: every ``get`` copies on demand.
+        self.prefetched: PrefetchCache | None = None
 
     # -- the disk folder ------------------------------------------------------------------------
     def _folder(self) -> str:
@@ -241,7 +245,13 @@ class TieredStore:
         """A new tensor on ``device`` with ``h``'s values (allocated by torch).
 
         On CUDA from a pinned buffer the copy is asynchronous: call :meth:`wait` on the result
-        before any use."""
+        before any use. A host-placed parameter the prefetch cache holds comes from there."""
+        cache = self.prefetched
+        if cache is not None and tier == "host" and cache.watches(h):
+            return cache.fetch(h, lambda: self._get(h, device, tier))
+        return self._get(h, device, tier)
+
+    def _get(self, h: torch.Tensor, device: torch.device, tier: Tier) -> torch.Tensor:
         out = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
         try:
             if out.device.type == "cuda" and h.is_pinned() and self.asynchronous:

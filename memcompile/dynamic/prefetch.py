@@ -1,0 +1,444 @@
+"""Prefetch for dynamic networks: the pilot predicts the next blocks, their parameters are copied
+to the device before the graphs ask.
+
+The compiler (``backends/compiler.py``) calls the :class:`Prefetcher` around every fragment call:
+
+    before(...)   forward call of block b: name it, score the earlier predictions of it, let the
+                  predictor observe it, trim the cache to the fragment's reserve (keeping b's
+                  copies), count b's fetches (hit: served from the cache; miss: fetched on demand).
+                  First backward call of a step: free every copy left (the optimizer step will
+                  change the parameters), stop counting.
+    after()       tail of a forward call (the only hook before the next fragment's guards,
+                  research/04 §Q1): predict the next ``prefetch_depth`` blocks; free the copies
+                  of blocks no longer predicted (a misprediction); copy the host-placed
+                  parameters of the predicted blocks into the cache, nearest first, while they
+                  fit the reserve. Predictions past a block that starts a step are not
+                  prefetched (the optimizer step comes in between).
+
+Correctness never depends on a prediction: a fetch the cache cannot serve copies on demand, as
+with ``pilot="off"``, and a stale copy (its parameter's version counter moved) is dropped.
+
+The **reserve**. Fragments are planned against ``budget − reserve``, so the cache fits beside any
+fragment's peak. A fragment's reserve is ``prefetch_depth ×`` the largest host-placed parameter
+bytes of one block known when it is planned (its own included): the cache holds at most the next
+``prefetch_depth`` blocks' parameters. Before each call the cache is trimmed to that fragment's
+reserve; prefetches stop at the largest reserve of any plan (the next fragment, not known yet,
+trims again). A fragment planned with no reserve (``"auto"`` before the model was seen to be
+dynamic) runs with an empty cache.
+
+Predictors (``pilot`` option): ``"markov"`` (last successor, markov.py), ``"lightgbm"`` (the
+online :class:`~memcompile.dynamic.pilot.Pilot`, Markov below its confidence threshold), ``"auto"``
+(the Pilot once the model is dynamic and has parameters in the host tier; see the compiler's
+``MemCompiler.dynamic``), ``"off"`` (no prefetcher: every fetch on demand). Any object with
+``observe``/``predict``/``end_step`` and an ``active`` name can replace :attr:`Prefetcher.predictor`
+(tests inject an adversarial one).
+
+CPU only: host-placed parameters exist only for the CPU device, where the copies are synchronous
+(the time is spent at the tail instead of inside the graph). On CUDA the copy would run on a side
+stream with an event that the fetch waits for; that path is not implemented and the compiler
+refuses an explicit pilot on a CUDA device.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from memcompile.backends.fragments import FragmentRecord
+from memcompile.dynamic.idioms import IdiomVector, graph_idioms
+from memcompile.dynamic.markov import UNKNOWN, MarkovPredictor
+from memcompile.dynamic.trace import MAX_SIZES, _BlockNamer
+from memcompile.runtime.cache import PrefetchCache
+from memcompile.runtime.store import is_host_placed
+
+if TYPE_CHECKING:  # pilot.py imports LightGBM: only when the Pilot is used
+    from memcompile.dynamic.pilot import PilotStats, Prediction
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "PILOT_KNOBS",
+    "BlockPredictor",
+    "MarkovBlocks",
+    "PilotReport",
+    "Prefetcher",
+    "make_predictor",
+]
+
+#: Keyword arguments for the ``"lightgbm"``/``"auto"`` :class:`Pilot` (besides ``horizon`` and
+#: ``seed``): tests and benchmarks shorten the warm-up or train inline.
+PILOT_KNOBS: dict[str, Any] = {}
+
+
+class BlockPredictor(Protocol):
+    """What the prefetcher needs from a predictor (the Pilot has it)."""
+
+    @property
+    def active(self) -> str: ...
+
+    def observe(
+        self,
+        block: str,
+        fragment: str,
+        sizes: Sequence[int] = (),
+        idioms: IdiomVector | None = None,
+    ) -> None: ...
+
+    def predict(self) -> Prediction: ...
+
+    def end_step(self) -> None: ...
+
+
+class MarkovBlocks:
+    """The Markov (last-successor) predictor over block labels."""
+
+    active = "markov"
+
+    def __init__(self, horizon: int) -> None:
+        self.markov = MarkovPredictor(horizon)
+        self.horizon = horizon
+        self._ids: dict[str, int] = {}
+        self._labels: list[str] = []
+        self._nan = (math.nan,) * horizon
+
+    def observe(
+        self,
+        block: str,
+        fragment: str,
+        sizes: Sequence[int] = (),
+        idioms: IdiomVector | None = None,
+    ) -> None:
+        i = self._ids.get(block)
+        if i is None:
+            i = self._ids[block] = len(self._labels)
+            self._labels.append(block)
+        self.markov.observe(i)
+
+    def predict(self) -> Prediction:
+        from memcompile.dynamic.pilot import Prediction
+
+        labels = self._labels
+        return Prediction(
+            blocks=tuple(labels[i] if i != UNKNOWN else None for i in self.markov.predict()),
+            sources=("markov",) * self.horizon,
+            confidence=self._nan,
+        )
+
+    def end_step(self) -> None:
+        pass
+
+
+def make_predictor(kind: str, horizon: int, *, seed: int = 0) -> BlockPredictor:
+    """The predictor of ``pilot=kind`` (``"auto"`` is the Pilot)."""
+    if kind == "markov":
+        return MarkovBlocks(horizon)
+    if kind in ("lightgbm", "auto"):
+        from memcompile.dynamic.pilot import Pilot
+
+        return Pilot(**{"horizon": horizon, "seed": seed, **PILOT_KNOBS})
+    raise ValueError(f"no predictor for pilot={kind!r}")
+
+
+@dataclass(frozen=True)
+class PilotReport:
+    """The pilot in the report (``memcompile.report(compiled).pilot``).
+
+    Attributes:
+        mode: the ``pilot`` option.
+        enabled: the prefetcher ran (``"auto"``: the model was seen to be dynamic with parameters
+            in the host tier; see DESIGN/README for the rule).
+        active: the predictor in use: ``"lightgbm"``, ``"markov"`` (also the Pilot before its
+            first model), another predictor's name, or ``"none"`` (not running).
+        horizon: blocks predicted ahead (``prefetch_depth``).
+        accuracy: fraction of next-block predictions that were right (``None``: none scored).
+        k_ahead_accuracy: the same ``horizon`` blocks ahead.
+        predictions: predictions scored at ``horizon``.
+        predict_us_p50: median prediction time, microseconds.
+        hit_rate: prefetched bytes used / host-parameter bytes the forward fetched (``None``:
+            nothing fetched yet). The first block of a step is never prefetched (the optimizer
+            step comes between), so its bytes are always misses.
+        needed_bytes, hit_bytes: those two byte counts.
+        prefetched_bytes: bytes copied ahead of use.
+        wasted_bytes: prefetched copies freed unused (mispredictions, stale copies, copies
+            trimmed to a fragment's reserve, leftovers at the end of the forward).
+        stall_us: microseconds the forward spent in on-demand fetches (misses), measured on the
+            CPU; on a GPU this is time the compute stream would wait.
+        misses: fetches served on demand.
+        reserve_bytes: the largest prefetch reserve any fragment was planned with.
+        cache_peak_bytes: the most bytes the cache held.
+        models_trained, fallback_rate: the Pilot's (``None`` for other predictors).
+    """
+
+    mode: str
+    enabled: bool
+    active: str
+    horizon: int
+    accuracy: float | None
+    k_ahead_accuracy: float | None
+    predictions: int
+    predict_us_p50: float | None
+    hit_rate: float | None
+    needed_bytes: int
+    hit_bytes: int
+    prefetched_bytes: int
+    wasted_bytes: int
+    stall_us: float
+    misses: int
+    reserve_bytes: int
+    cache_peak_bytes: int
+    models_trained: int | None = None
+    fallback_rate: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "enabled": self.enabled,
+            "active": self.active,
+            "horizon": self.horizon,
+            "accuracy": self.accuracy,
+            "k_ahead_accuracy": self.k_ahead_accuracy,
+            "predictions": self.predictions,
+            "predict_us_p50": self.predict_us_p50,
+            "hit_rate": self.hit_rate,
+            "needed_bytes": self.needed_bytes,
+            "hit_bytes": self.hit_bytes,
+            "prefetched_bytes": self.prefetched_bytes,
+            "wasted_bytes": self.wasted_bytes,
+            "stall_us": self.stall_us,
+            "misses": self.misses,
+            "reserve_bytes": self.reserve_bytes,
+            "cache_peak_bytes": self.cache_peak_bytes,
+            "models_trained": self.models_trained,
+            "fallback_rate": self.fallback_rate,
+        }
+
+
+class Prefetcher:
+    """Runs a predictor on the forward block stream and keeps the prefetch cache; see above.
+
+    Args:
+        mode: the ``pilot`` option (not ``"off"``).
+        horizon: ``prefetch_depth``.
+        records: the compiler's fragment records (``MemCompiler.records``).
+        model: the compiled module, when known (block names, as in trace.py).
+        gate: ``"auto"``: whether the prefetcher should run now (it stays on once it does).
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        horizon: int,
+        *,
+        records: Callable[[], Sequence[FragmentRecord]],
+        model: Callable[[], torch.nn.Module | None] = lambda: None,
+        gate: Callable[[], bool] | None = None,
+    ) -> None:
+        self.mode = mode
+        self.horizon = horizon
+        # "auto": made when the gate opens (no LightGBM for a static model)
+        self._predictor: BlockPredictor | None = (
+            None if gate is not None else make_predictor(mode, horizon)
+        )
+        self.cache = PrefetchCache()
+        self.enabled = gate is None
+        self._gate = gate
+        self._records = records
+        self._by_index: dict[int, FragmentRecord] = {}
+        self._namer = _BlockNamer(model)
+        self._idioms: dict[str, IdiomVector] = {}
+        # block label -> its host-placed parameters (weak: the model owns them)
+        self._params: dict[str, list[weakref.ref[torch.Tensor]]] = {}
+        self._step_starts: set[str] = set()
+        self._step: int | None = None
+        self._in_forward = False
+        self._device = torch.device("cpu")
+        #: the largest reserve any fragment was planned with: prefetches stop there
+        self.capacity = 0
+        # scoring (independent of the predictor, so every predictor is scored alike)
+        self._t = 0
+        self._made: deque[tuple[int, tuple[str | None, ...]]] = deque()
+        self._hits = [0] * horizon
+        self._scored = [0] * horizon
+        self._latency_ns: deque[int] = deque(maxlen=10_000)
+
+    @property
+    def predictor(self) -> BlockPredictor:
+        """The predictor (settable: tests inject one)."""
+        if self._predictor is None:
+            self._predictor = make_predictor(self.mode, self.horizon)
+        return self._predictor
+
+    @predictor.setter
+    def predictor(self, value: BlockPredictor) -> None:
+        self._predictor = value
+
+    # -- planning ------------------------------------------------------------------------------
+    def add_reserve(self, nbytes: int) -> None:
+        """A fragment was planned with ``nbytes`` reserved for the cache."""
+        self.capacity = max(self.capacity, nbytes)
+
+    # -- the compiler's hooks ------------------------------------------------------------------
+    def before(
+        self,
+        step: int,
+        index: int,
+        kind: str,
+        block: int,
+        args: Sequence[Any],
+        hosted: Sequence[int],
+        reserve: int,
+    ) -> bool:
+        """A fragment call is about to run (``args``: its inputs, before the boxed call clears
+        them). Returns whether :meth:`after` should run at its tail."""
+        if not self.enabled:
+            if self._gate is None or not self._gate():
+                return False
+            self.enabled = True
+            log.info("memcompile pilot: the model is dynamic with parameters on the host: on")
+        cache = self.cache
+        if kind != "forward":
+            if self._in_forward:  # the forward is over: the optimizer will change parameters
+                self._in_forward = False
+                cache.counting = False
+                cache.clear()
+            return False
+        record = self._record(index)
+        if record is None:
+            return False
+        if step != self._step:
+            if self._step is not None:
+                self.predictor.end_step()
+            self._step = step
+            self._step_starts.add(self._namer.label(record, block, kind))
+        label = self._namer.label(record, block, kind)
+        params = self._params.get(label)
+        if params is None:
+            held = [args[i] for i in hosted if i < len(args) and is_host_placed(args[i])]
+            cache.watch(held)
+            params = self._params[label] = [weakref.ref(t) for t in held]
+        own = {PrefetchCache.key(t) for t in _alive(params)}
+        cache.trim(reserve, prefer=own)
+        cache.counting = True
+        self._in_forward = True
+        self._score(label)
+        static = record.static_inputs
+        sizes = tuple(
+            a.numel() for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in static
+        )[:MAX_SIZES]
+        self.predictor.observe(label, record.id, sizes, self._fragment_idioms(record))
+        return True
+
+    def after(self) -> None:
+        """Tail of a forward call: predict, free mispredicted copies, prefetch."""
+        start = time.perf_counter_ns()
+        blocks = tuple(self.predictor.predict().blocks)[: self.horizon]
+        self._latency_ns.append(time.perf_counter_ns() - start)
+        self._made.append((self._t - 1, blocks))
+        wanted: list[tuple[str, torch.Tensor]] = []
+        for b in blocks:
+            if b is None:
+                continue
+            if b in self._step_starts:
+                break  # the next step: the optimizer step comes first
+            wanted.extend((b, t) for t in _alive(self._params.get(b, ())))
+        cache = self.cache
+        cache.evict(keep={PrefetchCache.key(t) for _, t in wanted})
+        for b, t in wanted:
+            if cache.has(t):
+                continue
+            if cache.bytes + t.untyped_storage().nbytes() > self.capacity:
+                break
+            cache.prefetch(t, self._device, b)
+
+    def reset(self) -> None:
+        """The compiler forgot its fragments: forget blocks and free the cache."""
+        self.cache.clear()
+        self.cache.counting = False
+        self._in_forward = False
+        self._by_index.clear()
+        self._params.clear()
+        self._namer.reset()
+        self._idioms.clear()
+
+    def wait(self) -> None:
+        """Wait for a predictor's background training (the Pilot's), for deterministic tests."""
+        wait = getattr(self._predictor, "wait", None)
+        if callable(wait):
+            wait()
+
+    # -- results -------------------------------------------------------------------------------
+    def report(self) -> PilotReport:
+        c = self.cache.counters()
+        lat = sorted(self._latency_ns)
+        predictor = self._predictor
+        stats: PilotStats | None = None
+        if type(predictor).__name__ == "Pilot":  # not imported unless in use
+            stats = predictor.stats()  # type: ignore[union-attr]
+
+        def acc(j: int) -> float | None:
+            return self._hits[j] / self._scored[j] if self._scored[j] else None
+
+        return PilotReport(
+            mode=self.mode,
+            enabled=self.enabled,
+            active=(
+                "none"
+                if predictor is None
+                else str(getattr(predictor, "active", type(predictor).__name__))
+            ),
+            horizon=self.horizon,
+            accuracy=acc(0),
+            k_ahead_accuracy=acc(self.horizon - 1),
+            predictions=self._scored[self.horizon - 1],
+            predict_us_p50=lat[len(lat) // 2] / 1000 if lat else None,
+            hit_rate=c.hit / c.needed if c.needed else None,
+            needed_bytes=c.needed,
+            hit_bytes=c.hit,
+            prefetched_bytes=c.prefetched,
+            wasted_bytes=c.wasted,
+            stall_us=c.stall_ns / 1000,
+            misses=c.misses,
+            reserve_bytes=self.capacity,
+            cache_peak_bytes=c.peak_bytes,
+            models_trained=stats.models_trained if stats is not None else None,
+            fallback_rate=stats.fallback_rate if stats is not None else None,
+        )
+
+    # -- internals -----------------------------------------------------------------------------
+    def _score(self, label: str) -> None:
+        t = self._t
+        made = self._made
+        while made and t - made[0][0] > self.horizon:
+            made.popleft()
+        for when, predicted in made:
+            j = t - when
+            if 1 <= j <= self.horizon and j <= len(predicted):
+                self._scored[j - 1] += 1
+                self._hits[j - 1] += predicted[j - 1] == label
+        self._t = t + 1
+
+    def _record(self, index: int) -> FragmentRecord | None:
+        record = self._by_index.get(index)
+        if record is None:
+            self._by_index = {r.index: r for r in self._records()}
+            record = self._by_index.get(index)
+        return record
+
+    def _fragment_idioms(self, record: FragmentRecord) -> IdiomVector:
+        vec = self._idioms.get(record.id)
+        if vec is None:
+            profile = record.profile
+            vec = self._idioms[record.id] = graph_idioms(profile.forward if profile else None)
+        return vec
+
+
+def _alive(refs: Sequence[weakref.ref[torch.Tensor]]) -> list[torch.Tensor]:
+    return [t for t in (r() for r in refs) if t is not None]

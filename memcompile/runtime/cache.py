@@ -1,0 +1,186 @@
+"""The prefetch cache: device copies of host-placed parameters, made before a graph asks.
+
+The pilot (``dynamic/prefetch.py``) predicts the next blocks of a dynamic network and copies the
+host-placed parameters they read into this cache; the graphs' fetch (``memcompile::reload`` of a
+host-placed parameter, ``passes/params.py``) goes through :meth:`TieredStore.get`, which asks
+the cache first:
+
+    cache = PrefetchCache()
+    store.prefetched = cache                   # TieredStore.get consults it for the host tier
+    cache.watch(params)                        # host-placed parameters the graphs fetch
+    cache.prefetch(p, device, block="F2/blocks.0.experts.3")   # a device copy, now
+    y = store.get(p, device, "host")           # the copy (a hit, handed over) or a fresh one
+    cache.evict(keep={...})                    # a misprediction: free the copies nobody took
+    cache.trim(limit)                          # at most ``limit`` bytes cached
+
+A hit hands the cached tensor to the graph (it leaves the cache: the graph frees it when done),
+so a copy is used at most once. A miss fetches on demand, as without the cache. Correctness never
+depends on the cache: a copy whose parameter changed since it was made (its version counter
+moved, e.g. an optimizer step) is dropped as stale and fetched again.
+
+Counters (bytes, for the report): ``needed`` (fetches of watched parameters while counting is
+on: the forward of a training step), ``hit`` (of those, served from the cache), ``prefetched``,
+``wasted`` (copies freed unused, stale ones included), and ``stall_ns`` (time spent in on-demand
+fetches while counting: what the compute would wait for on a GPU, measured here on the CPU).
+
+Copies are synchronous: host-placed parameters exist only for the CPU device in this version
+(the DESIGN's CPU row). On CUDA the copy would go on a side stream with an event per copy, and a
+hit would make the compute stream wait for it; that is not implemented (the compiler refuses an
+explicit pilot on a CUDA device).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CacheCounters", "PrefetchCache"]
+
+
+@dataclass(frozen=True)
+class CacheCounters:
+    """A snapshot of :class:`PrefetchCache`'s counters (bytes, except ``stall_ns``/counts)."""
+
+    needed: int
+    hit: int
+    prefetched: int
+    wasted: int
+    stale: int
+    stall_ns: int
+    misses: int
+    peak_bytes: int
+
+
+@dataclass
+class _Entry:
+    copy: torch.Tensor
+    version: int
+    nbytes: int
+    block: str
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class PrefetchCache:
+    """Device copies of host-placed parameters, keyed by the host storage; see the module doc."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, _Entry] = {}
+        self._watched: set[int] = set()
+        self.bytes = 0
+        #: Count fetches as needed (the forward of a training step); set by the prefetcher.
+        self.counting = False
+        self.needed = self.hit = self.prefetched = self.wasted = self.stale = 0
+        self.stall_ns = self.misses = self.peak_bytes = 0
+
+    # -- what the graphs fetch ------------------------------------------------------------
+    def watch(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Host-placed parameters whose fetches count (hits and misses)."""
+        self._watched.update(_key(t) for t in tensors)
+
+    def watches(self, h: torch.Tensor) -> bool:
+        return h.device.type == "cpu" and _key(h) in self._watched
+
+    def fetch(self, h: torch.Tensor, on_demand: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The cached copy of ``h`` (a hit, handed over), else ``on_demand()`` (a miss)."""
+        nbytes = h.untyped_storage().nbytes()
+        entry = self._entries.pop(_key(h), None)
+        if entry is not None:
+            self.bytes -= entry.nbytes
+            fresh = (
+                entry.version == h._version
+                and entry.copy.shape == h.shape
+                and entry.copy.stride() == h.stride()
+                and entry.copy.dtype == h.dtype
+            )
+            if fresh:
+                if self.counting:
+                    self.needed += nbytes
+                    self.hit += nbytes
+                return entry.copy
+            # The parameter changed after the copy was made: never serve old values.
+            self.stale += entry.nbytes
+            self.wasted += entry.nbytes
+            log.debug("prefetch cache: stale copy of %s dropped", entry.block)
+        if not self.counting:
+            return on_demand()
+        start = time.perf_counter_ns()
+        out = on_demand()
+        self.stall_ns += time.perf_counter_ns() - start
+        self.needed += nbytes
+        self.misses += 1
+        return out
+
+    # -- the prefetcher's side -------------------------------------------------------------
+    def has(self, h: torch.Tensor) -> bool:
+        return _key(h) in self._entries
+
+    def prefetch(self, h: torch.Tensor, device: torch.device, block: str) -> int:
+        """Copy ``h`` to ``device`` now (if not cached yet); returns the bytes copied."""
+        key = _key(h)
+        if key in self._entries:
+            return 0
+        copy = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
+        copy.copy_(h)
+        nbytes = h.untyped_storage().nbytes()
+        self._entries[key] = _Entry(copy, h._version, nbytes, block)
+        self.bytes += nbytes
+        self.prefetched += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+        return nbytes
+
+    def evict(self, keep: Collection[int] = ()) -> int:
+        """Free the copies whose host storage is not in ``keep`` (a misprediction); returns the
+        bytes freed."""
+        freed = 0
+        for key in [k for k in self._entries if k not in keep]:
+            freed += self._drop(key)
+        return freed
+
+    def trim(self, limit: int, prefer: Collection[int] = ()) -> int:
+        """Free copies until at most ``limit`` bytes are cached: the newest first, those whose
+        host storage is in ``prefer`` last; returns the bytes freed."""
+        freed = 0
+        order = [k for k in self._entries if k not in prefer] + [
+            k for k in self._entries if k in prefer
+        ]
+        for key in reversed(order):
+            if self.bytes <= limit:
+                break
+            freed += self._drop(key)
+        return freed
+
+    def _drop(self, key: int) -> int:
+        entry = self._entries.pop(key)
+        self.bytes -= entry.nbytes
+        self.wasted += entry.nbytes
+        return entry.nbytes
+
+    def clear(self) -> int:
+        """Free every copy (counted as wasted); returns the bytes freed."""
+        return self.evict()
+
+    def counters(self) -> CacheCounters:
+        return CacheCounters(
+            needed=self.needed,
+            hit=self.hit,
+            prefetched=self.prefetched,
+            wasted=self.wasted,
+            stale=self.stale,
+            stall_ns=self.stall_ns,
+            misses=self.misses,
+            peak_bytes=self.peak_bytes,
+        )
+
+    @staticmethod
+    def key(t: torch.Tensor) -> int:
+        """The cache key of a host-placed tensor (its storage address)."""
+        return _key(t)

@@ -1,0 +1,239 @@
+"""The pilot in training (``pilot`` option, dynamic/prefetch.py): bit-identical to eager whatever
+it predicts, prefetch hits and waste reported, the budget kept with the cache, clear errors, and
+Dynamo's recompile limit for dynamic models."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+
+import pytest
+import torch
+from torch import fx, nn
+
+import memcompile
+from memcompile import zoo
+from memcompile.backends.compiler import DYNAMIC_RECOMPILE_LIMIT, MemCompiler
+from memcompile.config import MemConfig
+from memcompile.dynamic import prefetch
+from memcompile.dynamic.pilot import Prediction
+from memcompile.report import find_compiler
+from memcompile.runtime.cache import PrefetchCache
+
+from helpers import assert_same_state, train, train_under_budget
+
+# The Pilot trains inline after two steps, so it predicts with LightGBM within a short test.
+_FAST_PILOT = {"warmup_steps": 2, "retrain_every": 1, "background": False}
+
+
+class AlwaysWrong:
+    """Predicts the block that just ran, every horizon: never the next one in an MoE forward
+    (each expert and each block's router runs once per step)."""
+
+    active = "adversarial"
+
+    def __init__(self, horizon: int = 2) -> None:
+        self.horizon = horizon
+        self.last: str | None = None
+
+    def observe(
+        self, block: str, fragment: str, sizes: Sequence[int] = (), idioms: object = None
+    ) -> None:
+        self.last = block
+
+    def predict(self) -> Prediction:
+        return Prediction(
+            blocks=(self.last,) * self.horizon,
+            sources=("adversarial",) * self.horizon,
+            confidence=(math.nan,) * self.horizon,
+        )
+
+    def end_step(self) -> None:
+        pass
+
+
+def _run(name: str, pilot: str, steps: int, optimizer: str = "sgd") -> memcompile.MemReport:
+    """Train ``name`` (tiny) eagerly and under memcompile with parameters on the host and
+    ``pilot`` ("adversarial": markov replaced by :class:`AlwaysWrong`); assert bit-identical
+    losses and parameters; return the report."""
+    torch._dynamo.reset()
+    eager, comp = zoo.build(name, size="tiny"), zoo.build(name, size="tiny")
+    expected = train(eager, eager.model, optimizer, steps)
+    option = "markov" if pilot == "adversarial" else pilot
+    compiled = memcompile.compile(comp.model, offload_params=True, pilot=option)
+    if pilot == "adversarial":
+        compiler = find_compiler(compiled)[0]
+        assert compiler.prefetcher is not None
+        compiler.prefetcher.predictor = AlwaysWrong()
+    losses = train(comp, compiled, optimizer, steps)
+    assert all(torch.equal(a, b) for a, b in zip(expected, losses, strict=True))
+    assert_same_state(eager.model, comp.model)
+    return memcompile.report(compiled)
+
+
+@pytest.mark.parametrize("pilot", ["off", "markov", "lightgbm", "adversarial"])
+@pytest.mark.parametrize("name", ["moe", "early_exit"])
+def test_training_is_bit_identical_whatever_the_pilot_predicts(
+    name: str, pilot: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(prefetch, "PILOT_KNOBS", _FAST_PILOT)
+    rep = _run(name, pilot, 5 if name == "moe" else 6)
+    p = rep.pilot
+    if pilot == "off":
+        assert p is None and rep.to_dict()["pilot"] is None
+        return
+    assert p is not None and p.enabled and p.mode == ("markov" if pilot != "lightgbm" else pilot)
+    assert p.needed_bytes > 0 and p.predictions > 0 and p.predict_us_p50 is not None
+    assert p.reserve_bytes > 0 and p.cache_peak_bytes <= p.reserve_bytes
+    assert rep.to_dict()["pilot"] == p.to_dict()
+    assert "pilot (" in str(rep)
+    if pilot == "adversarial":
+        assert p.active == "adversarial"
+        if name == "moe":  # no block runs twice in an MoE forward: always wrong
+            assert p.accuracy == 0 and p.k_ahead_accuracy == 0
+            assert p.hit_rate == 0 and p.hit_bytes == 0
+            assert p.prefetched_bytes > 0 and p.wasted_bytes == p.prefetched_bytes
+    elif name == "moe":  # every expert gets tokens every step: a periodic stream
+        assert p.accuracy is not None and p.accuracy > 0.7
+        assert p.hit_rate is not None and p.hit_rate > 0.6
+    if pilot == "lightgbm" and name == "moe":
+        assert p.active == "lightgbm" and p.models_trained is not None and p.models_trained >= 1
+
+
+def test_a_periodic_stream_is_prefetched_in_time_with_no_waste() -> None:
+    # The tiny MoE routes tokens to every expert in every step: once one step has been seen,
+    # Markov predicts every block; only the first block of a step (after the optimizer step)
+    # is fetched on demand.
+    torch._dynamo.reset()
+    wl = zoo.build("moe", size="tiny")
+    compiled = memcompile.compile(wl.model, offload_params=True, pilot="markov")
+    opt = torch.optim.SGD(wl.model.parameters(), lr=0.1)
+
+    def step(i: int) -> None:
+        opt.zero_grad(set_to_none=True)
+        wl.loss(compiled, i).backward()
+        opt.step()
+
+    for i in range(2):
+        step(i)
+    before = memcompile.report(compiled).pilot
+    for i in range(2, 6):
+        step(i)
+    after = memcompile.report(compiled).pilot
+    assert before is not None and after is not None
+    needed = after.needed_bytes - before.needed_bytes
+    hit = after.hit_bytes - before.hit_bytes
+    assert needed > 0 and hit / needed >= 0.9
+    assert after.wasted_bytes == before.wasted_bytes  # nothing prefetched in vain
+    assert after.accuracy is not None and after.accuracy > before.accuracy  # type: ignore[operator]
+    assert after.stall_us > 0  # the step's first block is still fetched on demand
+
+
+def test_measured_peak_stays_within_the_budget_with_prefetch() -> None:
+    budget = 600_000
+    peaks = {}
+    for pilot in ("off", "markov"):
+        compiled, _, measured = train_under_budget(
+            "moe", "sgd", budget, offload_params=True, pilot=pilot
+        )
+        assert measured <= budget
+        peaks[pilot] = measured
+        rep = memcompile.report(compiled)
+        if pilot == "markov":
+            assert rep.pilot is not None and rep.pilot.hit_bytes > 0
+            reserve = rep.pilot.reserve_bytes
+            # The plans left the reserve out of their target.
+            plans = [f.plan for f in rep.fragments if f.plan is not None and f.plan.host_params]
+            assert plans and all(p.target is not None for p in plans)
+    assert peaks["markov"] <= peaks["off"] + reserve
+
+
+def test_a_stale_copy_is_never_served() -> None:
+    cache = PrefetchCache()
+    p = torch.ones(4)
+    cache.watch([p])
+    cache.counting = True
+    cache.prefetch(p, torch.device("cpu"), "b")
+    with torch.no_grad():
+        p.add_(1)  # an optimizer step: the version counter moves
+    got = cache.fetch(p, lambda: p.clone())
+    assert torch.equal(got, p) and cache.hit == 0 and cache.stale == p.nbytes
+    assert cache.wasted == p.nbytes and cache.misses == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"pilot": "xgboost"}, ValueError, "option 'pilot' must be one of 'auto', 'lightgbm'"),
+        ({"pilot": True}, ValueError, "option 'pilot' must be one of"),
+        ({"prefetch_depth": 0}, ValueError, "option 'prefetch_depth' must be >= 1; got 0"),
+        ({"prefetch_depth": "2"}, TypeError, "option 'prefetch_depth' must be an int"),
+    ],
+)
+def test_bad_pilot_options_name_the_key(options: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        MemConfig.from_options(options)
+
+
+@pytest.mark.parametrize("pilot", ["markov", "lightgbm"])
+def test_an_explicit_pilot_refuses_a_device_it_cannot_prefetch_to(pilot: str) -> None:
+    gm = fx.symbolic_trace(lambda x: x + 1)
+    with pytest.raises(NotImplementedError, match=r"only implemented for the CPU device; on meta"):
+        MemCompiler({"pilot": pilot})(gm, [torch.empty(2, device="meta")])
+
+
+def test_pilot_auto_stays_off_for_a_static_model() -> None:
+    torch._dynamo.reset()
+    wl = zoo.build("gpt", size="tiny")
+    compiled = memcompile.compile(wl.model, offload_params=True)
+    train(wl, compiled, "sgd", 2)
+    rep = memcompile.report(compiled)
+    assert rep.dynamic == "" and rep.pilot is not None and not rep.pilot.enabled
+    assert rep.pilot.active == "none" and "not running" in str(rep)
+
+
+def test_pilot_auto_runs_for_a_dynamic_model_with_parameters_on_the_host() -> None:
+    rep = _run("moe", "auto", 3)
+    assert "symbolic shapes" in rep.dynamic or "parameter sets" in rep.dynamic
+    assert rep.pilot is not None and rep.pilot.enabled and rep.pilot.hit_bytes > 0
+
+
+class _Repeat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mode: str) -> torch.Tensor:
+        return self.lin(x).sum() * len(mode)  # every new string recompiles
+
+
+def test_recompile_limit_is_raised_for_a_dynamic_model() -> None:
+    torch._dynamo.reset()
+    model = _Repeat()
+    with torch._dynamo.config.patch(recompile_limit=8), warnings.catch_warnings():
+        warnings.simplefilter("error", memcompile.EagerFallbackWarning)
+        compiled = memcompile.compile(model)
+        for i in range(12):  # past torch's default of 8 compiles of the frame
+            compiled(torch.ones(2, 4), "m" * (i + 1)).backward()
+        assert torch._dynamo.config.recompile_limit == DYNAMIC_RECOMPILE_LIMIT
+    rep = memcompile.report(compiled)
+    assert "recompiles a frame" in rep.dynamic
+    assert rep.recompile_limit_raised == (8, DYNAMIC_RECOMPILE_LIMIT)
+    assert rep.eager_frames == 0 and "recompile limit raised 8 -> 64" in str(rep)
+
+
+def test_a_limit_the_user_set_is_kept_and_its_fallback_reported() -> None:
+    torch._dynamo.reset()
+    model = _Repeat()
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        compiled = memcompile.compile(model, pilot="markov")
+        for i in range(4):
+            compiled(torch.ones(2, 4), "m" * (i + 1)).backward()
+        assert torch._dynamo.config.recompile_limit == 2
+    rep = memcompile.report(compiled)
+    assert rep.recompile_limit_raised is None and rep.dynamic
+    assert rep.eager_frames >= 1 and rep.fallbacks[0].kind == "recompile_limit"
+    assert rep.to_dict()["eager_frames"] == rep.eager_frames
+    assert "EAGER" in str(rep)
