@@ -662,7 +662,8 @@ class MemCompiler:
         log.info("memcompile: the model is dynamic (%s)", reason)
         config = torch._dynamo.config
         limit = config.recompile_limit
-        if limit == config._config["recompile_limit"].default and limit < DYNAMIC_RECOMPILE_LIMIT:
+        default = config._config["recompile_limit"].default  # type: ignore[attr-defined]
+        if limit == default and limit < DYNAMIC_RECOMPILE_LIMIT:
             config.recompile_limit = DYNAMIC_RECOMPILE_LIMIT
             self.recompile_limit_raised = (limit, DYNAMIC_RECOMPILE_LIMIT)
             log.info(
@@ -683,7 +684,7 @@ class MemCompiler:
                 self.note_dynamic(f"F{index} has symbolic shapes")
                 break
         compile_id = torch._guards.CompileContext.current_compile_id()
-        if compile_id is not None and getattr(compile_id, "frame_compile_id", 0):
+        if compile_id is not None and getattr(compile_id, "frame_compile_id", None):
             self.note_dynamic(f"F{index} recompiles a frame")
 
     def planned_reserve(self, build: _FragmentBuild, fetched: Sequence[int]) -> None:
