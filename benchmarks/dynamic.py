@@ -50,7 +50,8 @@ from memcompile.dynamic.trace import StepTrace, read_trace  # noqa: E402
 from memcompile.report import find_compiler  # noqa: E402
 from memcompile.zoo.moe import moe_workload  # noqa: E402
 
-Stream = list[tuple[int, str, str, tuple[int, ...], tuple[int, ...] | None]]
+Outputs = tuple[tuple[int, ...], ...]
+Stream = list[tuple[int, str, str, tuple[int, ...], tuple[int, ...] | None, Outputs]]
 
 
 def collect_trace(
@@ -83,23 +84,40 @@ def collect_trace(
 
 
 def forward_stream(trace: list[StepTrace]) -> Stream:
-    """(step index, block, fragment, sizes, fragment idioms) of every non-backward call."""
+    """(step index, block, fragment, sizes, fragment idioms, small integer outputs) of every
+    non-backward call."""
     out: Stream = []
     for i, s in enumerate(trace):
         idioms = dict(s.idioms)
         for e in s.events:
             if e.phase != "backward":
-                out.append((i, e.block, e.fragment, e.sizes, idioms.get(e.fragment)))
+                out.append((i, e.block, e.fragment, e.sizes, idioms.get(e.fragment), e.outputs))
     return out
 
 
-def run_pilot(stream: Stream, horizon: int, warmup: int, every: int, threshold: float) -> tuple:
+def run_pilot(
+    stream: Stream,
+    horizon: int,
+    warmup: int,
+    every: int,
+    threshold: float,
+    *,
+    outputs: bool = True,
+    **options: Any,
+) -> tuple:
+    """Replay ``stream`` through a pilot; ``outputs=False``: without the outputs (and rule)."""
     pilot = Pilot(
-        horizon=horizon, warmup_steps=warmup, retrain_every=every, threshold=threshold, seed=0
+        horizon=horizon,
+        warmup_steps=warmup,
+        retrain_every=every,
+        threshold=threshold,
+        seed=0,
+        rule=outputs,
+        **options,
     )
     preds: list[tuple[str | None, ...]] = []
-    for t, (step, block, fragment, sizes, idioms) in enumerate(stream):
-        pilot.observe(block, fragment, sizes, idioms)
+    for t, (step, block, fragment, sizes, idioms, outs) in enumerate(stream):
+        pilot.observe(block, fragment, sizes, idioms, outputs=outs if outputs else None)
         preds.append(pilot.predict().blocks)
         if t + 1 == len(stream) or stream[t + 1][0] != step:
             pilot.end_step()

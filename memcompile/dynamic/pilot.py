@@ -51,6 +51,7 @@ import numpy as np
 from memcompile.dynamic.fastpredict import FastBooster
 from memcompile.dynamic.idioms import IDIOMS, IdiomVector
 from memcompile.dynamic.markov import UNKNOWN, MarkovPredictor
+from memcompile.dynamic.rules import RoutingRule
 from memcompile.dynamic.trace import MAX_SIZES
 from memcompile.errors import PilotWarning
 
@@ -58,7 +59,12 @@ log = logging.getLogger(__name__)
 
 __all__ = ["FEATURES", "Pilot", "PilotStats", "Prediction", "feature_names"]
 
-_FORMAT = 1  # meta.json version
+Outputs = Sequence[Sequence[int]]
+
+_FORMAT = 2  # meta.json version (2: rule features and the rule's state)
+#: Values of the output vector behind the current rule plan, and of the step's first output.
+PLAN_OUTPUTS = 16
+STEP_OUTPUTS = 8
 _NAN = float("nan")
 _ZERO_IDIOMS: IdiomVector = (0, 0, 0, 0, 0, 0)
 
@@ -73,6 +79,10 @@ def feature_names(history: int, horizon: int) -> tuple[str, ...]:
         "run",
         *(f"run_size_{i}" for i in range(MAX_SIZES)),
         *(f"prev_step_{j}" for j in range(1, horizon + 1)),
+        *(f"rule_{j}" for j in range(1, horizon + 1)),
+        "rule_left",
+        *(f"plan_out_{i}" for i in range(PLAN_OUTPUTS)),
+        *(f"step_out_{i}" for i in range(STEP_OUTPUTS)),
     )
 
 
@@ -86,8 +96,9 @@ class Prediction:
 
     Attributes:
         blocks: block ids ``1..horizon`` calls ahead (``None``: no prediction).
-        sources: ``"lightgbm"`` or ``"markov"`` for each.
-        confidence: LightGBM's class probability (``nan`` for Markov predictions).
+        sources: ``"rule"``, ``"lightgbm"`` or ``"markov"`` for each.
+        confidence: LightGBM's class probability (``nan`` for Markov predictions, 1.0 for the
+            rule's).
     """
 
     blocks: tuple[str | None, ...]
@@ -108,6 +119,8 @@ class PilotStats:
         fallback_rate: of the predictions made once a model existed, the fraction in which at
             least one horizon fell back to Markov (``None``: no model yet).
         models_trained: completed trainings.
+        rule_rate: fraction of the per-horizon predictions the output rule made (``None``:
+            no prediction yet).
     """
 
     accuracy: float | None
@@ -117,6 +130,7 @@ class PilotStats:
     active: str
     fallback_rate: float | None
     models_trained: int
+    rule_rate: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -127,6 +141,7 @@ class PilotStats:
             "active": self.active,
             "fallback_rate": self.fallback_rate,
             "models_trained": self.models_trained,
+            "rule_rate": self.rule_rate,
         }
 
 
@@ -178,6 +193,8 @@ class Pilot:
         rounds, num_leaves: LightGBM size (trees = rounds x blocks seen, per horizon).
         seed: LightGBM's seed.
         background: train on a thread (``False``: inline in :meth:`end_step`).
+        rule: use the output rule (rules.py) where it has a plan, and its plan as features
+            (``False``: the rule features stay missing and LightGBM / Markov predict all).
     """
 
     def __init__(
@@ -193,6 +210,7 @@ class Pilot:
         num_leaves: int = 7,
         seed: int = 0,
         background: bool = True,
+        rule: bool = True,
     ) -> None:
         for name, value, least in (
             ("horizon", horizon, 1),
@@ -213,8 +231,11 @@ class Pilot:
         self.background = background
         self.features = feature_names(history, horizon)
         self._categorical = [
-            i for i, n in enumerate(self.features) if n.startswith(("hist_", "prev_step_"))
+            i
+            for i, n in enumerate(self.features)
+            if n.startswith(("hist_", "prev_step_", "rule_")) and n != "rule_left"
         ]
+        self._rule_at = self.features.index("rule_1")  # the rule's columns follow
         self._params: dict[str, Any] = {
             "objective": "multiclass",
             "num_leaves": num_leaves,
@@ -233,6 +254,7 @@ class Pilot:
         self._labels: list[str] = []
         self._ids: dict[str, int] = {}
         self.markov = MarkovPredictor(horizon)
+        self.rule = RoutingRule() if rule else None
         self._models: tuple[_Horizon, ...] | None = None
         self._thread: threading.Thread | None = None
         self.models_trained = 0
@@ -245,6 +267,8 @@ class Pilot:
         self._step_seq: list[int] = []
         self._prev_seq: list[int] = []
         self._row: list[float] | None = None
+        self._plan_out: tuple[float, ...] = (_NAN,) * PLAN_OUTPUTS
+        self._step_out: tuple[float, ...] | None = None
         self._t = 0  # forward blocks observed
         # training rows: (row, targets); the last ``horizon`` rows still wait for targets
         self._rows: deque[tuple[list[float], list[int]]] = deque(maxlen=window + horizon)
@@ -253,6 +277,8 @@ class Pilot:
         self._hits = [0] * horizon
         self._scored = [0] * horizon
         self._fallbacks = 0
+        self._rule_predictions = 0
+        self._horizon_predictions = 0
         self._model_predictions = 0
         self._latency_ns: deque[int] = deque(maxlen=10_000)
 
@@ -271,8 +297,14 @@ class Pilot:
         fragment: str,
         sizes: Sequence[int] = (),
         idioms: IdiomVector | None = None,
+        *,
+        outputs: Outputs | None = None,
     ) -> None:
-        """The next forward (or inference) block ran: learn from it and prepare the features."""
+        """The next forward (or inference) block ran: learn from it and prepare the features.
+
+        ``outputs``: the block's small integer outputs (trace.py's ``small_int_outputs``), when
+        known already; else pass them to :meth:`observe_outputs` once the block returned.
+        """
         b = self.block_id(block)
         t = self._t
         # score earlier predictions of this block, and fill in earlier rows' targets
@@ -288,6 +320,8 @@ class Pilot:
         for j in range(1, min(self.horizon, len(rows)) + 1):
             rows[-j][1][j - 1] = b
         self.markov.observe(b)
+        if self.rule is not None:
+            self.rule.observe(b)
         if fragment == self._fragment:
             self._run += 1
             run_sizes = self._run_sizes
@@ -314,14 +348,57 @@ class Pilot:
             float(prev[pos + j]) if pos + j < len(prev) else _NAN
             for j in range(1, self.horizon + 1)
         )
+        row.extend([_NAN] * (len(self.features) - len(row)))  # the rule's, filled below
         self._row = row
         rows.append((row, [UNKNOWN] * self.horizon))
         self._t = t + 1
+        if outputs:
+            self.observe_outputs(outputs)
+        else:
+            self._rule_features(row)
+
+    def observe_outputs(self, outputs: Outputs) -> None:
+        """The last observed block returned these small integer outputs (e.g. a router's
+        per-expert counts): update the rule's plan and the features of the next prediction."""
+        row = self._row
+        if row is None or not self._recent:
+            return
+        if self._step_out is None and outputs and outputs[0]:
+            first = outputs[0]
+            self._step_out = tuple(
+                float(first[i]) if i < len(first) else _NAN for i in range(STEP_OUTPUTS)
+            )
+        rule = self.rule
+        if rule is not None:
+            plans = rule.plans
+            rule.emitted(self._recent[0], outputs)
+            if rule.plans != plans:
+                vec = rule.plan_values
+                self._plan_out = tuple(
+                    float(vec[i]) if i < len(vec) else _NAN for i in range(PLAN_OUTPUTS)
+                )
+        self._rule_features(row)
+
+    def _rule_features(self, row: list[float]) -> None:
+        at, rule, h = self._rule_at, self.rule, self.horizon
+        if rule is not None:
+            for j in range(1, h + 1):
+                r = rule.ahead(j)
+                row[at + j - 1] = float(r) if r != UNKNOWN else _NAN
+            row[at + h] = float(rule.left)
+        at += h + 1
+        row[at : at + PLAN_OUTPUTS] = self._plan_out
+        if self._step_out is not None:
+            row[at + PLAN_OUTPUTS : at + PLAN_OUTPUTS + STEP_OUTPUTS] = self._step_out
 
     def end_step(self) -> None:
         """The step's forward is over; retrain when it is time."""
         self._prev_seq, self._step_seq = self._step_seq, []
         self.steps += 1
+        if self.rule is not None:
+            self.rule.end_step()
+        self._plan_out = (_NAN,) * PLAN_OUTPUTS
+        self._step_out = None
         due = self.steps >= self.warmup_steps and (
             (self.steps - self.warmup_steps) % self.retrain_every == 0
         )
@@ -332,11 +409,18 @@ class Pilot:
         """The next ``horizon`` blocks after the last observed one."""
         start = time.perf_counter_ns()
         markov = self.markov.predict()
-        models, row = self._models, self._row
+        models, row, rule = self._models, self._row, self.rule
         ids: list[int] = []
         sources: list[str] = []
         conf: list[float] = []
         for j in range(self.horizon):
+            if rule is not None:
+                r = rule.ahead(j + 1)
+                if r != UNKNOWN:
+                    ids.append(r)
+                    sources.append("rule")
+                    conf.append(1.0)
+                    continue
             if models is not None and row is not None:
                 b, p = models[j].predict(row)
                 if p >= self.threshold or markov[j] == UNKNOWN:
@@ -351,6 +435,8 @@ class Pilot:
         if models is not None:
             self._model_predictions += 1
             self._fallbacks += "markov" in sources
+        self._horizon_predictions += self.horizon
+        self._rule_predictions += sources.count("rule")
         self._made.append((self._t - 1, tuple(ids)))
         labels = self._labels
         return Prediction(
@@ -415,6 +501,11 @@ class Pilot:
                 self._fallbacks / self._model_predictions if self._model_predictions else None
             ),
             models_trained=self.models_trained,
+            rule_rate=(
+                self._rule_predictions / self._horizon_predictions
+                if self._horizon_predictions
+                else None
+            ),
         )
 
     # -- files --------------------------------------------------------------------------------
@@ -435,6 +526,7 @@ class Pilot:
             "horizon": self.horizon,
             "blocks": list(self._labels),
             "classes": [m.classes.tolist() for m in models],
+            "rules": self.rule.to_json(self._labels) if self.rule is not None else [],
         }
         for j, m in enumerate(models, 1):
             path = os.path.join(directory, f"h{j}.txt")
@@ -450,7 +542,9 @@ class Pilot:
         other features, warns (:class:`~memcompile.errors.PilotWarning`) and leaves the pilot on
         its current predictor (Markov if none). Returns whether the models were loaded."""
         try:
-            models = self._read(os.fspath(directory))
+            models, rules = self._read(os.fspath(directory))
+            if self.rule is not None:
+                self.rule.load_json(rules, self._ids.__getitem__)
         except (OSError, ValueError, KeyError, TypeError, lgb.basic.LightGBMError) as e:
             warnings.warn(
                 f"memcompile pilot: cannot load {os.fspath(directory)!r} ({e}); predicting with "
@@ -462,7 +556,7 @@ class Pilot:
         self._models = models
         return True
 
-    def _read(self, directory: str) -> tuple[_Horizon, ...]:
+    def _read(self, directory: str) -> tuple[tuple[_Horizon, ...], Any]:
         with open(os.path.join(directory, "meta.json"), encoding="utf-8") as f:
             meta = json.load(f)
         if meta.get("format") != _FORMAT:
@@ -493,4 +587,7 @@ class Pilot:
             models.append(_Horizon(ids, booster))
         if len(models) != self.horizon:
             raise ValueError(f"{len(models)} horizons saved, expected {self.horizon}")
-        return tuple(models)
+        rules = meta.get("rules", [])
+        if not isinstance(rules, list):
+            raise ValueError("meta.json rules must be a list")
+        return tuple(models), rules
