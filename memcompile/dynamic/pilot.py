@@ -9,7 +9,8 @@ predict the next ``horizon`` blocks:
         idioms = dict(step.idioms)
         for e in step.events:
             if e.phase != "backward":
-                pilot.observe(e.block, e.fragment, e.sizes, idioms.get(e.fragment))
+                pilot.observe(e.block, e.fragment, e.sizes, idioms.get(e.fragment),
+                              outputs=e.outputs)         # or observe_outputs() once it returned
                 nxt = pilot.predict()                    # Prediction(blocks=(b1, b2), ...)
         pilot.end_step()                                 # may start retraining (a thread)
     pilot.stats()                                        # PilotStats: accuracies, latency
@@ -20,16 +21,29 @@ Features of the row after block ``t`` (:data:`FEATURES`): the last ``history`` b
 element counts of its non-parameter inputs (an expert's token count: the router's decision,
 observed for free), how many calls in a row its fragment has made (which expert of a layer) and
 the sums of those counts over the run (tokens routed so far in the layer: how many are left), and
-the blocks that followed this position in the previous step (categorical). Targets: the block
-``j`` calls ahead, one multiclass booster per ``j`` (direct, not recursive: errors do not
-compound).
+the blocks that followed this position in the previous step (categorical), and what the block's
+small integer outputs say (below). Targets: the block ``j`` calls ahead, one multiclass booster
+per ``j`` (direct, not recursive: errors do not compound).
+
+Observed outputs (trace.py's ``small_int_outputs``, given to ``observe(outputs=...)`` or to
+:meth:`observe_outputs` after the block returned; predictions made after them are made at the
+block's end): the output rule (rules.py) learns online which output of which block lists the
+next blocks, one per nonzero entry in entry order (an MoE router's per-expert counts: the
+experts that run next), validates it on every emission, and once trusted predicts the blocks it
+covers exactly (source ``"rule"``): within a layer, and the next router. Its predictions are
+features too (``rule_j``, ``rule_left``), with the values of the output behind the current plan
+(``plan_out_*``: the router's counts) and of the step's first output (``step_out_*``: e.g. the
+input token ids). LightGBM is trained, per horizon, on the rows the rule did not cover (all rows
+while fewer than 16 are left): the cross-layer predictions, where the next router has not run.
 
 Online: nothing is trained before ``warmup_steps`` steps; then every ``retrain_every`` steps a
 background thread trains on the last ``window`` rows (``num_threads=1``, ``deterministic=True``,
 seeded: the same rows give the same model) and swaps the models in when done; :meth:`wait` joins
 it (tests and benchmarks, for a deterministic swap point). A prediction whose probability is
-below ``threshold``, or made before any model exists, is the Markov predictor's (markov.py).
-Predictions go through LightGBM's C single-row fast path (fastpredict.py).
+below ``threshold``, or made before any model exists, is the Markov predictor's (markov.py),
+unless the rule covers it. Predictions go through LightGBM's C single-row fast path
+(fastpredict.py), and only for the horizons the rule does not cover. :meth:`save` writes the
+rule's votes into ``meta.json`` and :meth:`load` restores them.
 """
 
 from __future__ import annotations
@@ -163,17 +177,28 @@ class _Horizon:
 
 
 def _train(
-    x: np.ndarray, y: np.ndarray, categorical: list[int], params: dict[str, Any], rounds: int
+    x: np.ndarray,
+    y: np.ndarray,
+    categorical: list[int],
+    params: dict[str, Any],
+    rounds: int,
+    rule_at: int,
 ) -> tuple[_Horizon, ...]:
     models = []
     for j in range(y.shape[1]):
-        classes = np.unique(y[:, j])  # sorted: deterministic class order
+        # Rows where the rule predicted horizon j are not LightGBM's to predict: train on the
+        # others (fewer classes, so fewer trees; all rows while there are too few of them).
+        xj, yj = x, y[:, j]
+        open_ = np.isnan(x[:, rule_at + j])
+        if open_.sum() >= 16 and not open_.all():
+            xj, yj = x[open_], yj[open_]
+        classes = np.unique(yj)  # sorted: deterministic class order
         if len(classes) == 1:
             models.append(_Horizon(classes, None))
             continue
-        labels = np.searchsorted(classes, y[:, j])
+        labels = np.searchsorted(classes, yj)
         data = lgb.Dataset(
-            x, labels, categorical_feature=categorical, params={"verbose": -1}, free_raw_data=True
+            xj, labels, categorical_feature=categorical, params={"verbose": -1}, free_raw_data=True
         )
         booster = lgb.train({**params, "num_class": len(classes)}, data, num_boost_round=rounds)
         models.append(_Horizon(classes, booster))
@@ -466,7 +491,7 @@ class Pilot:
 
     def _train_job(self, x: np.ndarray, y: np.ndarray) -> None:
         try:
-            models = _train(x, y, self._categorical, self._params, self.rounds)
+            models = _train(x, y, self._categorical, self._params, self.rounds, self._rule_at)
         except Exception as e:  # a failed training keeps the previous model
             log.warning("memcompile pilot: training failed (%s); keeping the previous model", e)
             return

@@ -265,10 +265,14 @@ class RoutingRule:
                 "block": labels[b],
                 "slot": o,
                 "checks": s.checks,
-                "by_value": [[p, v, {labels[x]: n for x, n in sorted(votes.items())}]
-                             for (p, v), votes in sorted(s.by_value.items())],
-                "by_position": [[p, {labels[x]: n for x, n in sorted(votes.items())}]
-                                for p, votes in sorted(s.by_position.items())],
+                "by_value": [
+                    [p, v, {labels[x]: n for x, n in sorted(votes.items())}]
+                    for (p, v), votes in sorted(s.by_value.items())
+                ],
+                "by_position": [
+                    [p, {labels[x]: n for x, n in sorted(votes.items())}]
+                    for p, votes in sorted(s.by_position.items())
+                ],
                 "exit": {labels[x]: n for x, n in sorted(s.exit_votes.items())},
                 "recent": [int(x) for x in s.recent],
                 "exit_recent": [int(x) for x in s.exit_recent],
