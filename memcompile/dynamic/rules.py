@@ -13,8 +13,9 @@ blocks that actually follow it; position ``p`` (with its value, see below) votes
 seen in its place, the block after the run votes for ``E``. A ``(B, o)`` is *trusted* once at
 least ``min_checks`` of its emissions could be predicted in full and at least ``min_accuracy``
 of the last ``window`` of those were exactly right; only trusted slots make plans, so an output
-that does not list blocks (token ids, an ``arange``) never predicts anything. ``E`` is used only
-when it is trusted the same way.
+that does not list blocks (token ids, an ``arange``) never predicts anything, and once a full
+window of its checks is under half right it is retired (no more checks: they cost time in
+:meth:`observe`). ``E`` is used only when it is trusted the same way.
 
 The votes are keyed by ``(p, min(v[p], 2))`` first, falling back to ``p`` alone: Dynamo
 specialises a graph for sizes 0 and 1, so an expert given one token runs another fragment (a
@@ -57,6 +58,7 @@ class _Slot:
     checks: int = 0  # emissions whose run was seen to the end (or cut by the step's end)
     recent: deque[bool] = field(default_factory=lambda: deque(maxlen=50))
     exit_recent: deque[bool] = field(default_factory=lambda: deque(maxlen=50))
+    retired: bool = False  # a full window of checks, under half right: checked no more
 
     def label(self, p: int, value: int) -> tuple[int, bool]:
         """The block voted for at position ``p`` with this value, and whether the vote was for
@@ -163,6 +165,8 @@ class RoutingRule:
                 continue
             key = (block, slot)
             s = self._slots.get(key)
+            if s is not None and s.retired:
+                continue
             if s is None:
                 s = self._slots[key] = _Slot(recent=deque(maxlen=self.window))
                 s.exit_recent = deque(maxlen=self.window)
@@ -228,6 +232,8 @@ class RoutingRule:
                 votes[b] = votes.get(b, 0) + 1
         if c.run is not None:
             s.recent.append(complete and tuple(seen[:m]) == c.run)
+            if len(s.recent) == s.recent.maxlen and sum(s.recent) < len(s.recent) / 2:
+                s.retired = True  # this output does not list blocks: stop paying for checks
         if complete:
             s.exit_votes[seen[m]] = s.exit_votes.get(seen[m], 0) + 1
             if c.exit != UNKNOWN:
@@ -276,6 +282,7 @@ class RoutingRule:
                 "exit": {labels[x]: n for x, n in sorted(s.exit_votes.items())},
                 "recent": [int(x) for x in s.recent],
                 "exit_recent": [int(x) for x in s.exit_recent],
+                "retired": s.retired,
             }
             for (b, o), s in sorted(self._slots.items())
         ]
@@ -300,6 +307,7 @@ class RoutingRule:
             s.exit_votes = {block_id(str(x)): int(n) for x, n in d["exit"].items()}
             s.recent.extend(bool(x) for x in d["recent"])
             s.exit_recent.extend(bool(x) for x in d["exit_recent"])
+            s.retired = bool(d.get("retired", False))
             slots[(block_id(str(d["block"])), int(d["slot"]))] = s
         self._slots = slots
         self._pending = []
