@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import sys
@@ -45,13 +46,15 @@ sys.path.insert(0, str(ROOT))
 from machine import describe_machine  # noqa: E402
 
 import memcompile  # noqa: E402
+from memcompile import zoo  # noqa: E402
 from memcompile.dynamic.markov import UNKNOWN, MarkovPredictor  # noqa: E402
 from memcompile.dynamic.pilot import Pilot  # noqa: E402
 from memcompile.dynamic.trace import StepTrace, read_trace  # noqa: E402
 from memcompile.report import find_compiler  # noqa: E402
 from memcompile.zoo.moe import moe_workload  # noqa: E402
 
-Stream = list[tuple[int, str, str, tuple[int, ...], tuple[int, ...] | None]]
+Outputs = tuple[tuple[int, ...], ...]
+Stream = list[tuple[int, str, str, tuple[int, ...], tuple[int, ...] | None, Outputs]]
 
 
 def progress_ticks(steps: int, parts: int = 10) -> list[int]:
@@ -67,14 +70,15 @@ def collect_trace(
     batch: int,
     seq_len: int,
     seed: int = 0,
+    workload: Any = None,
     on_tick: Callable[[int], None] | None = None,
 ) -> tuple[list[StepTrace], dict[str, Any]]:
-    """Train the MoE under memcompile for ``steps`` steps; its block trace and run facts.
-
-    ``on_tick(done)`` is called after each step of :func:`progress_ticks`.
-    """
+    """Train the MoE (or ``workload``) under memcompile for ``steps`` steps; its block trace and
+    run facts. ``on_tick(done)`` is called after each step of :func:`progress_ticks`."""
     torch._dynamo.reset()
-    wl = moe_workload(size, seed, batch=batch, seq_len=seq_len)
+    wl = (
+        workload if workload is not None else moe_workload(size, seed, batch=batch, seq_len=seq_len)
+    )
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "moe.jsonl")
         compiled = memcompile.compile(wl.model, trace_path=path)
@@ -102,23 +106,40 @@ def collect_trace(
 
 
 def forward_stream(trace: list[StepTrace]) -> Stream:
-    """(step index, block, fragment, sizes, fragment idioms) of every non-backward call."""
+    """(step index, block, fragment, sizes, fragment idioms, small integer outputs) of every
+    non-backward call."""
     out: Stream = []
     for i, s in enumerate(trace):
         idioms = dict(s.idioms)
         for e in s.events:
             if e.phase != "backward":
-                out.append((i, e.block, e.fragment, e.sizes, idioms.get(e.fragment)))
+                out.append((i, e.block, e.fragment, e.sizes, idioms.get(e.fragment), e.outputs))
     return out
 
 
-def run_pilot(stream: Stream, horizon: int, warmup: int, every: int, threshold: float) -> tuple:
+def run_pilot(
+    stream: Stream,
+    horizon: int,
+    warmup: int,
+    every: int,
+    threshold: float,
+    *,
+    outputs: bool = True,
+    **options: Any,
+) -> tuple:
+    """Replay ``stream`` through a pilot; ``outputs=False``: without the outputs (and rule)."""
     pilot = Pilot(
-        horizon=horizon, warmup_steps=warmup, retrain_every=every, threshold=threshold, seed=0
+        horizon=horizon,
+        warmup_steps=warmup,
+        retrain_every=every,
+        threshold=threshold,
+        seed=0,
+        rule=outputs,
+        **options,
     )
     preds: list[tuple[str | None, ...]] = []
-    for t, (step, block, fragment, sizes, idioms) in enumerate(stream):
-        pilot.observe(block, fragment, sizes, idioms)
+    for t, (step, block, fragment, sizes, idioms, outs) in enumerate(stream):
+        pilot.observe(block, fragment, sizes, idioms, outputs=outs if outputs else None)
         preds.append(pilot.predict().blocks)
         if t + 1 == len(stream) or stream[t + 1][0] != step:
             pilot.end_step()
@@ -166,6 +187,59 @@ def score(stream: Stream, preds: list, horizon: int, first_step: int) -> list[fl
     return out
 
 
+def _compare(stream: Stream, h: int, warmup: int, every: int) -> tuple[dict, dict]:
+    """Accuracy per predictor at horizons 1..h, and the pilots' stats."""
+    pilot_preds, pilot_stats = run_pilot(stream, h, warmup, every, 0.5)
+    lgbm_preds, lgbm_stats = run_pilot(stream, h, warmup, every, 0.0)
+    plain_preds, plain_stats = run_pilot(stream, h, warmup, every, 0.5, outputs=False)
+    results = {
+        "pilot": score(stream, pilot_preds, h, warmup),
+        "pilot, no threshold": score(stream, lgbm_preds, h, warmup),
+        "pilot without outputs": score(stream, plain_preds, h, warmup),
+        "markov": score(stream, run_markov(stream, h), h, warmup),
+        "replay": score(stream, run_replay(stream, h), h, warmup),
+    }
+    stats = {
+        "pilot": pilot_stats.to_dict(),
+        "pilot, no threshold": lgbm_stats.to_dict(),
+        "pilot without outputs": plain_stats.to_dict(),
+    }
+    return results, stats
+
+
+def _stream_facts(trace: list[StepTrace], stream: Stream) -> dict[str, Any]:
+    seqs = [s.blocks("forward", "inference") for s in trace]
+    return {
+        "steps": len(trace),
+        "distinct_blocks": len({b for _, b, *_ in stream}),
+        "distinct_step_sequences": len(set(seqs)),
+        # periodic: a step repeats the one before it (replay would be exact)
+        "steps_repeating_the_previous": sum(a == b for a, b in itertools.pairwise(seqs)),
+        "forward_blocks_per_step": round(sum(map(len, seqs)) / len(seqs), 1),
+        "events_with_outputs": sum(1 for *_, outs in stream if outs),
+    }
+
+
+def _table(results: dict[str, list[float]], h: int) -> list[str]:
+    lines = [
+        "| predictor | " + " | ".join(f"{j}-ahead" for j in range(1, h + 1)) + " |",
+        "|---|" + "---|" * h,
+    ]
+    for name, accs in results.items():
+        lines.append(f"| {name} | " + " | ".join(f"{a:.3f}" for a in accs) + " |")
+    return lines
+
+
+def _pilot_line(name: str, st: dict[str, Any], h: int) -> str:
+    fb = st["fallback_rate"]
+    return (
+        f"- {name}: {st['models_trained']} trainings, rule made {st['rule_rate']:.1%} of the "
+        f"per-horizon predictions, Markov fallback in "
+        f"{'n/a' if fb is None else f'{fb:.1%}'} of predictions, Pilot.predict median "
+        f"{st['predict_us_p50']:.1f} us ({h} horizons, features included)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
@@ -175,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--horizon", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--retrain-every", type=int, default=10)
+    ap.add_argument("--extra-steps", type=int, default=100, help="early_exit, treelstm (0: skip)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     if args.steps <= args.warmup:
@@ -184,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     torch.set_num_threads(1)
     # "progress I/N TEXT" on stderr: `memcompile bench --suite dynamic` draws its bar from them
-    total = len(progress_ticks(args.steps)) + 4
+    extras = ("early_exit", "treelstm") if args.extra_steps > 0 else ()
+    total = len(progress_ticks(args.steps)) + 1 + 2 * len(extras)
     done = 0
 
     def report(text: str) -> None:
@@ -201,28 +277,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     stream = forward_stream(trace)
     h = args.horizon
-    pilot_preds, pilot_stats = run_pilot(stream, h, args.warmup, args.retrain_every, 0.5)
-    report("pilot (threshold 0.5) replayed")
-    lgbm_preds, lgbm_stats = run_pilot(stream, h, args.warmup, args.retrain_every, 0.0)
-    report("lightgbm (no threshold) replayed")
-    results = {
-        "pilot": score(stream, pilot_preds, h, args.warmup),
-        "lightgbm": score(stream, lgbm_preds, h, args.warmup),
-        "markov": score(stream, run_markov(stream, h), h, args.warmup),
-    }
-    report("markov replayed")
-    results["replay"] = score(stream, run_replay(stream, h), h, args.warmup)
-    report("replay scored")
-    per_step = [len(s.blocks("forward", "inference")) for s in trace]
-    facts.update(
-        steps=len(trace),
-        distinct_blocks=len({b for _, b, *_ in stream}),
-        distinct_step_sequences=len({s.blocks("forward", "inference") for s in trace}),
-        forward_blocks_per_step=round(sum(per_step) / len(per_step), 1),
-        scored_predictions=sum(1 for t in range(len(stream) - 1) if stream[t][0] >= args.warmup),
-        pilot=pilot_stats.to_dict(),
-        lightgbm_only=lgbm_stats.to_dict(),
+    results, stats = _compare(stream, h, args.warmup, args.retrain_every)
+    report("MoE predictors replayed")
+    facts.update(_stream_facts(trace, stream))
+    facts["scored_predictions"] = sum(
+        1 for t in range(len(stream) - 1) if stream[t][0] >= args.warmup
     )
+    facts["pilots"] = stats
+    extra: dict[str, Any] = {}
+    for name in extras:
+        wl = zoo.build(name, size="tiny")
+        t2, f2 = collect_trace(args.extra_steps, size="tiny", batch=0, seq_len=0, workload=wl)
+        report(f"trained {args.extra_steps} {name} steps")
+        s2 = forward_stream(t2)
+        r2, st2 = _compare(s2, h, args.warmup, args.retrain_every)
+        report(f"{name} predictors replayed")
+        f2.update(_stream_facts(t2, s2))
+        extra[name] = {"facts": f2, "accuracy": r2, "pilots": st2}
     command = "OMP_NUM_THREADS=1 python benchmarks/dynamic.py " + " ".join(argv or sys.argv[1:])
     machine = describe_machine()
     date = datetime.date.today().isoformat()
@@ -237,28 +308,43 @@ def main(argv: list[str] | None = None) -> int:
         f"{facts['eager_fallbacks']} eager fallbacks",
         f"- stream: {facts['forward_blocks_per_step']} forward blocks per step, "
         f"{facts['distinct_blocks']} distinct blocks, {facts['distinct_step_sequences']} distinct "
-        f"step sequences in {facts['steps']} steps",
+        f"step sequences in {facts['steps']} steps, {facts['steps_repeating_the_previous']} steps "
+        f"repeat the previous one (not periodic); {facts['events_with_outputs']} forward calls "
+        f"with small integer outputs",
         f"- scored: predictions made from step {args.warmup} on "
-        f"({facts['scored_predictions']} at horizon 1); the pilot trains after {args.warmup} "
-        f"steps, then every {args.retrain_every}",
+        f"({facts['scored_predictions']} at horizon 1), after the block's outputs are seen; the "
+        f"pilot trains after {args.warmup} steps, then every {args.retrain_every}",
+        "- pilot: output rule (rules.py) where it has a plan, else LightGBM, else Markov below "
+        "probability 0.5; no threshold: LightGBM wherever the rule has no plan; without "
+        "outputs: the pilot before the rule (no outputs given, no rule)",
         "",
-        "| predictor | " + " | ".join(f"{j}-ahead" for j in range(1, h + 1)) + " |",
-        "|---|" + "---|" * h,
-    ]
-    for name, accs in results.items():
-        lines.append(f"| {name} | " + " | ".join(f"{a:.3f}" for a in accs) + " |")
-    ps = pilot_stats
-    lines += [
+        *_table(results, h),
         "",
-        f"pilot (threshold 0.5): {ps.models_trained} trainings, Markov fallback in "
-        f"{ps.fallback_rate:.1%} of predictions, Pilot.predict median {ps.predict_us_p50:.1f} us "
-        f"({h} horizons, features included)",
+        *(_pilot_line(n, st, h) for n, st in stats.items()),
         "",
     ]
+    for name, e in extra.items():
+        f2 = e["facts"]
+        lines += [
+            f"## {name} (tiny, {f2['steps']} steps)",
+            "",
+            f"- workload: {f2['workload']}; {f2['fragments']} fragments, "
+            f"{f2['eager_fallbacks']} eager fallbacks",
+            f"- stream: {f2['forward_blocks_per_step']} forward blocks per step, "
+            f"{f2['distinct_blocks']} distinct blocks, {f2['distinct_step_sequences']} distinct "
+            f"step sequences, {f2['steps_repeating_the_previous']} steps repeat the previous one; "
+            f"{f2['events_with_outputs']} forward calls with small integer outputs",
+            "",
+            *_table(e["accuracy"], h),
+            "",
+            *(_pilot_line(n, st, h) for n, st in e["pilots"].items()),
+            "",
+        ]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "dynamic.md").write_text("\n".join(lines))
     payload = {"command": command, "machine": machine, "date": date, "facts": facts}
     payload["accuracy"] = results
+    payload["extra"] = extra
     (args.out / "dynamic.json").write_text(json.dumps(payload, indent=1))
     print("\n".join(lines))
     return 0

@@ -4,17 +4,21 @@
         [--out DIR]
 
 Collects a block trace of the zoo MoE (``benchmarks/dynamic.py``'s setup: ``small``, batch 1,
-8 tokens), trains a :class:`memcompile.dynamic.pilot.Pilot` (horizon 2, default size) on it, then
-times, over the trace's own feature rows, one call each of:
+8 tokens), trains a :class:`memcompile.dynamic.pilot.Pilot` (horizon 2, default size, with the
+blocks' small integer outputs, so the output rule too) on it once, then times:
 
 * ``FastBooster.predict``: ``LGBM_BoosterPredictForMatSingleRowFast`` through ctypes on a
-  preallocated row (the pilot's path), one horizon's booster;
-* ``Booster.predict(row, num_threads=1)``: LightGBM's Python API on a 1-row array, same booster;
-* ``Pilot.predict()``: everything the pilot does per block (both horizons, threshold, Markov
-  fallback, labels), on the trace's rows as ``observe`` builds them;
+  preallocated row (the pilot's path), each horizon's booster, over the trace's feature rows;
+* ``Booster.predict(row, num_threads=1)``: LightGBM's Python API on a 1-row array, horizon 1;
+* ``Pilot.predict()``: everything the pilot does per block (rule, both horizons' boosters where
+  the rule has no plan, threshold, Markov fallback, labels), live: the trace is replayed a second
+  time through the trained pilot (``observe`` with outputs, then a timed ``predict``), so the
+  rule's plans are as in use; split into the calls that the rule answered alone and those that
+  ran a booster;
 * ``MarkovPredictor.predict()``.
 
-Median and p90 of ``time.perf_counter_ns`` per call, after 200 warm-up calls. Writes
+Median and p90 of ``time.perf_counter_ns`` per call, after 200 warm-up calls (the live replay:
+over every call of the second pass). Writes
 ``benchmarks/results/pilot_latency.md`` with the command, machine and date.
 """
 
@@ -38,6 +42,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from dynamic import collect_trace, forward_stream  # noqa: E402
 from machine import describe_machine  # noqa: E402
 
+from memcompile.dynamic.fastpredict import FastBooster  # noqa: E402
 from memcompile.dynamic.pilot import Pilot  # noqa: E402
 
 
@@ -65,42 +70,68 @@ def main(argv: list[str] | None = None) -> int:
     trace, facts = collect_trace(args.steps, size=args.size, batch=1, seq_len=8)
     print("progress 2/3 training the pilot", file=sys.stderr, flush=True)
     stream = forward_stream(trace)
-    pilot = Pilot(horizon=2, warmup_steps=args.steps, retrain_every=1, seed=0)
-    for t, (step, block, fragment, sizes, idioms) in enumerate(stream):
-        pilot.observe(block, fragment, sizes, idioms)
+    pilot = Pilot(horizon=2, warmup_steps=args.steps, retrain_every=10_000, seed=0)
+    for t, (step, block, fragment, sizes, idioms, outs) in enumerate(stream):
+        pilot.observe(block, fragment, sizes, idioms, outputs=outs)
         if t + 1 == len(stream) or stream[t + 1][0] != step:
             pilot.end_step()
     pilot.wait()
     models = pilot._models
     assert models is not None and models[0].booster is not None, "the pilot did not train"
-    booster, fast = models[0].booster, models[0].fast
-    assert fast is not None
+    booster = models[0].booster
     rows = np.array([r for r, _ in pilot._rows], dtype=np.float64)
     n = len(rows)
 
-    def fast_call(i: int) -> object:
-        fast.row[:] = rows[i % n]
-        return fast.predict()
+    def fast_call(fast: FastBooster) -> Callable[[int], object]:
+        def call(i: int) -> object:
+            fast.row[:] = rows[i % n]
+            return fast.predict()
 
-    row_lists = [list(r) for r, _ in pilot._rows]
-
-    def pilot_call(i: int) -> object:
-        pilot._row = row_lists[i % n]  # as if observe() had just built this row
-        return pilot.predict()
+        return call
 
     def booster_call(i: int) -> object:
         return booster.predict(rows[i % n : i % n + 1], num_threads=1)
 
     # same answers (probabilities) from both paths
     for i in range(50):
-        np.testing.assert_allclose(fast_call(i), booster_call(i)[0], rtol=1e-9)
+        np.testing.assert_allclose(fast_call(models[0].fast)(i), booster_call(i)[0], rtol=1e-9)
     print("progress 3/3 timing predictions", file=sys.stderr, flush=True)
-    results = {
-        "FastBooster.predict (C fast path, ctypes)": _time(fast_call, args.calls),
-        "Booster.predict(row, num_threads=1)": _time(booster_call, min(args.calls, 2000)),
-        "Pilot.predict() (2 horizons, fallback, labels)": _time(pilot_call, args.calls),
-        "MarkovPredictor.predict()": _time(lambda i: pilot.markov.predict(), args.calls),
-    }
+    results: dict[str, tuple[float, float]] = {}
+    for j, m in enumerate(models, 1):
+        if m.fast is not None:
+            results[
+                f"FastBooster.predict, horizon {j} ({m.booster.num_trees()} trees, C fast path)"
+            ] = _time(fast_call(m.fast), args.calls)
+    results["Booster.predict(row, num_threads=1), horizon 1"] = _time(
+        booster_call, min(args.calls, 2000)
+    )
+    # live: replay the trace again through the trained pilot, timing each predict()
+    times: list[int] = []
+    observe_ns: list[int] = []
+    booster_ran: list[bool] = []
+    for t, (step, block, fragment, sizes, idioms, outs) in enumerate(stream):
+        start = time.perf_counter_ns()
+        pilot.observe(block, fragment, sizes, idioms, outputs=outs)
+        observe_ns.append(time.perf_counter_ns() - start)
+        start = time.perf_counter_ns()
+        p = pilot.predict()
+        times.append(time.perf_counter_ns() - start)
+        booster_ran.append(any(src != "rule" for src in p.sources))
+        if t + 1 == len(stream) or stream[t + 1][0] != step:
+            pilot.end_step()
+    ts = np.array(times, dtype=np.float64) / 1000
+    ran = np.array(booster_ran)
+
+    def pct(x: np.ndarray) -> tuple[float, float]:
+        return float(np.median(x)), float(np.percentile(x, 90))
+
+    results["Pilot.predict() live, all calls (2 horizons, features built in observe)"] = pct(ts)
+    results[f"... the rule alone ({(~ran).mean():.0%} of calls)"] = pct(ts[~ran])
+    results[f"... a booster (or Markov) for a horizon ({ran.mean():.0%} of calls)"] = pct(ts[ran])
+    results["Pilot.observe(..., outputs=...) live (features, rule checks)"] = pct(
+        np.array(observe_ns, dtype=np.float64) / 1000
+    )
+    results["MarkovPredictor.predict()"] = _time(lambda i: pilot.markov.predict(), args.calls)
     command = "OMP_NUM_THREADS=1 python benchmarks/pilot_latency.py " + " ".join(
         argv or sys.argv[1:]
     )
@@ -111,9 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         f"- command: `{command.strip()}`",
         f"- machine: {machine}, torch {torch.__version__}; shared machine, other jobs running",
         f"- date: {datetime.date.today().isoformat()}",
-        f"- model: trained on {n} rows of {args.steps} steps of {facts['workload']}; "
-        f"{booster.num_trees()} trees per horizon ({len(models[0].classes)} classes x "
-        f"{pilot.rounds} rounds), {booster.num_feature()} features",
+        f"- model: trained on {n} rows of {args.steps} steps of {facts['workload']} (LightGBM "
+        f"per horizon on the rows the output rule did not cover); trees = classes x "
+        f"{pilot.rounds} rounds ({', '.join(str(len(m.classes)) for m in models)} classes), "
+        f"{booster.num_feature()} features",
         "",
         "| call | median us | p90 us |",
         "|---|---|---|",

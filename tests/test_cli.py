@@ -254,7 +254,7 @@ def test_bench_dry_run_lists_every_script_of_all_with_its_flags(
     assert scripts == {
         "anchors": [("anchors.py", ["--reps", "2", *out_flag])],
         "dynamic": [
-            ("dynamic.py", ["--steps", "40", "--size", "tiny", *out_flag]),
+            ("dynamic.py", ["--steps", "40", "--extra-steps", "40", "--size", "tiny", *out_flag]),
             ("pilot_latency.py", ["--steps", "40", "--size", "tiny", "--calls", "1000", *out_flag]),
         ],
     }
@@ -273,12 +273,18 @@ def test_bench_dynamic_runs_the_pilot_accuracy_harness_with_progress(
     assert code == 0, err
     (suite,) = json.loads(out)["suites"]
     assert suite["suite"] == "dynamic" and suite["out"] == str(tmp_path)
-    assert suite["rows"][-1] == "dynamic: replay scored"
-    assert "dynamic [1/10] trained 2/12 MoE steps" in err  # plain progress: one line per row
-    assert "dynamic [10/10] replay scored" in err
+    assert suite["rows"][-1] == "dynamic: treelstm predictors replayed"
+    assert "dynamic [1/11] trained 2/12 MoE steps" in err  # plain progress: one line per row
+    assert "dynamic [11/11] treelstm predictors replayed" in err
     result = json.loads((tmp_path / "dynamic.json").read_text())
     assert result["facts"]["steps"] == 12
-    assert set(result["accuracy"]) == {"pilot", "lightgbm", "markov", "replay"}
+    assert set(result["accuracy"]) == {
+        "pilot",
+        "pilot, no threshold",
+        "pilot without outputs",
+        "markov",
+        "replay",
+    }
     assert "| markov |" in (tmp_path / "dynamic.md").read_text()
 
 

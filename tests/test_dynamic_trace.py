@@ -16,7 +16,15 @@ from memcompile import zoo
 from memcompile.backends.fragments import FragmentIdentity, FragmentRecord
 from memcompile.config import MemConfig
 from memcompile.dynamic.idioms import IDIOMS
-from memcompile.dynamic.trace import TraceRecorder, block_owner, read_trace
+from memcompile.dynamic.trace import (
+    MAX_OUTPUT_ELEMENTS,
+    MAX_OUTPUTS,
+    BlockEvent,
+    TraceRecorder,
+    block_owner,
+    read_trace,
+    small_int_outputs,
+)
 from memcompile.report import find_compiler
 from memcompile.zoo.moe import moe_workload
 
@@ -45,7 +53,20 @@ def test_trace_path_is_accepted_and_records_every_step(tmp_path) -> None:
     assert MemConfig.from_options({"trace_path": str(path)}).trace_path == str(path)
     wl = zoo.build("moe", size="tiny")
     compiled = memcompile.compile(wl.model, trace_path=str(path))
+
+    class Plain:  # an observer without on_block_end: not told of outputs, not an error
+        calls = 0
+
+        def on_block(self, *args: object) -> None:
+            Plain.calls += 1
+
+        def reset(self) -> None:
+            pass
+
+    find_compiler(compiled)[0].block_observers.append(Plain())
     _train_moe(compiled, wl)
+    assert Plain.calls > 0
+    find_compiler(compiled)[0].block_observers.pop()
     # a step is written when the next one starts; flush writes the last one
     assert len(path.read_text().splitlines()) == _STEPS - 1
     _recorder(compiled).flush()
@@ -76,6 +97,19 @@ def test_trace_path_is_accepted_and_records_every_step(tmp_path) -> None:
                 assert len(e.sizes) == 4 and 0 < e.sizes[1] <= wl.extra["batch"] * 16 * 2
             if e.phase == "backward":
                 assert e.sizes == ()
+        # outputs: a router's per-expert slot counts, read after its call returned, list the
+        # experts that run next, in expert order; backward calls record none
+        n_slots = wl.extra["batch"] * wl.extra["seq_len"] * wl.extra["top_k"]
+        for i, e in enumerate(s.events):
+            if e.phase == "backward":
+                assert e.outputs == ()
+            owner = e.block.split("/", 1)[1]
+            if e.phase == "forward" and owner.startswith("blocks.") and owner.count(".") == 1:
+                (counts,) = [o for o in e.outputs if len(o) == experts]
+                assert sum(counts) == n_slots
+                after = [x.block.split("/", 1)[1] for x in s.events[i + 1 :]]
+                listed = [f"{owner}.experts.{p}" for p, c in enumerate(counts) if c > 0]
+                assert after[: len(listed)] == listed
         idioms = dict(s.idioms)
         assert set(idioms) == {e.fragment for e in s.events}
         assert all(len(v) == len(IDIOMS) for v in idioms.values())
@@ -163,6 +197,56 @@ def test_steps_round_trip_through_json(tmp_path) -> None:
     (step,) = rec.steps()
     assert json.loads(step.to_json())["events"][0]["sizes"] == [6]  # input 0: a parameter
     assert read_trace(path) == [step]
+
+
+def test_small_int_outputs_keeps_small_integer_cpu_tensors_only() -> None:
+    counts = torch.tensor([2, 0, 1], dtype=torch.int64)
+    outs = (
+        torch.zeros(4),  # float
+        [counts, torch.ones(2, 2, dtype=torch.int32)],  # nested; flattened
+        torch.zeros(MAX_OUTPUT_ELEMENTS + 1, dtype=torch.int64),  # too big
+        torch.ones(3, dtype=torch.bool),  # a mask, not counts
+        torch.zeros(0, dtype=torch.int64),  # empty
+        7,  # not a tensor
+        torch.tensor([5], dtype=torch.uint8),
+    )
+    assert small_int_outputs(outs) == ((2, 0, 1), (1, 1, 1, 1), (5,))
+    assert small_int_outputs(counts) == ((2, 0, 1),)
+    many = [torch.tensor([i]) for i in range(MAX_OUTPUTS + 3)]
+    assert small_int_outputs(many) == tuple((i,) for i in range(MAX_OUTPUTS))
+    assert small_int_outputs(None) == ()
+
+
+def test_outputs_are_recorded_and_old_traces_still_read(tmp_path) -> None:
+    path = tmp_path / "t.jsonl"
+    rec = TraceRecorder(path, records=lambda: [_record(0, {}), _record(1, {})])
+    rec.on_block(0, 0, "forward", 0, [torch.zeros(5), torch.zeros(3)])
+    rec.on_block_end(0, 0, "forward", 0, (torch.zeros(3), torch.tensor([0, 3, 1])))
+    rec.on_block(0, 1, "forward", 0, [torch.zeros(5)])
+    rec.on_block_end(0, 1, "forward", 0, torch.zeros(2))  # nothing small and integer
+    rec.on_block_end(0, 0, "forward", 0, torch.tensor([9]))  # not the last call: ignored
+    rec.on_block(0, 0, "backward", 0, [])
+    rec.on_block_end(0, 0, "backward", 0, torch.tensor([1]))  # backward: ignored
+    rec.flush()
+    (step,) = rec.steps()
+    assert [e.outputs for e in step.events] == [((0, 3, 1),), (), ()]
+    line = json.loads(path.read_text())
+    assert line["events"][0]["outputs"] == [[0, 3, 1]]
+    assert "outputs" not in line["events"][1]  # only where there are some
+    assert read_trace(path) == [step]
+    # a trace written before outputs were recorded (no "outputs" keys) reads back with none
+    old = {
+        "step": 4,
+        "events": [{"phase": "forward", "fragment": "f", "block": "f/", "t_us": 1.5, "sizes": [3]}],
+    }
+    path.write_text(json.dumps(old) + "\n")
+    (s,) = read_trace(path)
+    assert s.events == (BlockEvent("forward", "f", "f/", 1.5, (3,)),)
+    assert s.events[0].outputs == ()
+    old["events"][0]["outputs"] = [[1, "2"]]
+    path.write_text(json.dumps(old) + "\n")
+    with pytest.raises(ValueError, match=r"t.jsonl:1 event 0: outputs must be a list of lists"):
+        read_trace(path)
 
 
 def test_bad_trace_files_name_file_and_line(tmp_path) -> None:

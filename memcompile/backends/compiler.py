@@ -88,6 +88,10 @@ class BlockObserver(Protocol):
 
     def reset(self) -> None: ...
 
+    # Optional: ``on_block_end(step, index, kind, block, outputs)`` runs after a forward or
+    # inference call returned, with its outputs (called only on observers that define it; see
+    # ``MemCompiler._on_call_end``).
+
 
 #: When a budgeted plan uses the dropout rewrite (passes/dropout.py): ``"auto"`` when the plan
 #: without it misses the budget and the one with it fits or peaks lower; ``"always"`` and
@@ -499,8 +503,10 @@ class _FragmentBuild:
                     out = fn(args)
             else:
                 out = fn(args)
+            if kind != "backward":  # observers see the outputs (a router's counts)
+                compiler._on_call_end(index, kind, block, out)
             if tail:  # the tail of a forward call: predict the next blocks, prefetch them
-                prefetcher.after()  # type: ignore[union-attr]
+                prefetcher.after(out)  # type: ignore[union-attr]
             return out
 
         run._boxed_call = True  # type: ignore[attr-defined]
@@ -781,11 +787,14 @@ class MemCompiler:
     def _wrap_plain(self, build: _FragmentBuild, gm: fx.GraphModule) -> Callable[..., Any]:
         forward = gm.forward
         on_call, stats, index = self._on_call, build.stats, build.index
+        compiler = self
 
         def run(*args: Any) -> Any:
             stats.inference_calls += 1
             on_call(index, "inference", 0)
-            return forward(*args)
+            out = forward(*args)
+            compiler._on_call_end(index, "inference", 0, out)
+            return out
 
         return run
 
@@ -981,6 +990,17 @@ class MemCompiler:
         self._last_kind = kind
         for observer in self.block_observers:
             observer.on_block(self.steps_observed, index, kind, block, args)
+
+    def _on_call_end(self, index: int, kind: str, block: int, outputs: Any) -> None:
+        # After a forward or inference call returned: its outputs, e.g. an MoE router's
+        # per-expert counts, which decide the next blocks (dynamic/pilot.py). The compiler reads
+        # nothing here. Observers must not read the values of device tensors: on CUDA that
+        # synchronises the stream (dynamic/trace.py reads small integer CPU tensors only; on a
+        # GPU the counts would be copied non_blocking into pinned host memory instead).
+        for observer in self.block_observers:
+            end = getattr(observer, "on_block_end", None)
+            if end is not None:
+                end(self.steps_observed, index, kind, block, outputs)
 
     def step_sequence(self) -> tuple[StepEvent, ...]:
         """The step predictions replay: :meth:`current_step`, with the backward assumed (reverse

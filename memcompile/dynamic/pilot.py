@@ -9,7 +9,8 @@ predict the next ``horizon`` blocks:
         idioms = dict(step.idioms)
         for e in step.events:
             if e.phase != "backward":
-                pilot.observe(e.block, e.fragment, e.sizes, idioms.get(e.fragment))
+                pilot.observe(e.block, e.fragment, e.sizes, idioms.get(e.fragment),
+                              outputs=e.outputs)         # or observe_outputs() once it returned
                 nxt = pilot.predict()                    # Prediction(blocks=(b1, b2), ...)
         pilot.end_step()                                 # may start retraining (a thread)
     pilot.stats()                                        # PilotStats: accuracies, latency
@@ -20,16 +21,29 @@ Features of the row after block ``t`` (:data:`FEATURES`): the last ``history`` b
 element counts of its non-parameter inputs (an expert's token count: the router's decision,
 observed for free), how many calls in a row its fragment has made (which expert of a layer) and
 the sums of those counts over the run (tokens routed so far in the layer: how many are left), and
-the blocks that followed this position in the previous step (categorical). Targets: the block
-``j`` calls ahead, one multiclass booster per ``j`` (direct, not recursive: errors do not
-compound).
+the blocks that followed this position in the previous step (categorical), and what the block's
+small integer outputs say (below). Targets: the block ``j`` calls ahead, one multiclass booster
+per ``j`` (direct, not recursive: errors do not compound).
+
+Observed outputs (trace.py's ``small_int_outputs``, given to ``observe(outputs=...)`` or to
+:meth:`observe_outputs` after the block returned; predictions made after them are made at the
+block's end): the output rule (rules.py) learns online which output of which block lists the
+next blocks, one per nonzero entry in entry order (an MoE router's per-expert counts: the
+experts that run next), validates it on every emission, and once trusted predicts the blocks it
+covers exactly (source ``"rule"``): within a layer, and the next router. Its predictions are
+features too (``rule_j``, ``rule_left``), with the values of the output behind the current plan
+(``plan_out_*``: the router's counts) and of the step's first output (``step_out_*``: e.g. the
+input token ids). LightGBM is trained, per horizon, on the rows the rule did not cover (all rows
+while fewer than 16 are left): the cross-layer predictions, where the next router has not run.
 
 Online: nothing is trained before ``warmup_steps`` steps; then every ``retrain_every`` steps a
 background thread trains on the last ``window`` rows (``num_threads=1``, ``deterministic=True``,
 seeded: the same rows give the same model) and swaps the models in when done; :meth:`wait` joins
 it (tests and benchmarks, for a deterministic swap point). A prediction whose probability is
-below ``threshold``, or made before any model exists, is the Markov predictor's (markov.py).
-Predictions go through LightGBM's C single-row fast path (fastpredict.py).
+below ``threshold``, or made before any model exists, is the Markov predictor's (markov.py),
+unless the rule covers it. Predictions go through LightGBM's C single-row fast path
+(fastpredict.py), and only for the horizons the rule does not cover. :meth:`save` writes the
+rule's votes into ``meta.json`` and :meth:`load` restores them.
 """
 
 from __future__ import annotations
@@ -51,6 +65,7 @@ import numpy as np
 from memcompile.dynamic.fastpredict import FastBooster
 from memcompile.dynamic.idioms import IDIOMS, IdiomVector
 from memcompile.dynamic.markov import UNKNOWN, MarkovPredictor
+from memcompile.dynamic.rules import RoutingRule
 from memcompile.dynamic.trace import MAX_SIZES
 from memcompile.errors import PilotWarning
 
@@ -58,7 +73,12 @@ log = logging.getLogger(__name__)
 
 __all__ = ["FEATURES", "Pilot", "PilotStats", "Prediction", "feature_names"]
 
-_FORMAT = 1  # meta.json version
+Outputs = Sequence[Sequence[int]]
+
+_FORMAT = 2  # meta.json version (2: rule features and the rule's state)
+#: Values of the output vector behind the current rule plan, and of the step's first output.
+PLAN_OUTPUTS = 16
+STEP_OUTPUTS = 8
 _NAN = float("nan")
 _ZERO_IDIOMS: IdiomVector = (0, 0, 0, 0, 0, 0)
 
@@ -73,6 +93,10 @@ def feature_names(history: int, horizon: int) -> tuple[str, ...]:
         "run",
         *(f"run_size_{i}" for i in range(MAX_SIZES)),
         *(f"prev_step_{j}" for j in range(1, horizon + 1)),
+        *(f"rule_{j}" for j in range(1, horizon + 1)),
+        "rule_left",
+        *(f"plan_out_{i}" for i in range(PLAN_OUTPUTS)),
+        *(f"step_out_{i}" for i in range(STEP_OUTPUTS)),
     )
 
 
@@ -86,8 +110,9 @@ class Prediction:
 
     Attributes:
         blocks: block ids ``1..horizon`` calls ahead (``None``: no prediction).
-        sources: ``"lightgbm"`` or ``"markov"`` for each.
-        confidence: LightGBM's class probability (``nan`` for Markov predictions).
+        sources: ``"rule"``, ``"lightgbm"`` or ``"markov"`` for each.
+        confidence: LightGBM's class probability (``nan`` for Markov predictions, 1.0 for the
+            rule's).
     """
 
     blocks: tuple[str | None, ...]
@@ -108,6 +133,8 @@ class PilotStats:
         fallback_rate: of the predictions made once a model existed, the fraction in which at
             least one horizon fell back to Markov (``None``: no model yet).
         models_trained: completed trainings.
+        rule_rate: fraction of the per-horizon predictions the output rule made (``None``:
+            no prediction yet).
     """
 
     accuracy: float | None
@@ -117,6 +144,7 @@ class PilotStats:
     active: str
     fallback_rate: float | None
     models_trained: int
+    rule_rate: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -127,6 +155,7 @@ class PilotStats:
             "active": self.active,
             "fallback_rate": self.fallback_rate,
             "models_trained": self.models_trained,
+            "rule_rate": self.rule_rate,
         }
 
 
@@ -148,17 +177,28 @@ class _Horizon:
 
 
 def _train(
-    x: np.ndarray, y: np.ndarray, categorical: list[int], params: dict[str, Any], rounds: int
+    x: np.ndarray,
+    y: np.ndarray,
+    categorical: list[int],
+    params: dict[str, Any],
+    rounds: int,
+    rule_at: int,
 ) -> tuple[_Horizon, ...]:
     models = []
     for j in range(y.shape[1]):
-        classes = np.unique(y[:, j])  # sorted: deterministic class order
+        # Rows where the rule predicted horizon j are not LightGBM's to predict: train on the
+        # others (fewer classes, so fewer trees; all rows while there are too few of them).
+        xj, yj = x, y[:, j]
+        open_ = np.isnan(x[:, rule_at + j])
+        if open_.sum() >= 16 and not open_.all():
+            xj, yj = x[open_], yj[open_]
+        classes = np.unique(yj)  # sorted: deterministic class order
         if len(classes) == 1:
             models.append(_Horizon(classes, None))
             continue
-        labels = np.searchsorted(classes, y[:, j])
+        labels = np.searchsorted(classes, yj)
         data = lgb.Dataset(
-            x, labels, categorical_feature=categorical, params={"verbose": -1}, free_raw_data=True
+            xj, labels, categorical_feature=categorical, params={"verbose": -1}, free_raw_data=True
         )
         booster = lgb.train({**params, "num_class": len(classes)}, data, num_boost_round=rounds)
         models.append(_Horizon(classes, booster))
@@ -178,6 +218,8 @@ class Pilot:
         rounds, num_leaves: LightGBM size (trees = rounds x blocks seen, per horizon).
         seed: LightGBM's seed.
         background: train on a thread (``False``: inline in :meth:`end_step`).
+        rule: use the output rule (rules.py) where it has a plan, and its plan as features
+            (``False``: the rule features stay missing and LightGBM / Markov predict all).
     """
 
     def __init__(
@@ -193,6 +235,7 @@ class Pilot:
         num_leaves: int = 7,
         seed: int = 0,
         background: bool = True,
+        rule: bool = True,
     ) -> None:
         for name, value, least in (
             ("horizon", horizon, 1),
@@ -213,8 +256,11 @@ class Pilot:
         self.background = background
         self.features = feature_names(history, horizon)
         self._categorical = [
-            i for i, n in enumerate(self.features) if n.startswith(("hist_", "prev_step_"))
+            i
+            for i, n in enumerate(self.features)
+            if n.startswith(("hist_", "prev_step_", "rule_")) and n != "rule_left"
         ]
+        self._rule_at = self.features.index("rule_1")  # the rule's columns follow
         self._params: dict[str, Any] = {
             "objective": "multiclass",
             "num_leaves": num_leaves,
@@ -233,6 +279,7 @@ class Pilot:
         self._labels: list[str] = []
         self._ids: dict[str, int] = {}
         self.markov = MarkovPredictor(horizon)
+        self.rule = RoutingRule() if rule else None
         self._models: tuple[_Horizon, ...] | None = None
         self._thread: threading.Thread | None = None
         self.models_trained = 0
@@ -245,6 +292,8 @@ class Pilot:
         self._step_seq: list[int] = []
         self._prev_seq: list[int] = []
         self._row: list[float] | None = None
+        self._plan_out: tuple[float, ...] = (_NAN,) * PLAN_OUTPUTS
+        self._step_out: tuple[float, ...] | None = None
         self._t = 0  # forward blocks observed
         # training rows: (row, targets); the last ``horizon`` rows still wait for targets
         self._rows: deque[tuple[list[float], list[int]]] = deque(maxlen=window + horizon)
@@ -253,6 +302,8 @@ class Pilot:
         self._hits = [0] * horizon
         self._scored = [0] * horizon
         self._fallbacks = 0
+        self._rule_predictions = 0
+        self._horizon_predictions = 0
         self._model_predictions = 0
         self._latency_ns: deque[int] = deque(maxlen=10_000)
 
@@ -271,8 +322,14 @@ class Pilot:
         fragment: str,
         sizes: Sequence[int] = (),
         idioms: IdiomVector | None = None,
+        *,
+        outputs: Outputs | None = None,
     ) -> None:
-        """The next forward (or inference) block ran: learn from it and prepare the features."""
+        """The next forward (or inference) block ran: learn from it and prepare the features.
+
+        ``outputs``: the block's small integer outputs (trace.py's ``small_int_outputs``), when
+        known already; else pass them to :meth:`observe_outputs` once the block returned.
+        """
         b = self.block_id(block)
         t = self._t
         # score earlier predictions of this block, and fill in earlier rows' targets
@@ -288,6 +345,8 @@ class Pilot:
         for j in range(1, min(self.horizon, len(rows)) + 1):
             rows[-j][1][j - 1] = b
         self.markov.observe(b)
+        if self.rule is not None:
+            self.rule.observe(b)
         if fragment == self._fragment:
             self._run += 1
             run_sizes = self._run_sizes
@@ -314,14 +373,57 @@ class Pilot:
             float(prev[pos + j]) if pos + j < len(prev) else _NAN
             for j in range(1, self.horizon + 1)
         )
+        row.extend([_NAN] * (len(self.features) - len(row)))  # the rule's, filled below
         self._row = row
         rows.append((row, [UNKNOWN] * self.horizon))
         self._t = t + 1
+        if outputs:
+            self.observe_outputs(outputs)
+        else:
+            self._rule_features(row)
+
+    def observe_outputs(self, outputs: Outputs) -> None:
+        """The last observed block returned these small integer outputs (e.g. a router's
+        per-expert counts): update the rule's plan and the features of the next prediction."""
+        row = self._row
+        if row is None or not self._recent:
+            return
+        if self._step_out is None and outputs and outputs[0]:
+            first = outputs[0]
+            self._step_out = tuple(
+                float(first[i]) if i < len(first) else _NAN for i in range(STEP_OUTPUTS)
+            )
+        rule = self.rule
+        if rule is not None:
+            plans = rule.plans
+            rule.emitted(self._recent[0], outputs)
+            if rule.plans != plans:
+                vec = rule.plan_values
+                self._plan_out = tuple(
+                    float(vec[i]) if i < len(vec) else _NAN for i in range(PLAN_OUTPUTS)
+                )
+        self._rule_features(row)
+
+    def _rule_features(self, row: list[float]) -> None:
+        at, rule, h = self._rule_at, self.rule, self.horizon
+        if rule is not None:
+            for j in range(1, h + 1):
+                r = rule.ahead(j)
+                row[at + j - 1] = float(r) if r != UNKNOWN else _NAN
+            row[at + h] = float(rule.left)
+        at += h + 1
+        row[at : at + PLAN_OUTPUTS] = self._plan_out
+        if self._step_out is not None:
+            row[at + PLAN_OUTPUTS : at + PLAN_OUTPUTS + STEP_OUTPUTS] = self._step_out
 
     def end_step(self) -> None:
         """The step's forward is over; retrain when it is time."""
         self._prev_seq, self._step_seq = self._step_seq, []
         self.steps += 1
+        if self.rule is not None:
+            self.rule.end_step()
+        self._plan_out = (_NAN,) * PLAN_OUTPUTS
+        self._step_out = None
         due = self.steps >= self.warmup_steps and (
             (self.steps - self.warmup_steps) % self.retrain_every == 0
         )
@@ -332,11 +434,18 @@ class Pilot:
         """The next ``horizon`` blocks after the last observed one."""
         start = time.perf_counter_ns()
         markov = self.markov.predict()
-        models, row = self._models, self._row
+        models, row, rule = self._models, self._row, self.rule
         ids: list[int] = []
         sources: list[str] = []
         conf: list[float] = []
         for j in range(self.horizon):
+            if rule is not None:
+                r = rule.ahead(j + 1)
+                if r != UNKNOWN:
+                    ids.append(r)
+                    sources.append("rule")
+                    conf.append(1.0)
+                    continue
             if models is not None and row is not None:
                 b, p = models[j].predict(row)
                 if p >= self.threshold or markov[j] == UNKNOWN:
@@ -351,6 +460,8 @@ class Pilot:
         if models is not None:
             self._model_predictions += 1
             self._fallbacks += "markov" in sources
+        self._horizon_predictions += self.horizon
+        self._rule_predictions += sources.count("rule")
         self._made.append((self._t - 1, tuple(ids)))
         labels = self._labels
         return Prediction(
@@ -380,7 +491,7 @@ class Pilot:
 
     def _train_job(self, x: np.ndarray, y: np.ndarray) -> None:
         try:
-            models = _train(x, y, self._categorical, self._params, self.rounds)
+            models = _train(x, y, self._categorical, self._params, self.rounds, self._rule_at)
         except Exception as e:  # a failed training keeps the previous model
             log.warning("memcompile pilot: training failed (%s); keeping the previous model", e)
             return
@@ -415,6 +526,11 @@ class Pilot:
                 self._fallbacks / self._model_predictions if self._model_predictions else None
             ),
             models_trained=self.models_trained,
+            rule_rate=(
+                self._rule_predictions / self._horizon_predictions
+                if self._horizon_predictions
+                else None
+            ),
         )
 
     # -- files --------------------------------------------------------------------------------
@@ -435,6 +551,7 @@ class Pilot:
             "horizon": self.horizon,
             "blocks": list(self._labels),
             "classes": [m.classes.tolist() for m in models],
+            "rules": self.rule.to_json(self._labels) if self.rule is not None else [],
         }
         for j, m in enumerate(models, 1):
             path = os.path.join(directory, f"h{j}.txt")
@@ -450,7 +567,9 @@ class Pilot:
         other features, warns (:class:`~memcompile.errors.PilotWarning`) and leaves the pilot on
         its current predictor (Markov if none). Returns whether the models were loaded."""
         try:
-            models = self._read(os.fspath(directory))
+            models, rules = self._read(os.fspath(directory))
+            if self.rule is not None:
+                self.rule.load_json(rules, self._ids.__getitem__)
         except (OSError, ValueError, KeyError, TypeError, lgb.basic.LightGBMError) as e:
             warnings.warn(
                 f"memcompile pilot: cannot load {os.fspath(directory)!r} ({e}); predicting with "
@@ -462,7 +581,7 @@ class Pilot:
         self._models = models
         return True
 
-    def _read(self, directory: str) -> tuple[_Horizon, ...]:
+    def _read(self, directory: str) -> tuple[tuple[_Horizon, ...], Any]:
         with open(os.path.join(directory, "meta.json"), encoding="utf-8") as f:
             meta = json.load(f)
         if meta.get("format") != _FORMAT:
@@ -493,4 +612,7 @@ class Pilot:
             models.append(_Horizon(ids, booster))
         if len(models) != self.horizon:
             raise ValueError(f"{len(models)} horizons saved, expected {self.horizon}")
-        return tuple(models)
+        rules = meta.get("rules", [])
+        if not isinstance(rules, list):
+            raise ValueError("meta.json rules must be a list")
+        return tuple(models), rules

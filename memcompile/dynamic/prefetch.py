@@ -55,7 +55,7 @@ import torch
 from memcompile.backends.fragments import FragmentRecord
 from memcompile.dynamic.idioms import IdiomVector, graph_idioms
 from memcompile.dynamic.markov import UNKNOWN, MarkovPredictor
-from memcompile.dynamic.trace import MAX_SIZES, _BlockNamer
+from memcompile.dynamic.trace import MAX_SIZES, _BlockNamer, small_int_outputs
 from memcompile.runtime.cache import PrefetchCache
 from memcompile.runtime.store import is_host_placed
 
@@ -336,8 +336,13 @@ class Prefetcher:
         self.predictor.observe(label, record.id, sizes, self._fragment_idioms(record))
         return True
 
-    def after(self) -> None:
-        """Tail of a forward call: predict, free mispredicted copies, prefetch."""
+    def after(self, outputs: Any = None) -> None:
+        """Tail of a forward call: show the predictor the call's small integer outputs (a
+        router's counts: which experts run next, see rules.py), predict, free mispredicted
+        copies, prefetch."""
+        observe_outputs = getattr(self.predictor, "observe_outputs", None)
+        if observe_outputs is not None and outputs is not None:
+            observe_outputs(small_int_outputs(outputs))
         start = time.perf_counter_ns()
         blocks = tuple(self.predictor.predict().blocks)[: self.horizon]
         self._latency_ns.append(time.perf_counter_ns() - start)

@@ -31,13 +31,20 @@ order of first appearance within its fragment, which is stable only for the same
 Parameter storages replaced after the first step (not done by torch's optimizers) keep their old
 names: names are resolved once per (fragment, address).
 
-Cheap features per event: microseconds since the step's first call, and the element counts of
-the first few non-parameter tensor inputs of forward calls (for an expert: tokens routed to it).
+Cheap features per event: microseconds since the step's first call, the element counts of the
+first few non-parameter tensor inputs of forward calls (for an expert: tokens routed to it), and
+the values of the call's small integer outputs (:func:`small_int_outputs`: for an MoE router,
+its per-expert token counts, which decide the next blocks). The compiler reports the outputs
+after the call returned (``on_block_end``). Only CPU tensors are read: reading a CUDA tensor's
+values would synchronise the stream on every fragment call; on a GPU the counts would have to be
+copied ``non_blocking`` into pinned host memory and read one call later (not done here). Traces
+written before outputs were recorded read back with ``outputs=()``.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import os
@@ -58,10 +65,24 @@ from memcompile.dynamic.idioms import IDIOMS, IdiomVector, graph_idioms
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BlockEvent", "StepTrace", "TraceRecorder", "block_owner", "read_trace"]
+__all__ = [
+    "BlockEvent",
+    "StepTrace",
+    "TraceRecorder",
+    "block_owner",
+    "read_trace",
+    "small_int_outputs",
+]
 
 #: Non-parameter tensor inputs whose sizes an event keeps.
 MAX_SIZES = 4
+#: Small integer outputs whose values an event keeps, and the most elements one may have.
+MAX_OUTPUTS = 4
+MAX_OUTPUT_ELEMENTS = 32
+
+_INT_DTYPES = frozenset(
+    (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)  # not bool: masks
+)
 
 _PHASES = ("forward", "backward", "inference")
 
@@ -77,6 +98,8 @@ class BlockEvent:
         t_us: microseconds since the step's first call.
         sizes: element counts of up to :data:`MAX_SIZES` non-parameter tensor inputs (forward and
             inference calls; empty for backward calls).
+        outputs: the values of the call's small integer outputs, flattened
+            (:func:`small_int_outputs`; empty for backward calls and in older traces).
     """
 
     phase: str
@@ -84,15 +107,19 @@ class BlockEvent:
     block: str
     t_us: float
     sizes: tuple[int, ...] = ()
+    outputs: tuple[tuple[int, ...], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "phase": self.phase,
             "fragment": self.fragment,
             "block": self.block,
             "t_us": round(self.t_us, 3),
             "sizes": list(self.sizes),
         }
+        if self.outputs:
+            d["outputs"] = [list(o) for o in self.outputs]
+        return d
 
 
 @dataclass(frozen=True)
@@ -137,7 +164,41 @@ def _event_from(d: Any, where: str) -> BlockEvent:
         block=str(d["block"]),
         t_us=float(d["t_us"]),
         sizes=tuple(int(s) for s in d.get("sizes", ())),
+        outputs=_outputs_from(d.get("outputs", ()), where),
     )
+
+
+def _outputs_from(v: Any, where: str) -> tuple[tuple[int, ...], ...]:
+    if not isinstance(v, (list, tuple)) or not all(
+        isinstance(o, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in o)
+        for o in v
+    ):
+        raise ValueError(f"{where}: outputs must be a list of lists of ints")
+    return tuple(tuple(o) for o in v)
+
+
+def small_int_outputs(outputs: Any) -> tuple[tuple[int, ...], ...]:
+    """The values of the small integer tensors among a call's outputs, in output order.
+
+    Kept: CPU tensors of an integer dtype (not bool) with 1 to :data:`MAX_OUTPUT_ELEMENTS`
+    elements, flattened; at most :data:`MAX_OUTPUTS` of them. Outputs may be a tensor or
+    (nested) lists and tuples; anything else is skipped. Device tensors are skipped: reading
+    their values synchronises (see the module docstring).
+    """
+    found: list[tuple[int, ...]] = []
+    stack = [outputs]
+    while stack and len(found) < MAX_OUTPUTS:
+        o = stack.pop()
+        if isinstance(o, (list, tuple)):
+            stack.extend(reversed(o))
+        elif (
+            isinstance(o, torch.Tensor)
+            and o.dtype in _INT_DTYPES
+            and o.device.type == "cpu"
+            and 0 < o.numel() <= MAX_OUTPUT_ELEMENTS
+        ):
+            found.append(tuple(int(x) for x in o.detach().reshape(-1).tolist()))
+    return tuple(found)
 
 
 def read_trace(path: str | os.PathLike[str]) -> list[StepTrace]:
@@ -341,6 +402,20 @@ class TraceRecorder:
                 sizes=sizes,
             )
         )
+
+    def on_block_end(self, step: int, index: int, kind: str, block: int, outputs: Any) -> None:
+        """Fragment ``index``'s call (the last :meth:`on_block`) returned ``outputs``: keep the
+        values of its small integer CPU outputs (:func:`small_int_outputs`) on its event."""
+        if kind == "backward" or step != self._step or not self._events:
+            return
+        found = small_int_outputs(outputs)
+        if not found:
+            return
+        last = self._events[-1]
+        record = self._record(index)
+        if record is None or last.fragment != record.id or last.phase != kind:
+            return  # not the call on_block saw last (should not happen: calls do not nest)
+        self._events[-1] = dataclasses.replace(last, outputs=found)
 
     def reset(self) -> None:
         """The compiler forgot its fragments (``torch._dynamo.reset()``): end the step."""

@@ -1,0 +1,314 @@
+"""A structural rule learnt from observed outputs: "the router said so".
+
+An MoE router emits per-expert token counts, and the orchestration then calls exactly the
+experts with a nonzero count, in expert order. So once a block's small integer output ``v`` is
+seen (trace.py's ``small_int_outputs``), the next blocks may be determined by it. The rule
+encodes that shape and nothing model-specific:
+
+    after block B emits v in output slot o, the next blocks are X[p] for each p with v[p] > 0,
+    in increasing p, then one "exit" block E
+
+and learns ``X`` and ``E`` per ``(B, o)`` from the stream: every emission is checked against the
+blocks that actually follow it; position ``p`` (with its value, see below) votes for the block
+seen in its place, the block after the run votes for ``E``. A ``(B, o)`` is *trusted* once at
+least ``min_checks`` of its emissions could be predicted in full and at least ``min_accuracy``
+of the last ``window`` of those were exactly right; only trusted slots make plans, so an output
+that does not list blocks (token ids, an ``arange``) never predicts anything, and once a full
+window of its checks is under half right it is retired (no more checks: they cost time in
+:meth:`observe`). ``E`` is used only when it is trusted the same way.
+
+The votes are keyed by ``(p, min(v[p], 2))`` first, falling back to ``p`` alone: Dynamo
+specialises a graph for sizes 0 and 1, so an expert given one token runs another fragment (a
+different block id) than the same expert given several.
+
+    rule = RoutingRule()
+    rule.observe(b)              # a block ran (ids as the pilot numbers them)
+    rule.emitted(b, outputs)     # ...and returned these small integer outputs
+    rule.ahead(1)                # the block 1 call ahead, or UNKNOWN
+    rule.end_step()              # pending checks of the step are misses
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from memcompile.dynamic.markov import UNKNOWN
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RoutingRule", "RuleSlotStats"]
+
+_Key = tuple[int, int]  # (emitting block id, output slot)
+
+
+def _bucket(value: int) -> int:
+    return value if value < 2 else 2
+
+
+@dataclass
+class _Slot:
+    # (position, bucket) -> {block id: votes}; position -> {block id: votes}
+    by_value: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict)
+    by_position: dict[int, dict[int, int]] = field(default_factory=dict)
+    exit_votes: dict[int, int] = field(default_factory=dict)
+    checks: int = 0  # emissions whose run was seen to the end (or cut by the step's end)
+    recent: deque[bool] = field(default_factory=lambda: deque(maxlen=50))
+    exit_recent: deque[bool] = field(default_factory=lambda: deque(maxlen=50))
+    retired: bool = False  # a full window of checks, under half right: checked no more
+
+    def label(self, p: int, value: int) -> tuple[int, bool]:
+        """The block voted for at position ``p`` with this value, and whether the vote was for
+        this value's bucket (``False``: for the position, any value)."""
+        votes = self.by_value.get((p, _bucket(value)))
+        exact = bool(votes)
+        if not votes:
+            votes = self.by_position.get(p)
+            if not votes:
+                return UNKNOWN, False
+        return max(votes.items(), key=lambda kv: (kv[1], -kv[0]))[0], exact
+
+    def exit_label(self) -> int:
+        if not self.exit_votes:
+            return UNKNOWN
+        return max(self.exit_votes.items(), key=lambda kv: (kv[1], -kv[0]))[0]
+
+
+@dataclass
+class _Check:
+    key: _Key
+    positions: tuple[tuple[int, int], ...]  # (p, v[p]) of the nonzero entries, increasing p
+    run: tuple[int, ...] | None  # the predicted run (None: not every (p, bucket) seen before)
+    exit: int  # the predicted exit (UNKNOWN: none yet)
+    seen: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RuleSlotStats:
+    """How one ``(block, output slot)`` has done as a rule.
+
+    Attributes:
+        block: the emitting block's label.
+        slot: the output's index among the block's small integer outputs.
+        checks: emissions checked against the blocks that followed.
+        accuracy: of the last checks whose run was predicted in full, the fraction exactly right
+            (``None``: none yet).
+        trusted: whether it makes plans.
+    """
+
+    block: str
+    slot: int
+    checks: int
+    accuracy: float | None
+    trusted: bool
+
+
+class RoutingRule:
+    """Learns and applies the rule of the module docstring.
+
+    Args:
+        min_checks: fully predicted emissions needed before a slot is trusted.
+        min_accuracy: the fraction of them (of the last ``window``) that must have been right.
+        window: recent checks the accuracy is taken over.
+    """
+
+    def __init__(
+        self, *, min_checks: int = 3, min_accuracy: float = 0.95, window: int = 50
+    ) -> None:
+        if min_checks < 1:
+            raise ValueError(f"RoutingRule: min_checks must be >= 1; got {min_checks}")
+        if not 0.0 < min_accuracy <= 1.0:
+            raise ValueError(f"RoutingRule: min_accuracy must be in (0, 1]; got {min_accuracy}")
+        self.min_checks, self.min_accuracy, self.window = min_checks, min_accuracy, window
+        self._slots: dict[_Key, _Slot] = {}
+        self._pending: list[_Check] = []
+        self._plan: tuple[int, ...] = ()
+        self._done = 0  # plan blocks already seen
+        self._plan_accuracy = 0.0  # of the slot that made the plan
+        self._run_len = 0  # blocks of the plan that the output listed (the rest: the exit)
+        self.substitutions = 0  # plan blocks that turned out to be another block
+        self.plans = 0  # plans made
+        self.plan_values: tuple[int, ...] = ()  # the output the latest plan was made from
+
+    # -- the stream -------------------------------------------------------------------------
+    def observe(self, block: int) -> None:
+        """Block ``block`` ran: check pending emissions, follow (or drop) the current plan."""
+        if self._pending:
+            still: list[_Check] = []
+            for c in self._pending:
+                c.seen.append(block)
+                if len(c.seen) > len(c.positions):
+                    self._finish(c, complete=True)
+                else:
+                    still.append(c)
+            self._pending = still
+        plan, done = self._plan, self._done
+        if done < len(plan):
+            # A wrong block in the run still takes its place (the output gave the run's
+            # length; a position's guess may name the wrong fragment variant): the plan goes on.
+            # An expected exit that does not come ends the plan.
+            if plan[done] == block or done < self._run_len:
+                self._done = done + 1
+                if plan[done] != block:
+                    self.substitutions += 1
+                return
+        self._plan, self._done = (), 0
+
+    def emitted(self, block: int, outputs: Sequence[Sequence[int]]) -> None:
+        """The block just observed returned these small integer outputs."""
+        best: tuple[float, tuple[int, ...], Sequence[int], int] | None = None
+        for slot, values in enumerate(outputs):
+            if not values or any(v < 0 for v in values):
+                continue
+            key = (block, slot)
+            s = self._slots.get(key)
+            if s is not None and s.retired:
+                continue
+            if s is None:
+                s = self._slots[key] = _Slot(recent=deque(maxlen=self.window))
+                s.exit_recent = deque(maxlen=self.window)
+            positions = tuple((p, v) for p, v in enumerate(values) if v > 0)
+            found = [s.label(p, v) for p, v in positions]
+            labels = tuple(b for b, _ in found)
+            # Scored only when every (position, bucket) has been seen: an unseen bucket is a
+            # guess (the position's block), not a test of the rule.
+            scored = all(exact for _, exact in found)
+            exit_ = s.exit_label()
+            self._pending.append(_Check(key, positions, labels if scored else None, exit_))
+            run = None if UNKNOWN in labels else labels
+            acc = self._accuracy(s.recent)
+            if run is not None and acc is not None and len(s.recent) >= self.min_checks:
+                if acc >= self.min_accuracy and (best is None or acc > best[0]):
+                    trusted_exit = self._accuracy(s.exit_recent)
+                    tail = (
+                        (exit_,)
+                        if exit_ != UNKNOWN
+                        and trusted_exit is not None
+                        and len(s.exit_recent) >= self.min_checks
+                        and trusted_exit >= self.min_accuracy
+                        else ()
+                    )
+                    best = (acc, run + tail, values, len(run))
+        # A plan in progress is kept unless the new one comes from a more accurate slot: an
+        # expert's own small output (its token ids) must not cut its router's plan short.
+        if best is not None and (self._done >= len(self._plan) or best[0] > self._plan_accuracy):
+            self._plan, self._done, self._plan_accuracy = best[1], 0, best[0]
+            self._run_len = best[3]
+            self.plan_values = tuple(best[2])
+            self.plans += 1
+
+    def end_step(self) -> None:
+        """The step is over: emissions whose run did not finish count as misses."""
+        for c in self._pending:
+            self._finish(c, complete=False)
+        self._pending = []
+        self._plan, self._done = (), 0
+
+    def ahead(self, j: int) -> int:
+        """The block ``j`` calls ahead by the current plan (:data:`UNKNOWN`: not covered)."""
+        i = self._done + j - 1
+        plan = self._plan
+        return plan[i] if i < len(plan) else UNKNOWN
+
+    @property
+    def left(self) -> int:
+        """Blocks of the current plan still to come (0: no plan)."""
+        return len(self._plan) - self._done
+
+    # -- learning ---------------------------------------------------------------------------
+    def _finish(self, c: _Check, *, complete: bool) -> None:
+        s = self._slots[c.key]
+        s.checks += 1
+        m = len(c.positions)
+        seen = c.seen
+        for (p, v), b in zip(c.positions, seen, strict=False):
+            for votes in (
+                s.by_value.setdefault((p, _bucket(v)), {}),
+                s.by_position.setdefault(p, {}),
+            ):
+                votes[b] = votes.get(b, 0) + 1
+        if c.run is not None:
+            s.recent.append(complete and tuple(seen[:m]) == c.run)
+            if len(s.recent) == s.recent.maxlen and sum(s.recent) < len(s.recent) / 2:
+                s.retired = True  # this output does not list blocks: stop paying for checks
+        if complete:
+            s.exit_votes[seen[m]] = s.exit_votes.get(seen[m], 0) + 1
+            if c.exit != UNKNOWN:
+                s.exit_recent.append(seen[m] == c.exit)
+
+    @staticmethod
+    def _accuracy(recent: deque[bool]) -> float | None:
+        return sum(recent) / len(recent) if recent else None
+
+    def trusted(self, key: _Key) -> bool:
+        s = self._slots.get(key)
+        if s is None or len(s.recent) < self.min_checks:
+            return False
+        acc = self._accuracy(s.recent)
+        return acc is not None and acc >= self.min_accuracy
+
+    def slot_stats(self, labels: Sequence[str]) -> tuple[RuleSlotStats, ...]:
+        """Per ``(block, slot)`` seen, in key order; ``labels`` maps block ids to labels."""
+        return tuple(
+            RuleSlotStats(
+                block=labels[b],
+                slot=o,
+                checks=s.checks,
+                accuracy=self._accuracy(s.recent),
+                trusted=self.trusted((b, o)),
+            )
+            for (b, o), s in sorted(self._slots.items())
+        )
+
+    # -- files ------------------------------------------------------------------------------
+    def to_json(self, labels: Sequence[str]) -> list[dict[str, Any]]:
+        """The learnt votes and recent checks, with block labels (for the pilot's meta.json)."""
+        return [
+            {
+                "block": labels[b],
+                "slot": o,
+                "checks": s.checks,
+                "by_value": [
+                    [p, v, {labels[x]: n for x, n in sorted(votes.items())}]
+                    for (p, v), votes in sorted(s.by_value.items())
+                ],
+                "by_position": [
+                    [p, {labels[x]: n for x, n in sorted(votes.items())}]
+                    for p, votes in sorted(s.by_position.items())
+                ],
+                "exit": {labels[x]: n for x, n in sorted(s.exit_votes.items())},
+                "recent": [int(x) for x in s.recent],
+                "exit_recent": [int(x) for x in s.exit_recent],
+                "retired": s.retired,
+            }
+            for (b, o), s in sorted(self._slots.items())
+        ]
+
+    def load_json(self, data: Any, block_id: Any) -> None:
+        """Replace the learnt state by :meth:`to_json`'s; ``block_id`` maps labels to ids.
+
+        Raises:
+            ValueError, KeyError, TypeError: malformed data.
+        """
+        if not isinstance(data, list):
+            raise ValueError("rules must be a list")
+        slots: dict[_Key, _Slot] = {}
+        for d in data:
+            s = _Slot(recent=deque(maxlen=self.window))
+            s.exit_recent = deque(maxlen=self.window)
+            s.checks = int(d["checks"])
+            for p, v, votes in d["by_value"]:
+                s.by_value[(int(p), int(v))] = {block_id(str(x)): int(n) for x, n in votes.items()}
+            for p, votes in d["by_position"]:
+                s.by_position[int(p)] = {block_id(str(x)): int(n) for x, n in votes.items()}
+            s.exit_votes = {block_id(str(x)): int(n) for x, n in d["exit"].items()}
+            s.recent.extend(bool(x) for x in d["recent"])
+            s.exit_recent.extend(bool(x) for x in d["exit_recent"])
+            s.retired = bool(d.get("retired", False))
+            slots[(block_id(str(d["block"])), int(d["slot"]))] = s
+        self._slots = slots
+        self._pending = []
+        self._plan, self._done = (), 0
