@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+import sympy
 import torch
 import torch._dynamo
 from torch import fx
@@ -40,6 +41,7 @@ from memcompile.backends.fragments import FragmentRecord, FragmentStats, fragmen
 from memcompile.backends.inner import BoxedCallable, compile_inner, decompositions
 from memcompile.config import MemConfig
 from memcompile.errors import MemoryBudgetError, MemoryBudgetWarning, format_bytes
+from memcompile.passes.analysis import bound_sizes
 from memcompile.passes.context import PassContext
 from memcompile.passes.costmodel import DeviceProfile, device_profile, resolve_profile_name
 from memcompile.passes.dropout import dropout_pass
@@ -74,6 +76,8 @@ __all__ = ["BlockObserver", "MemCompiler", "StepEvent"]
 #: block key). The block key tells apart calls of one graph with different parameters (one
 #: compiled graph serves every expert): the address of the first parameter, 0 if none.
 StepEvent = tuple[int, str, int]
+#: The values of a fragment's size symbols at one call (empty: static sizes).
+SizeKey = tuple[int, ...]
 
 
 class BlockObserver(Protocol):
@@ -102,6 +106,11 @@ DROPOUT_REWRITE: Literal["auto", "always", "never"] = "auto"
 #: tests and benchmarks that compare against the aten ops.
 LOSS_HEAD_IN_PLACE = True
 
+#: Step compositions remembered as already checked against the budget (then forgotten).
+_MAX_CHECKED_STEPS = 4096
+#: Profiles kept per fragment for the sizes its calls had (dynamic shapes).
+_MAX_SIZE_PROFILES = 256
+
 # A step that never sees a backward (inference loops) is cut at this many calls.
 _MAX_STEP_EVENTS = 100_000
 
@@ -128,6 +137,27 @@ def _profiler_enabled() -> bool:
     return torch.autograd.profiler._is_profiler_enabled
 
 
+def _size_slots(gm: fx.GraphModule) -> tuple[tuple[int, int, Any], ...]:
+    """Where each size symbol of ``gm``'s inputs can be read from a call's arguments."""
+    slots: list[tuple[int, int, Any]] = []
+    seen: set[Any] = set()
+    for pos, p in enumerate(gm.graph.find_nodes(op="placeholder")):
+        val = p.meta.get("val")
+        dims: list[tuple[int, Any]]
+        if isinstance(val, torch.SymInt):
+            dims = [(-1, val)]
+        elif isinstance(val, torch.Tensor):
+            dims = [(d, n) for d, n in enumerate(val.shape) if isinstance(n, torch.SymInt)]
+        else:
+            continue
+        for dim, n in dims:
+            expr = n.node.expr
+            if isinstance(expr, sympy.Symbol) and expr not in seen:
+                seen.add(expr)
+                slots.append((pos, dim, expr))
+    return tuple(slots)
+
+
 class _FragmentBuild:
     """Closure state shared by one fragment's partition_fn and compilers (bw compiles lazily)."""
 
@@ -140,6 +170,11 @@ class _FragmentBuild:
         self.plan: FragmentPlan | None = None
         self._fw_gm: fx.GraphModule | None = None
         self.static_inputs: tuple[int, ...] = ()
+        #: (input position, dim or -1 for a SymInt input, sympy symbol) of each size symbol of
+        #: the forward graph's inputs: a call's values of them are its size key.
+        self.size_slots: tuple[tuple[int, int, Any], ...] = ()
+        self._profile_args: dict[str, Any] = {}
+        self._sized_profiles: dict[SizeKey, FragmentProfile] = {}
         # Inputs the graphs fetch from the host tier (host-placed parameters).
         self.hosted_inputs: tuple[int, ...] = ()
         # block key -> parameter storages (address -> bytes) of the calls with that key
@@ -390,16 +425,42 @@ class _FragmentBuild:
             mutated = meta.num_mutated_inp_runtime_indices
             user = meta.num_outputs + meta.num_intermediate_bases
         self.static_inputs = static
-        self.profile = profile_fragment(
-            gm,
-            bw,
+        self._profile_args = dict(
             static_input_indices=static,
             num_mutated_inputs=mutated,
             num_user_outputs=user,
             forward_workspace=probe_workspaces(gm),
             backward_workspace=probe_workspaces(bw) if bw is not None else None,
-            clone_workspace=clone_workspace,
         )
+        self.profile = profile_fragment(
+            gm, bw, clone_workspace=clone_workspace, **self._profile_args
+        )
+        self.size_slots = _size_slots(gm)
+        self._sized_profiles.clear()
+
+    def size_key(self, args: Sequence[Any]) -> SizeKey:
+        """The values of the forward graph's size symbols in a call with ``args``."""
+        return tuple(
+            int(args[pos]) if dim < 0 else int(args[pos].shape[dim])
+            for pos, dim, _ in self.size_slots
+        )
+
+    def profile_at(self, sizes: SizeKey) -> FragmentProfile | None:
+        """The profile of the built graphs at a call's sizes (:meth:`size_key`), exact where the
+        example's sizes (the profile's hints) are not; cached."""
+        profile, fw = self.profile, self._fw_gm
+        if not sizes or profile is None or fw is None or len(sizes) != len(self.size_slots):
+            return profile
+        found = self._sized_profiles.get(sizes)
+        if found is None:
+            bindings = {sym: v for (_, _, sym), v in zip(self.size_slots, sizes, strict=True)}
+            with bound_sizes(bindings):
+                found = profile_fragment(fw, self._bw_gm, **self._profile_args)
+            # Gradient copies are of parameters, whose sizes are static: the example's figure.
+            found = dataclasses.replace(found, clone_bytes=profile.clone_bytes)
+            if len(self._sized_profiles) < _MAX_SIZE_PROFILES:
+                self._sized_profiles[sizes] = found
+        return found
 
     def _prefetch(self, example_inputs: Sequence[Any]) -> None:
         # Move reloads up the backward where their copies can hide behind compute without
@@ -472,6 +533,7 @@ class _FragmentBuild:
         compiler = self.compiler
         prefetcher = compiler.prefetcher  # the pilot (None: pilot="off"); dynamic/prefetch.py
         build = self
+        sized = kind != "backward" and bool(self.size_slots)  # backward: its forward's sizes
 
         def place(args: list[Any]) -> None:
             for i in hosted:
@@ -494,7 +556,7 @@ class _FragmentBuild:
                 if block and any(blocks):  # a second parameter set (key 0: none)
                     compiler.note_dynamic(f"F{index} serves several parameter sets")
                 blocks[block] = storage_sizes((args[i] for i in static), keep_host=True)
-            on_call(index, kind, block, args)
+            on_call(index, kind, block, args, build.size_key(args) if sized else ())
             tail = prefetcher is not None and prefetcher.before(
                 compiler.steps_observed, index, kind, block, args, hosted, build.prefetch_reserve
             )
@@ -595,13 +657,16 @@ class MemCompiler:
         self.fragments: list[FragmentRecord] = []
         self.fallbacks: list[Fallback] = []
         self.last_step: tuple[StepEvent, ...] = ()
+        #: Each call's size-symbol values (``_FragmentBuild.size_key``), parallel to the steps.
+        self.last_step_sizes: tuple[SizeKey, ...] = ()
         self.steps_observed = 0
         self._lock = threading.Lock()
         self._step: list[StepEvent] = []
+        self._step_sizes: list[SizeKey] = []
         self._step_trains = False
         self._last_kind = ""
-        self._open_blocks: dict[int, list[int]] = {}
-        self._checked_steps: set[tuple[tuple[int, str], ...]] = set()
+        self._open_blocks: dict[int, list[tuple[int, SizeKey]]] = {}
+        self._checked_steps: set[tuple[Any, ...]] = set()
         self.over_budget = False
         #: Bytes of parameters this compiler moved to the host tier (``offload_params``).
         self.host_param_bytes = 0
@@ -781,6 +846,7 @@ class MemCompiler:
             inner=self.config.inner,
             stats=build.stats,
             blocks=build.blocks,
+            profile_at=build.profile_at if build.size_slots else None,
         )
         return compiled, record
 
@@ -804,7 +870,9 @@ class MemCompiler:
             self.fragments.clear()
             self.fallbacks.clear()
             self.last_step = ()
+            self.last_step_sizes = ()
             self._step = []
+            self._step_sizes = []
             self._step_trains = False
             self._last_kind = ""
             self._open_blocks.clear()
@@ -838,7 +906,7 @@ class MemCompiler:
                 continue
             storages.update(r.static_storages)
             if r.profile is not None and r.profile.training:
-                others += r.profile.saved_bytes
+                others += r.profile.saved_bytes + r.profile.saved_input_bytes
         return sum(storages.values()) + others + self._device_other(build, sum(storages.values()))
 
     def _device_other(self, build: _FragmentBuild, known: int) -> int:
@@ -959,7 +1027,9 @@ class MemCompiler:
         the model's first call)."""
         self._claim(monitor.claim_functions(functions))
 
-    def _on_call(self, index: int, kind: str, block: int, args: Sequence[Any] = ()) -> None:
+    def _on_call(
+        self, index: int, kind: str, block: int, args: Sequence[Any] = (), sizes: SizeKey = ()
+    ) -> None:
         # A training step is its forward calls, then its backward calls: the next forward after a
         # backward starts a new step. A step of inference calls ends when its first call repeats
         # (a training forward may repeat a shared fragment, e.g. one graph for every expert).
@@ -974,18 +1044,22 @@ class MemCompiler:
             )
         ):
             self.last_step = tuple(step)
+            self.last_step_sizes = tuple(self._step_sizes)
             self.steps_observed += 1
             self._step = step = []
+            self._step_sizes = []
             self._step_trains = False
             self._open_blocks.clear()
             self._check_step_budget()
         if kind == "forward":
-            self._open_blocks.setdefault(index, []).append(block)
+            self._open_blocks.setdefault(index, []).append((block, sizes))
         elif kind == "backward":
-            # Backward calls come in reverse forward order: pair with the latest open forward.
+            # Backward calls come in reverse forward order: pair with the latest open forward
+            # (its parameters, and the sizes its saved tensors have).
             opened = self._open_blocks.get(index)
-            block = opened.pop() if opened else 0
+            block, sizes = opened.pop() if opened else (0, ())
         step.append((index, kind, block))
+        self._step_sizes.append(sizes)
         self._step_trains |= kind == "forward"
         self._last_kind = kind
         for observer in self.block_observers:
@@ -1005,15 +1079,29 @@ class MemCompiler:
     def step_sequence(self) -> tuple[StepEvent, ...]:
         """The step predictions replay: :meth:`current_step`, with the backward assumed (reverse
         forward order) when only the forward has been seen so far."""
-        seq = self.current_step()
+        return self._sequence_and_sizes()[0]
+
+    def _sequence_and_sizes(self) -> tuple[tuple[StepEvent, ...], tuple[SizeKey, ...]]:
+        """:meth:`step_sequence` and each call's size key."""
+        step = self._step
+        if step and (step[-1][1] == "backward" or not self.last_step):
+            seq, sizes = tuple(step), tuple(self._step_sizes)
+        else:
+            seq, sizes = self.last_step, self.last_step_sizes
+        if len(sizes) != len(seq):  # not recorded (calls made before sizes were): the hints
+            sizes = ((),) * len(seq)
         if seq and not any(kind == "backward" for _, kind, _ in seq):
             training = {
                 r.index for r in self.records() if r.profile is not None and r.profile.training
             }
-            seq = seq + tuple(
-                (i, "backward", b) for i, k, b in reversed(seq) if k == "forward" and i in training
-            )
-        return seq
+            back = [
+                (e, k)
+                for e, k in zip(reversed(seq), reversed(sizes), strict=True)
+                if e[1] == "forward" and e[0] in training
+            ]
+            seq = seq + tuple((i, "backward", b) for (i, _, b), _ in back)
+            sizes = sizes + tuple(k for _, k in back)
+        return seq, sizes
 
     def predict_step(
         self, extra_resident: Iterable[torch.Tensor] = ()
@@ -1033,9 +1121,28 @@ class MemCompiler:
             static.update(storage_sizes([*model.parameters(), *model.buffers()]))
         static.update(storage_sizes(extra_resident))
         resident = sum(static.values()) + (self.device_other_bytes or 0)
-        seq = self.step_sequence()
+        seq, sizes = self._sequence_and_sizes()
         profiles = {r.index: r.profile for r in records}
-        prediction = simulate_step(profiles, seq, resident_bytes=resident) if seq else None
+        # A graph compiled for dynamic sizes (an expert's token count) is profiled at each
+        # call's own sizes: its example's would under- or overstate the other calls.
+        by_index = {r.index: r for r in records}
+        call_profiles: list[FragmentProfile | None] = []
+        for (i, _, _), k in zip(seq, sizes, strict=True):
+            at = by_index[i].profile_at if i in by_index else None
+            call_profiles.append(at(k) if at is not None else None)
+        prediction = (
+            simulate_step(
+                profiles,
+                seq,
+                resident_bytes=resident,
+                call_profiles=[
+                    p if p is not None else profiles.get(i)
+                    for p, (i, _, _) in zip(call_profiles, seq, strict=True)
+                ],
+            )
+            if seq
+            else None
+        )
         return prediction, seq, resident
 
     def _check_step_budget(self) -> None:
@@ -1043,15 +1150,19 @@ class MemCompiler:
         budget = self.config.budget
         if budget is None or not self.last_step:
             return
-        shape = tuple((i, k) for i, k, _ in self.last_step)
+        shape = tuple(
+            (i, k, n) for (i, k, _), n in zip(self.last_step, self.last_step_sizes, strict=False)
+        )
         if shape in self._checked_steps:
             return
+        if len(self._checked_steps) >= _MAX_CHECKED_STEPS:  # a dynamic model: new every step
+            self._checked_steps.clear()
         self._checked_steps.add(shape)
         prediction = self.predict_step()[0]
         if prediction is None or prediction.peak <= budget:
             return
         self.over_budget = True
-        used = {i for i, _ in shape}
+        used = {i for i, _, _ in shape}
         plans = [r.plan for r in self.records() if r.index in used]
         if any(p is not None and not p.feasible for p in plans):
             return  # an infeasible fragment plan was already reported (error or warning)

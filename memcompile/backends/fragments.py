@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +86,8 @@ class FragmentRecord:
         stats: call counters.
         blocks: parameter storages (address -> bytes) per block key seen at run time (one compiled
             graph serves many parameter sets, e.g. experts).
+        profile_at: for a graph with dynamic sizes, its profile at one call's size-symbol values
+            (``None`` when its sizes are static).
     """
 
     index: int
@@ -101,6 +103,10 @@ class FragmentRecord:
     inner: str
     stats: FragmentStats = field(default_factory=FragmentStats, compare=False)
     blocks: dict[int, dict[int, int]] = field(default_factory=dict, compare=False)
+    #: The profile at a call's size key (graphs compiled for dynamic sizes), else ``None``.
+    profile_at: Callable[[tuple[int, ...]], FragmentProfile | None] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     @property
     def name(self) -> str:

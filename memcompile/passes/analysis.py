@@ -19,6 +19,8 @@ freed inside one kernel.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +40,7 @@ __all__ = [
     "NodeProfile",
     "StorageIds",
     "StorageProfile",
+    "bound_sizes",
     "node_cost",
     "profile_graph",
     "sym_to_int",
@@ -55,11 +58,38 @@ _WAIT = torch.ops.memcompile.wait.default  # a stream wait: no kernel, no bytes
 _UNBACKED_FALLBACK = 0
 
 
+#: Values of size symbols that :func:`sym_to_int` uses instead of their hints (see
+#: :func:`bound_sizes`): a graph compiled for dynamic sizes, profiled at one call's sizes.
+_BINDINGS: contextvars.ContextVar[Mapping[Any, int] | None] = contextvars.ContextVar(
+    "memcompile_size_bindings", default=None
+)
+
+
+@contextlib.contextmanager
+def bound_sizes(bindings: Mapping[Any, int]) -> Iterator[None]:
+    """Within the block, SymInts whose symbols are all in ``bindings`` (sympy symbol -> value)
+    evaluate to those values, exactly; others to their hints, as outside it."""
+    token = _BINDINGS.set(bindings)
+    try:
+        yield
+    finally:
+        _BINDINGS.reset(token)
+
+
 def sym_to_int(x: int | torch.SymInt) -> tuple[int, bool]:
-    """``(value, approximate)``: an int, or a SymInt evaluated by its hint (the example input)."""
+    """``(value, approximate)``: an int, or a SymInt evaluated at the bound sizes
+    (:func:`bound_sizes`) or else by its hint (the example input)."""
     if isinstance(x, int):
         return x, False
     node = x.node
+    bindings = _BINDINGS.get()
+    if bindings:
+        try:
+            value = node.expr.xreplace(bindings)
+        except Exception:  # not a sympy expression: use the hint
+            value = None
+        if value is not None and value.is_number:
+            return int(value), False
     hint = node.hint
     if hint is None:
         try:

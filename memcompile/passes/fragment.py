@@ -44,6 +44,9 @@ class FragmentProfile:
         grad_bytes: storages of gradients for parameters/buffers (they become ``.grad``).
         clone_bytes: largest gradient AccumulateGrad copies because its layout differs from the
             parameter's, plus the copy's measured scratch (transient), 0 if none.
+        saved_input_bytes: activation inputs (not parameters or buffers) the backward reads:
+            autograd keeps them alive until then, whether or not the caller does (in a
+            multi-fragment step, a fragment's input is often the last one's output, dropped).
     """
 
     forward: GraphProfile
@@ -54,6 +57,7 @@ class FragmentProfile:
     held_output_bytes: int
     grad_bytes: int
     clone_bytes: int
+    saved_input_bytes: int = 0
 
     @property
     def training(self) -> bool:
@@ -212,6 +216,10 @@ def profile_fragment(
     bw_in_ids = [sid for p in bw_placeholders for sid in ids.ids_of(p.meta.get("val"))]
     saved = dict.fromkeys(s for s in bw_in_ids if s in fw_out_ids)
     saved_bytes = sum(ids.nbytes(s) for s in saved)
+    static_ids = {sid for v in static for sid in ids.ids_of(v)}
+    activation_ids = {sid for v in in_vals for sid in ids.ids_of(v)} - static_ids
+    saved_inputs = dict.fromkeys(s for s in bw_in_ids if s in activation_ids)
+    saved_input_bytes = sum(ids.nbytes(s) for s in saved_inputs)
     held = sum(ids.nbytes(s) for s in dict.fromkeys(tracked_user) if s not in saved)
 
     # Backward outputs line up with the forward inputs (None where no gradient flows).
@@ -233,5 +241,13 @@ def profile_fragment(
         clone,
     )
     return FragmentProfile(
-        fw, bw, input_bytes, static_input_bytes, saved_bytes, held, grad_bytes, clone
+        fw,
+        bw,
+        input_bytes,
+        static_input_bytes,
+        saved_bytes,
+        held,
+        grad_bytes,
+        clone,
+        saved_input_bytes=saved_input_bytes,
     )

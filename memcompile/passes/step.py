@@ -5,7 +5,7 @@ Replays the observed call sequence of one step (``F0.fw F1.fw … F1.bw F0.bw``)
 
     live = resident (parameters, buffers, the first fragment's inputs)
     F.fw        peak = live + saved(earlier fragments) + F's activation inputs + F.forward peak
-                saved += F.saved
+                saved += F.saved + F.saved inputs (autograd keeps the inputs its backward reads)
     F.bw        peak = live + held loss + saved(others) + grads so far + F.backward peak
                 saved -= F.saved; grads += F.grads   (once per block: accumulating is in place)
 
@@ -53,6 +53,7 @@ def simulate_step(
     sequence: Sequence[tuple[int, str, int]],
     *,
     resident_bytes: int,
+    call_profiles: Sequence[FragmentProfile | None] | None = None,
 ) -> StepPrediction:
     """Replay ``sequence`` (fragment index, kind, block key) over ``profiles``.
 
@@ -62,7 +63,14 @@ def simulate_step(
             the same (index, block key) use the same parameters, so their gradients count once.
         resident_bytes: parameters and buffers resident for the whole step (the first fragment's
             activation inputs are added here, they are held by the caller).
+        call_profiles: each call's own profile, where it differs from its fragment's (a graph
+            compiled for dynamic sizes, profiled at the sizes of that call); a backward call's
+            is its forward's.
     """
+    if call_profiles is not None and len(call_profiles) != len(sequence):
+        raise ValueError(
+            f"call_profiles has {len(call_profiles)} entries for {len(sequence)} calls"
+        )
     base = resident_bytes
     peak = base
     peak_call = -1
@@ -71,8 +79,11 @@ def simulate_step(
     held = 0
     first_forward = True
     with_grads: set[tuple[int, int]] = set()
+    # A forward saves its call's bytes; its backward releases exactly those.
+    open_saved: dict[int, list[tuple[int, int]]] = {}
+    first_call = -1
     for i, (index, kind, block) in enumerate(sequence):
-        prof = profiles.get(index)
+        prof = call_profiles[i] if call_profiles is not None else profiles.get(index)
         if prof is None:
             call_peaks.append(base + saved + grads)
             continue
@@ -82,17 +93,34 @@ def simulate_step(
                 base += activations  # the step's own inputs stay held by the caller
                 activations = 0
                 first_forward = False
+                first_call = i
             p = base + saved + grads + activations + prof.forward.peak_bytes
             if kind == "forward":
-                saved += prof.saved_bytes
+                # The first forward's inputs are the caller's (in base): only later ones, which
+                # Python may drop while autograd keeps them, add to what is saved. An input two
+                # fragments both save counts twice (an overestimate: sizes are not storages).
+                inputs = 0 if i == first_call else prof.saved_input_bytes
+                saved += prof.saved_bytes + inputs
+                open_saved.setdefault(index, []).append((prof.saved_bytes, inputs))
             held = prof.held_output_bytes
         else:  # backward
             bw = prof.backward
             if bw is None:
                 call_peaks.append(base + saved + grads)
                 continue
-            others = max(saved - prof.saved_bytes, 0)
-            p = base + held + others + grads + max(bw.peak_bytes, bw.end_bytes + prof.clone_bytes)
+            opened = open_saved.get(index)
+            outputs, inputs = opened.pop() if opened else (prof.saved_bytes, 0)
+            others = max(saved - outputs - inputs, 0)
+            # Its saved inputs stay until the call ends (the graph's profile treats every
+            # forward input as the caller's).
+            p = (
+                base
+                + held
+                + others
+                + inputs
+                + grads
+                + max(bw.peak_bytes, bw.end_bytes + prof.clone_bytes)
+            )
             saved = others
             if (index, block) not in with_grads:
                 with_grads.add((index, block))
