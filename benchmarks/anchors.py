@@ -469,6 +469,12 @@ def main() -> None:
     p.add_argument(
         "--sweep-systems", default=",".join(SWEEP_SYSTEMS), help="comma list for the sweep"
     )
+    p.add_argument(
+        "--sweep-name",
+        default="anchors_sweep",
+        help="file stem of a --sweep-only run's results (default anchors_sweep): a partial "
+        "sweep (some systems) can be kept beside the full one",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
@@ -527,7 +533,7 @@ def main() -> None:
         "sweep": sweep,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "anchors_sweep" if args.sweep_only else "anchors_quick" if args.quick else "anchors"
+    stem = args.sweep_name if args.sweep_only else "anchors_quick" if args.quick else "anchors"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     text = render(result)
     (args.out / f"{stem}.md").write_text(text)
