@@ -42,8 +42,11 @@ seeded: the same rows give the same model) and swaps the models in when done; :m
 it (tests and benchmarks, for a deterministic swap point). A prediction whose probability is
 below ``threshold``, or made before any model exists, is the Markov predictor's (markov.py),
 unless the rule covers it. Predictions go through LightGBM's C single-row fast path
-(fastpredict.py), and only for the horizons the rule does not cover. :meth:`save` writes the
-rule's votes into ``meta.json`` and :meth:`load` restores them.
+(fastpredict.py), and only for the horizons the rule does not cover: the feature row is written
+once into a buffer every horizon's booster reads, and the boosters' answers are kept per feature
+row for the models that gave them (a row seen again is answered without running them; identical
+rows give identical answers, so predictions do not change; ``PilotStats.reuse_rate``).
+:meth:`save` writes the rule's votes into ``meta.json`` and :meth:`load` restores them.
 """
 
 from __future__ import annotations
