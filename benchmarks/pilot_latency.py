@@ -15,7 +15,10 @@ blocks' small integer outputs, so the output rule too) on it once, then times:
   time through the trained pilot (``observe`` with outputs, then a timed ``predict``), so the
   rule's plans are as in use; split into the calls that the rule answered alone and those that
   ran a booster;
-* ``MarkovPredictor.predict()``.
+* ``MarkovPredictor.predict()``;
+* the same live replay for the zoo's early-exit and TreeLSTM (``tiny``, ``--extra-steps`` steps
+  each; no output rule applies there, so every call runs the boosters): ``predict()``,
+  ``observe()``, and the two together (the pilot's real cost per forward block).
 
 Median and p90 of ``time.perf_counter_ns`` per call, after 200 warm-up calls (the live replay:
 over every call of the second pass). Writes
@@ -42,6 +45,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from dynamic import collect_trace, forward_stream  # noqa: E402
 from machine import describe_machine  # noqa: E402
 
+from memcompile import zoo  # noqa: E402
 from memcompile.dynamic.fastpredict import FastBooster  # noqa: E402
 from memcompile.dynamic.pilot import Pilot  # noqa: E402
 
@@ -57,11 +61,30 @@ def _time(fn: Callable[[int], object], calls: int) -> tuple[float, float]:
     return float(np.median(ts)) / 1000, float(np.percentile(ts, 90)) / 1000
 
 
+def _live(pilot: Pilot, stream: list, *, train: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Replay ``stream`` through ``pilot`` (``train``: then join the training at the end);
+    microseconds per ``observe`` and per ``predict``."""
+    obs, pred = [], []
+    for t, (step, block, fragment, sizes, idioms, outs) in enumerate(stream):
+        a = time.perf_counter_ns()
+        pilot.observe(block, fragment, sizes, idioms, outputs=outs)
+        b = time.perf_counter_ns()
+        pilot.predict()
+        obs.append(b - a)
+        pred.append(time.perf_counter_ns() - b)
+        if t + 1 == len(stream) or stream[t + 1][0] != step:
+            pilot.end_step()
+    if train:
+        pilot.wait()
+    return np.array(obs, dtype=np.float64) / 1000, np.array(pred, dtype=np.float64) / 1000
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--calls", type=int, default=5000)
     ap.add_argument("--size", default="small", help="zoo MoE size (default: small)")
+    ap.add_argument("--extra-steps", type=int, default=60, help="early_exit, treelstm (0: skip)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -131,7 +154,29 @@ def main(argv: list[str] | None = None) -> int:
     results["Pilot.observe(..., outputs=...) live (features, rule checks)"] = pct(
         np.array(observe_ns, dtype=np.float64) / 1000
     )
+    results["Pilot.observe + predict live, per block"] = pct(
+        (np.array(observe_ns, dtype=np.float64) + np.array(times, dtype=np.float64)) / 1000
+    )
     results["MarkovPredictor.predict()"] = _time(lambda i: pilot.markov.predict(), args.calls)
+    extra: list[str] = []
+    for name in ("early_exit", "treelstm") if args.extra_steps > 0 else ():
+        print(f"progress 3/3 {name}: trace, training, live replay", file=sys.stderr, flush=True)
+        wl = zoo.build(name, size="tiny")
+        t2, _ = collect_trace(args.extra_steps, size="tiny", batch=0, seq_len=0, workload=wl)
+        s2 = forward_stream(t2)
+        p2 = Pilot(horizon=2, warmup_steps=args.extra_steps, retrain_every=10_000, seed=0)
+        _live(p2, s2, train=True)
+        ms = p2._models
+        assert ms is not None, f"the pilot did not train on {name}"
+        obs, pred = _live(p2, s2, train=False)
+        extra.append(
+            f"{name}: {len(s2)} blocks of {args.extra_steps} steps, "
+            f"{', '.join(str(m.booster.num_trees() if m.booster else 0) for m in ms)} trees, "
+            f"answers reused for {p2.stats().reuse_rate:.0%} of the rows"
+        )
+        results[f"{name}: Pilot.predict() live (2 horizons, boosters)"] = pct(pred)
+        results[f"{name}: Pilot.observe() live"] = pct(obs)
+        results[f"{name}: Pilot.observe + predict live, per block"] = pct(obs + pred)
     command = "OMP_NUM_THREADS=1 python benchmarks/pilot_latency.py " + " ".join(
         argv or sys.argv[1:]
     )
@@ -145,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         f"- model: trained on {n} rows of {args.steps} steps of {facts['workload']} (LightGBM "
         f"per horizon on the rows the output rule did not cover); trees = classes x "
         f"{pilot.rounds} rounds ({', '.join(str(len(m.classes)) for m in models)} classes), "
-        f"{booster.num_feature()} features",
+        f"{booster.num_feature()} features; answers reused for "
+        f"{pilot.stats().reuse_rate or 0:.0%} of the rows in the live replay",
+        *(f"- {e}" for e in extra),
+        "- live: the trace replayed a second time through the trained pilot, every call timed",
         "",
         "| call | median us | p90 us |",
         "|---|---|---|",

@@ -300,3 +300,87 @@ def test_rule_follows_a_plan_through_a_wrong_block_and_keeps_it_against_weaker_s
     assert rule.ahead(1) == UNKNOWN and rule.left == 0
     with pytest.raises(ValueError, match="min_checks must be >= 1"):
         RoutingRule(min_checks=0)
+
+
+def test_boosters_share_one_row_buffer_and_best_is_the_argmax() -> None:
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(300, 5))
+    params = {"objective": "multiclass", "verbose": -1, "num_threads": 1, "seed": 0}
+    one = lgb.train({**params, "num_class": 3}, lgb.Dataset(x, (x[:, 0] > 0) + (x[:, 1] > 0)), 4)
+    two = lgb.train({**params, "num_class": 2}, lgb.Dataset(x, (x[:, 2] > 0).astype(int)), 4)
+    row = np.zeros(5)
+    a, b = FastBooster(one, row=row), FastBooster(two, row=row)
+    assert a.row is row and b.row is row
+    for r in x[:10]:
+        row[:] = r  # written once, read by both
+        for fast, booster in ((a, one), (b, two)):
+            probs = booster.predict(r[None])[0]
+            i, p = fast.best()
+            assert i == int(probs.argmax()) and p == pytest.approx(probs.max(), rel=1e-12)
+    with pytest.raises(ValueError, match=r"row must be a C-contiguous float64 array of shape"):
+        FastBooster(one, row=np.zeros(4))
+    with pytest.raises(ValueError, match=r"row must be a C-contiguous float64 array of shape"):
+        FastBooster(one, row=np.zeros(5, dtype=np.float32))
+
+
+def test_repeated_rows_reuse_the_boosters_answers_of_the_current_models() -> None:
+    """A row seen before is answered without the boosters, and exactly as they would answer;
+    a new model (retraining) never answers with the old one's results."""
+    pilot = Pilot(horizon=2, warmup_steps=5, retrain_every=5, background=False, threshold=0.0)
+    rng = np.random.default_rng(0)
+    checked = 0
+    models_seen = set()
+    for _ in range(25):
+        for block, fragment, sizes in _step(rng):
+            pilot.observe(block, fragment, sizes, (0, 1, 0, 1, 0, 0))
+            p = pilot.predict()
+            models = pilot._models
+            if models is None:
+                continue
+            models_seen.add(id(models))
+            row = np.array(pilot._row, dtype=np.float64)[None]
+            for j, m in enumerate(models):
+                if m.booster is None:
+                    continue
+                probs = m.booster.predict(row)[0]  # the Python API: no buffer, no reuse
+                assert p.sources[j] == "lightgbm"
+                assert p.blocks[j] == pilot._labels[int(m.classes[probs.argmax()])]
+                assert p.confidence[j] == pytest.approx(probs.max(), rel=1e-12)
+                checked += 1
+        pilot.end_step()
+    assert checked > 100 and len(models_seen) == 4  # trained after steps 5, 10, 15, 20 (, 25)
+    reuse = pilot.stats().reuse_rate
+    assert reuse is not None and 0.3 < reuse < 1.0, reuse
+    assert pilot.stats().to_dict()["reuse_rate"] == reuse
+
+
+def test_rule_votes_keep_the_most_voted_block_smallest_id_on_ties() -> None:
+    from memcompile.dynamic.rules import _most_voted, _Slot
+
+    s = _Slot()
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        p, v, b = int(rng.integers(3)), int(rng.integers(4)), int(rng.integers(4))
+        s.vote(p, v, b)
+        s.vote_exit(b)
+        for key, votes in s.by_value.items():
+            assert s.best_value[key] == _most_voted(votes)  # kept as it goes, ties included
+        for key, votes in s.by_position.items():
+            assert s.best_position[key] == _most_voted(votes)
+        assert s.exit_label() == _most_voted(s.exit_votes)[0]
+    before = (dict(s.best_value), dict(s.best_position), dict(s.best_exit))
+    s.best_value, s.best_position, s.best_exit = {}, {}, {}
+    s.rebuild_best()  # as after loading the votes
+    assert (s.best_value, s.best_position, s.best_exit) == before
+    assert s.label(0, 7) == (s.best_value[(0, 2)][0], True)  # values >= 2 share a bucket
+    assert _Slot().label(0, 1) == (UNKNOWN, False)
+
+
+def test_rule_accuracy_counts_follow_the_window() -> None:
+    from memcompile.dynamic.rules import _Recent
+
+    r = _Recent(4)
+    assert r.accuracy() is None
+    for ok in (True, True, False, True, False, False):
+        r.append(ok)
+    assert list(r) == [False, True, False, False] and r.right == 1 and r.accuracy() == 0.25

@@ -9,7 +9,10 @@
     probs = fast.predict()               # numpy view of the preallocated output (class probs)
 
 The output array is reused by the next call: copy it to keep it. Calls release the GIL (ctypes),
-and each :class:`FastBooster` has its own buffers: use one per thread.
+and each :class:`FastBooster` has its own buffers: use one per thread. Several boosters over the
+same features can share one input row (``FastBooster(b, row=x)``): the pilot writes a feature row
+once and every horizon's booster reads it. :meth:`FastBooster.best` returns the argmax class and
+its probability without a numpy round trip per call site.
 """
 
 from __future__ import annotations
@@ -34,19 +37,28 @@ class FastBooster:
 
     Args:
         booster: a trained booster (kept alive by this object).
+        row: the input buffer to read (float64, C-contiguous, one value per feature), shared
+            with other boosters over the same features; ``None``: a new one.
 
     Attributes:
         row: the input row (float64, one value per feature; NaN is "missing").
         out: the output of the last :meth:`predict` (class probabilities, or one value).
     """
 
-    def __init__(self, booster: lgb.Booster) -> None:
+    def __init__(self, booster: lgb.Booster, *, row: np.ndarray | None = None) -> None:
         self.booster = booster
         ncol = booster.num_feature()
         num_class = ctypes.c_int(0)
         _safe_call(_LIB.LGBM_BoosterGetNumClasses(booster._handle, ctypes.byref(num_class)))
         classes = num_class.value
-        self.row = np.zeros(ncol, dtype=np.float64)
+        if row is None:
+            row = np.zeros(ncol, dtype=np.float64)
+        elif row.dtype != np.float64 or row.shape != (ncol,) or not row.flags.c_contiguous:
+            raise ValueError(
+                f"FastBooster: row must be a C-contiguous float64 array of shape ({ncol},); "
+                f"got {row.dtype} {row.shape}"
+            )
+        self.row = row
         self.out = np.zeros(classes, dtype=np.float64)
         self._row_ptr = self.row.ctypes.data_as(ctypes.c_void_p)
         self._out_ptr = self.out.ctypes.data_as(ctypes.POINTER(ctypes.c_double))
@@ -66,12 +78,22 @@ class FastBooster:
             )
         )
         self._predict = _LIB.LGBM_BoosterPredictForMatSingleRowFast
+        self._args = (self._config, self._row_ptr, self._out_len_ref, self._out_ptr)
 
     def predict(self) -> np.ndarray:
         """Predict :attr:`row`; returns :attr:`out` (overwritten by the next call)."""
-        if self._predict(self._config, self._row_ptr, self._out_len_ref, self._out_ptr) != 0:
+        if self._predict(*self._args) != 0:
             raise lgb.basic.LightGBMError(_LIB.LGBM_GetLastError().decode("utf-8"))
         return self.out
+
+    def best(self) -> tuple[int, float]:
+        """Predict :attr:`row`: the most probable class index (the first on ties, as
+        ``argmax``) and its probability."""
+        if self._predict(*self._args) != 0:
+            raise lgb.basic.LightGBMError(_LIB.LGBM_GetLastError().decode("utf-8"))
+        out = self.out
+        i = int(out.argmax())
+        return i, out.item(i)
 
     def __del__(self) -> None:
         config = getattr(self, "_config", None)

@@ -42,12 +42,16 @@ seeded: the same rows give the same model) and swaps the models in when done; :m
 it (tests and benchmarks, for a deterministic swap point). A prediction whose probability is
 below ``threshold``, or made before any model exists, is the Markov predictor's (markov.py),
 unless the rule covers it. Predictions go through LightGBM's C single-row fast path
-(fastpredict.py), and only for the horizons the rule does not cover. :meth:`save` writes the
-rule's votes into ``meta.json`` and :meth:`load` restores them.
+(fastpredict.py), and only for the horizons the rule does not cover: the feature row is written
+once into a buffer every horizon's booster reads, and the boosters' answers are kept per feature
+row for the models that gave them (a row seen again is answered without running them; identical
+rows give identical answers, so predictions do not change; ``PilotStats.reuse_rate``).
+:meth:`save` writes the rule's votes into ``meta.json`` and :meth:`load` restores them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -81,6 +85,8 @@ PLAN_OUTPUTS = 16
 STEP_OUTPUTS = 8
 _NAN = float("nan")
 _ZERO_IDIOMS: IdiomVector = (0, 0, 0, 0, 0, 0)
+#: Feature rows whose boosters' answers are kept (then the store starts over).
+_MAX_ANSWERS = 1 << 14
 
 
 def feature_names(history: int, horizon: int) -> tuple[str, ...]:
@@ -135,6 +141,9 @@ class PilotStats:
         models_trained: completed trainings.
         rule_rate: fraction of the per-horizon predictions the output rule made (``None``:
             no prediction yet).
+        reuse_rate: of the predictions that needed the boosters, the fraction whose feature row
+            had been seen before with the same models, answered without running them again
+            (``None``: none needed them).
     """
 
     accuracy: float | None
@@ -145,6 +154,7 @@ class PilotStats:
     fallback_rate: float | None
     models_trained: int
     rule_rate: float | None = None
+    reuse_rate: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -156,24 +166,37 @@ class PilotStats:
             "fallback_rate": self.fallback_rate,
             "models_trained": self.models_trained,
             "rule_rate": self.rule_rate,
+            "reuse_rate": self.reuse_rate,
         }
 
 
 class _Horizon:
-    """The model for one horizon: a booster over the classes seen, or a constant."""
+    """The model for one horizon: a booster over the classes seen, or a constant.
 
-    def __init__(self, classes: np.ndarray, booster: lgb.Booster | None) -> None:
+    ``row``: the pilot's feature buffer, shared by every horizon's booster (written once per
+    prediction, not once per horizon).
+    """
+
+    def __init__(
+        self, classes: np.ndarray, booster: lgb.Booster | None, row: np.ndarray | None = None
+    ) -> None:
         self.classes = classes  # class index -> block id
         self.booster = booster
-        self.fast = FastBooster(booster) if booster is not None else None
+        self.fast = FastBooster(booster, row=row) if booster is not None else None
+        self._labels = [int(c) for c in classes]
+
+    def best(self) -> tuple[int, float]:
+        """The most probable block for the row in the shared buffer, and its probability."""
+        if self.fast is None:
+            return self._labels[0], 1.0
+        i, p = self.fast.best()
+        return self._labels[i], p
 
     def predict(self, row: Sequence[float]) -> tuple[int, float]:
-        if self.fast is None:
-            return int(self.classes[0]), 1.0
-        self.fast.row[:] = row
-        probs = self.fast.predict()
-        best = int(probs.argmax())
-        return int(self.classes[best]), float(probs[best])
+        """The most probable block for ``row`` (copied into the buffer), and its probability."""
+        if self.fast is not None:
+            self.fast.row[:] = row
+        return self.best()
 
 
 def _train(
@@ -183,6 +206,7 @@ def _train(
     params: dict[str, Any],
     rounds: int,
     rule_at: int,
+    row: np.ndarray | None = None,
 ) -> tuple[_Horizon, ...]:
     models = []
     for j in range(y.shape[1]):
@@ -201,7 +225,7 @@ def _train(
             xj, labels, categorical_feature=categorical, params={"verbose": -1}, free_raw_data=True
         )
         booster = lgb.train({**params, "num_class": len(classes)}, data, num_boost_round=rounds)
-        models.append(_Horizon(classes, booster))
+        models.append(_Horizon(classes, booster, row))
     return tuple(models)
 
 
@@ -306,6 +330,22 @@ class Pilot:
         self._horizon_predictions = 0
         self._model_predictions = 0
         self._latency_ns: deque[int] = deque(maxlen=10_000)
+        # prediction: the feature buffer every booster reads, and the boosters' answers per
+        # feature row (rows repeat: a static stretch of the network; identical rows give
+        # identical answers), for the models they came from
+        # (a ctypes array: a list is copied into it faster than into numpy; numpy view on it)
+        self._cx = (ctypes.c_double * len(self.features))(*([_NAN] * len(self.features)))
+        self._x = np.frombuffer(self._cx, dtype=np.float64)
+        self._answers: dict[bytes, list[tuple[int, float] | None]] = {}
+        self._answers_for: tuple[_Horizon, ...] | None = None
+        self._answer_hits = 0
+        self._answer_lookups = 0
+        # feature building: constant pieces of the row
+        self._no_hist = [_NAN] * history
+        self._no_prev = [_NAN] * horizon
+        self._rule_blank = [_NAN] * (len(self.features) - self._rule_at)
+        self._sizes_floats: dict[tuple[int, ...], list[float]] = {}
+        self._idiom_floats: dict[IdiomVector | None, list[float]] = {}
 
     # -- the stream ---------------------------------------------------------------------------
     def block_id(self, label: str) -> int:
@@ -330,52 +370,72 @@ class Pilot:
         ``outputs``: the block's small integer outputs (trace.py's ``small_int_outputs``), when
         known already; else pass them to :meth:`observe_outputs` once the block returned.
         """
-        b = self.block_id(block)
+        b = self._ids.get(block)
+        if b is None:
+            b = self.block_id(block)
         t = self._t
+        h = self.horizon
         # score earlier predictions of this block, and fill in earlier rows' targets
         made = self._made
-        while made and t - made[0][0] > self.horizon:
+        while made and t - made[0][0] > h:
             made.popleft()
-        for when, predicted in made:
-            j = t - when
-            if 1 <= j <= self.horizon:
-                self._scored[j - 1] += 1
-                self._hits[j - 1] += predicted[j - 1] == b
+        if made:
+            scored, hits = self._scored, self._hits
+            for when, predicted in made:
+                j = t - when - 1
+                if 0 <= j < h:
+                    scored[j] += 1
+                    hits[j] += predicted[j] == b
         rows = self._rows
-        for j in range(1, min(self.horizon, len(rows)) + 1):
+        n = len(rows)
+        for j in range(1, (h if h < n else n) + 1):
             rows[-j][1][j - 1] = b
         self.markov.observe(b)
         if self.rule is not None:
             self.rule.observe(b)
+        if type(sizes) is not tuple:
+            sizes = tuple(sizes)
         if fragment == self._fragment:
             self._run += 1
             run_sizes = self._run_sizes
         else:
             self._run = 1
             run_sizes = self._run_sizes = [0.0] * MAX_SIZES
-        self._fragment = fragment
+            self._fragment = fragment
         for i in range(min(len(sizes), MAX_SIZES)):
             run_sizes[i] += sizes[i]
-        self._recent.appendleft(b)
-        pos = len(self._step_seq)
-        self._step_seq.append(b)
-        prev = self._prev_seq
         recent = self._recent
-        row: list[float] = [
-            float(recent[i]) if i < len(recent) else _NAN for i in range(self.history)
-        ]
-        row.append(float(pos))
-        row.extend(float(x) for x in (idioms or _ZERO_IDIOMS))
-        row.extend(float(sizes[i]) if i < len(sizes) else 0.0 for i in range(MAX_SIZES))
-        row.append(float(self._run))
-        row.extend(run_sizes)
-        row.extend(
-            float(prev[pos + j]) if pos + j < len(prev) else _NAN
-            for j in range(1, self.horizon + 1)
-        )
-        row.extend([_NAN] * (len(self.features) - len(row)))  # the rule's, filled below
+        recent.appendleft(b)
+        step_seq = self._step_seq
+        pos = len(step_seq)
+        step_seq.append(b)
+        # the row: hist_*, position, idiom_*, size_*, run, run_size_*, prev_step_*, then the
+        # rule's columns (filled by _rule_features)
+        row: list[float] = list(recent)
+        if len(row) < self.history:
+            row += self._no_hist[len(row) :]
+        row.append(pos)
+        floats = self._idiom_floats.get(idioms)
+        if floats is None:
+            floats = self._idiom_floats[idioms] = [float(x) for x in (idioms or _ZERO_IDIOMS)]
+        row += floats
+        floats = self._sizes_floats.get(sizes)
+        if floats is None:
+            if len(self._sizes_floats) >= 4096:
+                self._sizes_floats.clear()  # bounded: sizes may vary without end
+            floats = self._sizes_floats[sizes] = [
+                float(sizes[i]) if i < len(sizes) else 0.0 for i in range(MAX_SIZES)
+            ]
+        row += floats
+        row.append(self._run)
+        row += run_sizes
+        prev = self._prev_seq[pos + 1 : pos + h + 1]
+        row += prev
+        if len(prev) < h:
+            row += self._no_prev[len(prev) :]
+        row += self._rule_blank
         self._row = row
-        rows.append((row, [UNKNOWN] * self.horizon))
+        rows.append((row, [UNKNOWN] * h))
         self._t = t + 1
         if outputs:
             self.observe_outputs(outputs)
@@ -435,40 +495,63 @@ class Pilot:
         start = time.perf_counter_ns()
         markov = self.markov.predict()
         models, row, rule = self._models, self._row, self.rule
-        ids: list[int] = []
-        sources: list[str] = []
-        conf: list[float] = []
-        for j in range(self.horizon):
+        h = self.horizon
+        ids = list(markov)
+        sources = ["markov"] * h
+        conf = [_NAN] * h
+        answers: list[tuple[int, float] | None] | None = None
+        for j in range(h):
             if rule is not None:
                 r = rule.ahead(j + 1)
                 if r != UNKNOWN:
-                    ids.append(r)
-                    sources.append("rule")
-                    conf.append(1.0)
+                    ids[j] = r
+                    sources[j] = "rule"
+                    conf[j] = 1.0
                     continue
             if models is not None and row is not None:
-                b, p = models[j].predict(row)
+                if answers is None:
+                    answers = self._answers_of(models, row)
+                a = answers[j]
+                if a is None:
+                    a = answers[j] = models[j].best()
+                b, p = a
                 if p >= self.threshold or markov[j] == UNKNOWN:
-                    ids.append(b)
-                    sources.append("lightgbm")
-                    conf.append(p)
-                    continue
-            ids.append(markov[j])
-            sources.append("markov")
-            conf.append(_NAN)
+                    ids[j] = b
+                    sources[j] = "lightgbm"
+                    conf[j] = p
         self._latency_ns.append(time.perf_counter_ns() - start)
         if models is not None:
             self._model_predictions += 1
             self._fallbacks += "markov" in sources
-        self._horizon_predictions += self.horizon
+        self._horizon_predictions += h
         self._rule_predictions += sources.count("rule")
-        self._made.append((self._t - 1, tuple(ids)))
+        self._made.append((self._t - 1, ids))
         labels = self._labels
         return Prediction(
-            blocks=tuple(labels[i] if i >= 0 else None for i in ids),
+            blocks=tuple([labels[i] if i >= 0 else None for i in ids]),
             sources=tuple(sources),
             confidence=tuple(conf),
         )
+
+    def _answers_of(
+        self, models: tuple[_Horizon, ...], row: list[float]
+    ) -> list[tuple[int, float] | None]:
+        """The boosters' answers for ``row`` (per horizon, ``None`` until asked), after writing
+        it into the buffer they read; kept per row for these models."""
+        self._cx[:] = row
+        if models is not self._answers_for:
+            self._answers.clear()
+            self._answers_for = models
+        self._answer_lookups += 1
+        key = self._x.tobytes()
+        answers = self._answers.get(key)
+        if answers is None:
+            if len(self._answers) >= _MAX_ANSWERS:
+                self._answers.clear()
+            answers = self._answers[key] = [None] * self.horizon
+        else:
+            self._answer_hits += 1
+        return answers
 
     # -- training -----------------------------------------------------------------------------
     def _retrain(self) -> None:
@@ -491,7 +574,9 @@ class Pilot:
 
     def _train_job(self, x: np.ndarray, y: np.ndarray) -> None:
         try:
-            models = _train(x, y, self._categorical, self._params, self.rounds, self._rule_at)
+            models = _train(
+                x, y, self._categorical, self._params, self.rounds, self._rule_at, self._x
+            )
         except Exception as e:  # a failed training keeps the previous model
             log.warning("memcompile pilot: training failed (%s); keeping the previous model", e)
             return
@@ -531,6 +616,7 @@ class Pilot:
                 if self._horizon_predictions
                 else None
             ),
+            reuse_rate=(self._answer_hits / self._answer_lookups if self._answer_lookups else None),
         )
 
     # -- files --------------------------------------------------------------------------------
@@ -609,7 +695,7 @@ class Pilot:
             booster = lgb.Booster(model_str=text)
             if booster.num_feature() != len(self.features):
                 raise ValueError(f"h{j}.txt has {booster.num_feature()} features")
-            models.append(_Horizon(ids, booster))
+            models.append(_Horizon(ids, booster, self._x))
         if len(models) != self.horizon:
             raise ValueError(f"{len(models)} horizons saved, expected {self.horizon}")
         rules = meta.get("rules", [])

@@ -49,6 +49,55 @@ def _bucket(value: int) -> int:
     return value if value < 2 else 2
 
 
+def _vote(votes: dict[int, int], best: dict[Any, tuple[int, int]], key: Any, b: int) -> None:
+    """One more vote for ``b`` in ``votes``; keep ``best[key]``, the most voted block (the
+    smallest id on ties), up to date: only ``b``'s count changed, so it wins or nothing does."""
+    n = votes[b] = votes.get(b, 0) + 1
+    top = best.get(key)
+    if top is None or n > top[1] or (n == top[1] and b < top[0]):
+        best[key] = (b, n)
+
+
+def _most_voted(votes: dict[int, int]) -> tuple[int, int]:
+    return max(votes.items(), key=lambda kv: (kv[1], -kv[0]))
+
+
+class _Recent:
+    """The last ``maxlen`` check results and how many of them were right (kept as it goes:
+    the rule reads the accuracy on every emission)."""
+
+    __slots__ = ("items", "right")
+
+    def __init__(self, maxlen: int) -> None:
+        self.items: deque[bool] = deque(maxlen=maxlen)
+        self.right = 0
+
+    def append(self, ok: bool) -> None:
+        items = self.items
+        if len(items) == items.maxlen:
+            self.right -= items[0]
+        items.append(ok)
+        self.right += ok
+
+    def extend(self, oks: Any) -> None:
+        for ok in oks:
+            self.append(bool(ok))
+
+    def accuracy(self) -> float | None:
+        n = len(self.items)
+        return self.right / n if n else None
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self) -> Any:
+        return iter(self.items)
+
+    @property
+    def maxlen(self) -> int | None:
+        return self.items.maxlen
+
+
 @dataclass
 class _Slot:
     # (position, bucket) -> {block id: votes}; position -> {block id: votes}
@@ -56,25 +105,40 @@ class _Slot:
     by_position: dict[int, dict[int, int]] = field(default_factory=dict)
     exit_votes: dict[int, int] = field(default_factory=dict)
     checks: int = 0  # emissions whose run was seen to the end (or cut by the step's end)
-    recent: deque[bool] = field(default_factory=lambda: deque(maxlen=50))
-    exit_recent: deque[bool] = field(default_factory=lambda: deque(maxlen=50))
+    recent: _Recent = field(default_factory=lambda: _Recent(50))
+    exit_recent: _Recent = field(default_factory=lambda: _Recent(50))
     retired: bool = False  # a full window of checks, under half right: checked no more
+    # the most voted block and its votes, per key of by_value / by_position, and for the exit
+    best_value: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    best_position: dict[int, tuple[int, int]] = field(default_factory=dict)
+    best_exit: dict[None, tuple[int, int]] = field(default_factory=dict)
 
     def label(self, p: int, value: int) -> tuple[int, bool]:
         """The block voted for at position ``p`` with this value, and whether the vote was for
         this value's bucket (``False``: for the position, any value)."""
-        votes = self.by_value.get((p, _bucket(value)))
-        exact = bool(votes)
-        if not votes:
-            votes = self.by_position.get(p)
-            if not votes:
-                return UNKNOWN, False
-        return max(votes.items(), key=lambda kv: (kv[1], -kv[0]))[0], exact
+        top = self.best_value.get((p, value if value < 2 else 2))
+        if top is not None:
+            return top[0], True
+        top = self.best_position.get(p)
+        return (top[0], False) if top is not None else (UNKNOWN, False)
 
     def exit_label(self) -> int:
-        if not self.exit_votes:
-            return UNKNOWN
-        return max(self.exit_votes.items(), key=lambda kv: (kv[1], -kv[0]))[0]
+        top = self.best_exit.get(None)
+        return top[0] if top is not None else UNKNOWN
+
+    def vote(self, p: int, value: int, b: int) -> None:
+        key = (p, _bucket(value))
+        _vote(self.by_value.setdefault(key, {}), self.best_value, key, b)
+        _vote(self.by_position.setdefault(p, {}), self.best_position, p, b)
+
+    def vote_exit(self, b: int) -> None:
+        _vote(self.exit_votes, self.best_exit, None, b)
+
+    def rebuild_best(self) -> None:
+        """Recompute the most voted blocks from the votes (after loading them)."""
+        self.best_value = {k: _most_voted(v) for k, v in self.by_value.items() if v}
+        self.best_position = {k: _most_voted(v) for k, v in self.by_position.items() if v}
+        self.best_exit = {None: _most_voted(self.exit_votes)} if self.exit_votes else {}
 
 
 @dataclass
@@ -168,8 +232,9 @@ class RoutingRule:
             if s is not None and s.retired:
                 continue
             if s is None:
-                s = self._slots[key] = _Slot(recent=deque(maxlen=self.window))
-                s.exit_recent = deque(maxlen=self.window)
+                s = self._slots[key] = _Slot(
+                    recent=_Recent(self.window), exit_recent=_Recent(self.window)
+                )
             positions = tuple((p, v) for p, v in enumerate(values) if v > 0)
             found = [s.label(p, v) for p, v in positions]
             labels = tuple(b for b, _ in found)
@@ -179,10 +244,10 @@ class RoutingRule:
             exit_ = s.exit_label()
             self._pending.append(_Check(key, positions, labels if scored else None, exit_))
             run = None if UNKNOWN in labels else labels
-            acc = self._accuracy(s.recent)
+            acc = s.recent.accuracy()
             if run is not None and acc is not None and len(s.recent) >= self.min_checks:
                 if acc >= self.min_accuracy and (best is None or acc > best[0]):
-                    trusted_exit = self._accuracy(s.exit_recent)
+                    trusted_exit = s.exit_recent.accuracy()
                     tail = (
                         (exit_,)
                         if exit_ != UNKNOWN
@@ -225,29 +290,21 @@ class RoutingRule:
         m = len(c.positions)
         seen = c.seen
         for (p, v), b in zip(c.positions, seen, strict=False):
-            for votes in (
-                s.by_value.setdefault((p, _bucket(v)), {}),
-                s.by_position.setdefault(p, {}),
-            ):
-                votes[b] = votes.get(b, 0) + 1
+            s.vote(p, v, b)
         if c.run is not None:
             s.recent.append(complete and tuple(seen[:m]) == c.run)
-            if len(s.recent) == s.recent.maxlen and sum(s.recent) < len(s.recent) / 2:
+            if len(s.recent) == s.recent.maxlen and s.recent.right < len(s.recent) / 2:
                 s.retired = True  # this output does not list blocks: stop paying for checks
         if complete:
-            s.exit_votes[seen[m]] = s.exit_votes.get(seen[m], 0) + 1
+            s.vote_exit(seen[m])
             if c.exit != UNKNOWN:
                 s.exit_recent.append(seen[m] == c.exit)
-
-    @staticmethod
-    def _accuracy(recent: deque[bool]) -> float | None:
-        return sum(recent) / len(recent) if recent else None
 
     def trusted(self, key: _Key) -> bool:
         s = self._slots.get(key)
         if s is None or len(s.recent) < self.min_checks:
             return False
-        acc = self._accuracy(s.recent)
+        acc = s.recent.accuracy()
         return acc is not None and acc >= self.min_accuracy
 
     def slot_stats(self, labels: Sequence[str]) -> tuple[RuleSlotStats, ...]:
@@ -257,7 +314,7 @@ class RoutingRule:
                 block=labels[b],
                 slot=o,
                 checks=s.checks,
-                accuracy=self._accuracy(s.recent),
+                accuracy=s.recent.accuracy(),
                 trusted=self.trusted((b, o)),
             )
             for (b, o), s in sorted(self._slots.items())
@@ -297,8 +354,7 @@ class RoutingRule:
             raise ValueError("rules must be a list")
         slots: dict[_Key, _Slot] = {}
         for d in data:
-            s = _Slot(recent=deque(maxlen=self.window))
-            s.exit_recent = deque(maxlen=self.window)
+            s = _Slot(recent=_Recent(self.window), exit_recent=_Recent(self.window))
             s.checks = int(d["checks"])
             for p, v, votes in d["by_value"]:
                 s.by_value[(int(p), int(v))] = {block_id(str(x)): int(n) for x, n in votes.items()}
@@ -308,6 +364,7 @@ class RoutingRule:
             s.recent.extend(bool(x) for x in d["recent"])
             s.exit_recent.extend(bool(x) for x in d["exit_recent"])
             s.retired = bool(d.get("retired", False))
+            s.rebuild_best()
             slots[(block_id(str(d["block"])), int(d["slot"]))] = s
         self._slots = slots
         self._pending = []
