@@ -12,8 +12,13 @@ The compiler (``backends/compiler.py``) calls the :class:`Prefetcher` around eve
                   research/04 §Q1): predict the next ``prefetch_depth`` blocks; free the copies
                   of blocks no longer predicted (a misprediction); copy the host-placed
                   parameters of the predicted blocks into the cache, nearest first, while they
-                  fit the reserve. Predictions past a block that starts a step are not
-                  prefetched (the optimizer step comes in between).
+                  fit the reserve. Predictions from a block that starts a step on are kept
+                  for the optimizer step (it comes in between and changes the parameters).
+    optimizer step (a global ``torch.optim`` step post-hook, only for an optimizer that steps
+                  host-placed parameters the prefetcher has seen): the parameters are final
+                  now; copy those of the first prediction kept at the last forward call's
+                  tail (the next step's first block: its fragment's reserve holds them, so the
+                  trim before its call keeps them). A forward that starts elsewhere wastes them.
 
 Correctness never depends on a prediction: a fetch the cache cannot serve copies on demand, as
 with ``pilot="off"``, and a stale copy (its parameter's version counter moved) is dropped.
@@ -24,7 +29,9 @@ bytes of one block known when it is planned (its own included): the cache holds 
 ``prefetch_depth`` blocks' parameters. Before each call the cache is trimmed to that fragment's
 reserve; prefetches stop at the largest reserve of any plan (the next fragment, not known yet,
 trims again). A fragment planned with no reserve (``"auto"`` before the model was seen to be
-dynamic) runs with an empty cache.
+dynamic) runs with an empty cache. Between a step's optimizer step and the next forward the cache
+holds the next step's first block (within that block's fragment's reserve); a CPU measurement
+started in between (``measure_peak``) does not see that copy, which was made before it started.
 
 Predictors (``pilot`` option): ``"markov"`` (last successor, markov.py), ``"lightgbm"`` (the
 online :class:`~memcompile.dynamic.pilot.Pilot`, Markov below its confidence threshold), ``"auto"``
@@ -51,6 +58,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from memcompile.backends.fragments import FragmentRecord
 from memcompile.dynamic.idioms import IdiomVector, graph_idioms
@@ -163,8 +171,9 @@ class PilotReport:
         predictions: predictions scored at ``horizon``.
         predict_us_p50: median prediction time, microseconds.
         hit_rate: prefetched bytes used / host-parameter bytes the forward fetched (``None``:
-            nothing fetched yet). The first block of a step is never prefetched (the optimizer
-            step comes between), so its bytes are always misses.
+            nothing fetched yet). The first block of a step is prefetched after the optimizer
+            step (see :meth:`Prefetcher.after_optimizer_step`); without an optimizer step in
+            between (e.g. evaluation loops) its bytes are misses.
         needed_bytes, hit_bytes: those two byte counts.
         prefetched_bytes: bytes copied ahead of use.
         wasted_bytes: prefetched copies freed unused (mispredictions, stale copies, copies
@@ -268,6 +277,20 @@ class Prefetcher:
         self._hits = [0] * horizon
         self._scored = [0] * horizon
         self._latency_ns: deque[int] = deque(maxlen=10_000)
+        # the predictions past a step start at the last forward tail: for the optimizer step
+        self._next_step: tuple[str, ...] = ()
+        #: optimizer steps after which the next step's first blocks were prefetched
+        self.step_start_prefetches = 0
+        # A weak reference: the hook must not keep the prefetcher (and its cache) alive.
+        ref = weakref.ref(self)
+
+        def hook(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+            prefetcher = ref()
+            if prefetcher is not None:
+                prefetcher.after_optimizer_step(optimizer)
+
+        handle = register_optimizer_step_post_hook(hook)
+        weakref.finalize(self, handle.remove)
 
     @property
     def predictor(self) -> BlockPredictor:
@@ -348,11 +371,14 @@ class Prefetcher:
         self._latency_ns.append(time.perf_counter_ns() - start)
         self._made.append((self._t - 1, blocks))
         wanted: list[tuple[str, torch.Tensor]] = []
+        self._next_step = ()
         for b in blocks:
             if b is None:
                 continue
             if b in self._step_starts:
-                break  # the next step: the optimizer step comes first
+                # The next step: the optimizer step comes first (after_optimizer_step).
+                self._next_step = (b,)
+                break
             wanted.extend((b, t) for t in _alive(self._params.get(b, ())))
         cache = self.cache
         cache.evict(keep={PrefetchCache.key(t) for _, t in wanted})
@@ -363,6 +389,25 @@ class Prefetcher:
                 break
             cache.prefetch(t, self._device, b)
 
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer stepped: if it steps host-placed parameters of this model, copy the
+        parameters of the block predicted to start the next step (kept by :meth:`after`)."""
+        if not self.enabled or self._in_forward or not self._next_step:
+            return
+        cache = self.cache
+        if not any(cache.watches(p) for g in optimizer.param_groups for p in g["params"]):
+            return  # another model's optimizer
+        copied = 0
+        for label in self._next_step:
+            for t in _alive(self._params.get(label, ())):
+                if cache.has(t):
+                    continue
+                if cache.bytes + t.untyped_storage().nbytes() > self.capacity:
+                    break
+                copied += cache.prefetch(t, self._device, label)
+        if copied:
+            self.step_start_prefetches += 1
+
     def reset(self) -> None:
         """The compiler forgot its fragments: forget blocks and free the cache."""
         self.cache.clear()
@@ -370,6 +415,7 @@ class Prefetcher:
         self._in_forward = False
         self._by_index.clear()
         self._params.clear()
+        self._next_step = ()
         self._namer.reset()
         self._idioms.clear()
 
