@@ -156,6 +156,49 @@ def test_the_next_steps_first_block_is_prefetched_after_the_optimizer_step() -> 
     assert after.wasted_bytes == before.wasted_bytes
 
 
+class WrongSecond(prefetch.MarkovBlocks):
+    """Markov 1 block ahead; 2 ahead, the block that just ran (never right in an MoE forward)."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.last: str | None = None
+
+    def observe(
+        self, block: str, fragment: str, sizes: Sequence[int] = (), idioms: object = None
+    ) -> None:
+        super().observe(block, fragment)
+        self.last = block
+
+    def predict(self) -> Prediction:
+        markov = super().predict()
+        return Prediction(
+            blocks=(markov.blocks[0], self.last),
+            sources=("markov", "hedge"),
+            confidence=(math.nan, math.nan),
+        )
+
+
+def test_a_wasteful_hedge_is_muted_and_probed() -> None:
+    torch._dynamo.reset()
+    wl = zoo.build("moe", size="tiny")
+    compiled = memcompile.compile(wl.model, offload_params=True, pilot="markov")
+    prefetcher = find_compiler(compiled)[0].prefetcher
+    assert prefetcher is not None
+    prefetcher.predictor = WrongSecond()
+    opt = torch.optim.SGD(wl.model.parameters(), lr=0.1)
+    for i in range(6):
+        opt.zero_grad(set_to_none=True)
+        wl.loss(compiled, i).backward()
+        opt.step()
+    tags = prefetcher.cache.by_tag
+    assert prefetcher._muted == {"hedge@2"} and prefetcher.muted_predictions > 0
+    hedge = tags["hedge@2"]
+    assert hedge.hit == 0 and hedge.wasted == hedge.prefetched > 0  # probes still copy
+    assert tags["markov@1"].hit > 0
+    p = memcompile.report(compiled).pilot
+    assert p is not None and p.wasted_bytes >= hedge.wasted
+
+
 def test_measured_peak_stays_within_the_budget_with_prefetch() -> None:
     budget = 600_000
     peaks = {}

@@ -20,6 +20,18 @@ The compiler (``backends/compiler.py``) calls the :class:`Prefetcher` around eve
                   tail (the next step's first block: its fragment's reserve holds them, so the
                   trim before its call keeps them). A forward that starts elsewhere wastes them.
 
+**Waste control.** Each copy is tagged ``source@j`` (the prediction's source, ``"rule"``,
+``"lightgbm"``, ``"markov"`` or another predictor's, and ``j`` blocks ahead; ``source@step`` for
+the optimizer-step copy) and the cache counts its bytes used and wasted per tag; a copy that a
+later prediction keeps is re-tagged with it (a 2-ahead copy that the next 1-ahead prediction
+names counts as 1-ahead: the hedge's own worth is what it alone kept). A prediction
+more than one block ahead is a hedge (on the CPU the copies are synchronous, so the next block's
+prediction alone decides hits; 2 ahead covers a wrong 1-ahead, e.g. an expert that got no tokens,
+and gives a GPU copy time to overlap). Such a tag is *muted* while, over the last
+``WASTE_WINDOW`` steps, more than ``MAX_WASTE`` of its settled bytes were wasted: its predictions
+are not copied, except every ``PROBE_EVERY``-th one (a probe, so the ratio stays measured and the
+tag can come back). The rule's predictions and 1-ahead ones are never muted.
+
 Correctness never depends on a prediction: a fetch the cache cannot serve copies on demand, as
 with ``pilot="off"``, and a stale copy (its parameter's version counter moved) is dropped.
 
@@ -80,6 +92,13 @@ __all__ = [
     "Prefetcher",
     "make_predictor",
 ]
+
+#: Waste control (see the module doc): a ``source@j`` tag (``j`` >= 2, not the rule's) is muted
+#: while over the last ``WASTE_WINDOW`` steps more than ``MAX_WASTE`` of its settled bytes were
+#: wasted; a muted tag still copies every ``PROBE_EVERY``-th prediction.
+MAX_WASTE = 0.5
+WASTE_WINDOW = 4
+PROBE_EVERY = 4
 
 #: Keyword arguments for the ``"lightgbm"``/``"auto"`` :class:`Pilot` (besides ``horizon`` and
 #: ``seed``): tests and benchmarks shorten the warm-up or train inline.
@@ -278,7 +297,13 @@ class Prefetcher:
         self._scored = [0] * horizon
         self._latency_ns: deque[int] = deque(maxlen=10_000)
         # the predictions past a step start at the last forward tail: for the optimizer step
-        self._next_step: tuple[str, ...] = ()
+        self._next_step: tuple[str, str] | None = None  # (block, tag)
+        # waste control: per-step snapshots of the cache's per-tag (hit, wasted) bytes
+        self._tag_history: deque[dict[str, tuple[int, int]]] = deque(maxlen=WASTE_WINDOW + 1)
+        self._muted: set[str] = set()
+        self._probe: dict[str, int] = {}
+        #: predictions not copied because their tag was muted
+        self.muted_predictions = 0
         #: optimizer steps after which the next step's first blocks were prefetched
         self.step_start_prefetches = 0
         # A weak reference: the hook must not keep the prefetcher (and its cache) alive.
@@ -339,6 +364,7 @@ class Prefetcher:
         if step != self._step:
             if self._step is not None:
                 self.predictor.end_step()
+            self._update_muted()
             self._step = step
             self._step_starts.add(self._namer.label(record, block, kind))
         label = self._namer.label(record, block, kind)
@@ -367,44 +393,54 @@ class Prefetcher:
         if observe_outputs is not None and outputs is not None:
             observe_outputs(small_int_outputs(outputs))
         start = time.perf_counter_ns()
-        blocks = tuple(self.predictor.predict().blocks)[: self.horizon]
+        prediction = self.predictor.predict()
         self._latency_ns.append(time.perf_counter_ns() - start)
+        blocks = tuple(prediction.blocks)[: self.horizon]
+        sources = tuple(prediction.sources)
         self._made.append((self._t - 1, blocks))
-        wanted: list[tuple[str, torch.Tensor]] = []
-        self._next_step = ()
-        for b in blocks:
+        wanted: list[tuple[str, torch.Tensor, str]] = []
+        self._next_step = None
+        for j, b in enumerate(blocks, 1):
             if b is None:
                 continue
+            source = sources[j - 1] if j <= len(sources) else "none"
             if b in self._step_starts:
                 # The next step: the optimizer step comes first (after_optimizer_step).
-                self._next_step = (b,)
+                self._next_step = (b, f"{source}@step")
                 break
-            wanted.extend((b, t) for t in _alive(self._params.get(b, ())))
+            tag = f"{source}@{j}"
+            if tag in self._muted:
+                n = self._probe[tag] = self._probe.get(tag, 0) + 1
+                if n % PROBE_EVERY:
+                    self.muted_predictions += 1
+                    continue
+            wanted.extend((b, t, tag) for t in _alive(self._params.get(b, ())))
         cache = self.cache
-        cache.evict(keep={PrefetchCache.key(t) for _, t in wanted})
-        for b, t in wanted:
+        cache.evict(keep={PrefetchCache.key(t) for _, t, _ in wanted})
+        for b, t, tag in wanted:
             if cache.has(t):
+                cache.retag(t, tag)  # counted under the prediction that keeps it now
                 continue
             if cache.bytes + t.untyped_storage().nbytes() > self.capacity:
                 break
-            cache.prefetch(t, self._device, b)
+            cache.prefetch(t, self._device, b, tag)
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer stepped: if it steps host-placed parameters of this model, copy the
         parameters of the block predicted to start the next step (kept by :meth:`after`)."""
-        if not self.enabled or self._in_forward or not self._next_step:
+        if not self.enabled or self._in_forward or self._next_step is None:
             return
         cache = self.cache
         if not any(cache.watches(p) for g in optimizer.param_groups for p in g["params"]):
             return  # another model's optimizer
+        label, tag = self._next_step
         copied = 0
-        for label in self._next_step:
-            for t in _alive(self._params.get(label, ())):
-                if cache.has(t):
-                    continue
-                if cache.bytes + t.untyped_storage().nbytes() > self.capacity:
-                    break
-                copied += cache.prefetch(t, self._device, label)
+        for t in _alive(self._params.get(label, ())):
+            if cache.has(t):
+                continue
+            if cache.bytes + t.untyped_storage().nbytes() > self.capacity:
+                break
+            copied += cache.prefetch(t, self._device, label, tag)
         if copied:
             self.step_start_prefetches += 1
 
@@ -415,7 +451,7 @@ class Prefetcher:
         self._in_forward = False
         self._by_index.clear()
         self._params.clear()
-        self._next_step = ()
+        self._next_step = None
         self._namer.reset()
         self._idioms.clear()
 
@@ -464,6 +500,25 @@ class Prefetcher:
         )
 
     # -- internals -----------------------------------------------------------------------------
+    def _update_muted(self) -> None:
+        """A step began: mute the hedging tags that wasted too much over the last steps."""
+        now = {t: (c.hit, c.wasted) for t, c in self.cache.by_tag.items()}
+        history = self._tag_history
+        history.append(now)
+        old = history[0]
+        muted: set[str] = set()
+        for tag, (hit, wasted) in now.items():
+            source, _, ahead = tag.rpartition("@")
+            if source == "rule" or not ahead.isdigit() or int(ahead) < 2:
+                continue
+            hit0, wasted0 = old.get(tag, (0, 0)) if len(history) > 1 else (0, 0)
+            used, lost = hit - hit0, wasted - wasted0
+            if used + lost and lost > MAX_WASTE * (used + lost):
+                muted.add(tag)
+        if muted != self._muted:
+            log.debug("memcompile pilot: muted prefetch tags %s", sorted(muted))
+        self._muted = muted
+
     def _score(self, label: str) -> None:
         t = self._t
         made = self._made
