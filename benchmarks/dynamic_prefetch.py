@@ -21,8 +21,10 @@ Figures come from ``memcompile.report(compiled).pilot``: accuracy (next block), 
 hit rate (prefetched bytes used / host-parameter bytes the forward fetched), wasted bytes, stall
 (time the forward spent in on-demand fetches, **measured on this CPU**: what a GPU's compute
 stream would wait for; on the CPU the prefetch copies are synchronous at the fragment tails, so
-step time does not improve here) and the median step time. Losses are checked bit-identical to
-``off``. Writes ``benchmarks/results/dynamic_prefetch.{md,json}``.
+step time does not improve here) and the median step time, and the bytes prefetched / hit /
+wasted per copy tag (``source@j``; ``@step``: the next step's first block, copied after the
+optimizer step) with the 2-ahead predictions muted by the waste control (prefetch.py). Losses are
+checked bit-identical to ``off``. Writes ``benchmarks/results/dynamic_prefetch.{md,json}``.
 """
 
 from __future__ import annotations
@@ -114,6 +116,15 @@ def run(kind: str, args: argparse.Namespace) -> tuple[dict[str, Any], list[float
     row: dict[str, Any] = {"predictor": kind, "step_ms_p50": 1000 * statistics.median(times[2:])}
     if rep.pilot is not None:
         row.update(rep.pilot.to_dict())
+        prefetcher = find_compiler(compiled)[0].prefetcher
+        assert prefetcher is not None
+        # Bytes per copy tag (source@blocks ahead; @step: after the optimizer step).
+        row["by_tag"] = {
+            tag: {"prefetched": c.prefetched, "hit": c.hit, "wasted": c.wasted}
+            for tag, c in sorted(prefetcher.cache.by_tag.items())
+        }
+        row["muted_predictions"] = prefetcher.muted_predictions
+        row["step_start_prefetches"] = prefetcher.step_start_prefetches
     return row, losses
 
 
@@ -150,25 +161,45 @@ def main() -> None:
         f"{datetime.date.today().isoformat()}. Stall: measured on this CPU (time in on-demand "
         "fetches of the forward); step time does not improve on the CPU (copies are synchronous).",
         "",
+        "Wasted: copies freed unused, also as a share of the bytes prefetched. Muted: 2-ahead "
+        "predictions not copied because their source wasted more than half its bytes over the "
+        "last steps (prefetch.py, waste control).",
+        "",
         "| predictor | next-block acc. | 2-ahead acc. | hit rate | wasted | prefetched | "
-        "stall (ms, total) | misses | predict p50 (us) | step p50 (ms) | losses = off |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "stall (ms, total) | misses | muted | predict p50 (us) | step p50 (ms) | losses = off |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["predictor"] == "off":
             lines.append(
-                f"| off (fetch on demand) | - | - | 0 % | 0 | 0 | - | - | - | "
+                f"| off (fetch on demand) | - | - | 0 % | 0 | 0 | - | - | - | - | "
                 f"{r['step_ms_p50']:.1f} | yes |"
             )
             continue
         p50 = "-" if r["predict_us_p50"] is None else f"{r['predict_us_p50']:.1f}"
+        wasted = r["wasted_bytes"] / r["prefetched_bytes"] if r["prefetched_bytes"] else None
         lines.append(
             f"| {r['predictor']} ({r['active']}) | {pct(r['accuracy'])} | "
             f"{pct(r['k_ahead_accuracy'])} | {pct(r['hit_rate'])} | "
-            f"{r['wasted_bytes'] / 1024:.0f} KiB | {r['prefetched_bytes'] / 1024:.0f} KiB | "
-            f"{r['stall_us'] / 1000:.1f} | {r['misses']} | {p50} | "
+            f"{r['wasted_bytes'] / 1024:.0f} KiB ({pct(wasted)}) | "
+            f"{r['prefetched_bytes'] / 1024:.0f} KiB | "
+            f"{r['stall_us'] / 1000:.1f} | {r['misses']} | {r['muted_predictions']} | {p50} | "
             f"{r['step_ms_p50']:.1f} | {'yes' if r['bit_identical_losses'] else 'NO'} |"
         )
+    lines += [
+        "",
+        "Bytes per copy tag (`source@j`: predicted j blocks ahead; a copy a later prediction "
+        "keeps is counted under it; `@step`: copied after the optimizer step), KiB "
+        "prefetched / hit / wasted:",
+        "",
+    ]
+    for r in rows:
+        if r.get("by_tag"):
+            tags = ", ".join(
+                f"{t} {c['prefetched'] // 1024}/{c['hit'] // 1024}/{c['wasted'] // 1024}"
+                for t, c in r["by_tag"].items()
+            )
+            lines.append(f"* {r['predictor']}: {tags}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "dynamic_prefetch.md").write_text("\n".join(lines) + "\n")

@@ -12,8 +12,25 @@ The compiler (``backends/compiler.py``) calls the :class:`Prefetcher` around eve
                   research/04 §Q1): predict the next ``prefetch_depth`` blocks; free the copies
                   of blocks no longer predicted (a misprediction); copy the host-placed
                   parameters of the predicted blocks into the cache, nearest first, while they
-                  fit the reserve. Predictions past a block that starts a step are not
-                  prefetched (the optimizer step comes in between).
+                  fit the reserve. Predictions from a block that starts a step on are kept
+                  for the optimizer step (it comes in between and changes the parameters).
+    optimizer step (a global ``torch.optim`` step post-hook, only for an optimizer that steps
+                  host-placed parameters the prefetcher has seen): the parameters are final
+                  now; copy those of the first prediction kept at the last forward call's
+                  tail (the next step's first block: its fragment's reserve holds them, so the
+                  trim before its call keeps them). A forward that starts elsewhere wastes them.
+
+**Waste control.** Each copy is tagged ``source@j`` (the prediction's source, ``"rule"``,
+``"lightgbm"``, ``"markov"`` or another predictor's, and ``j`` blocks ahead; ``source@step`` for
+the optimizer-step copy) and the cache counts its bytes used and wasted per tag; a copy that a
+later prediction keeps is re-tagged with it (a 2-ahead copy that the next 1-ahead prediction
+names counts as 1-ahead: the hedge's own worth is what it alone kept). A prediction
+more than one block ahead is a hedge (on the CPU the copies are synchronous, so the next block's
+prediction alone decides hits; 2 ahead covers a wrong 1-ahead, e.g. an expert that got no tokens,
+and gives a GPU copy time to overlap). Such a tag is *muted* while, over the last
+``WASTE_WINDOW`` steps, more than ``MAX_WASTE`` of its settled bytes were wasted: its predictions
+are not copied, except every ``PROBE_EVERY``-th one (a probe, so the ratio stays measured and the
+tag can come back). The rule's predictions and 1-ahead ones are never muted.
 
 Correctness never depends on a prediction: a fetch the cache cannot serve copies on demand, as
 with ``pilot="off"``, and a stale copy (its parameter's version counter moved) is dropped.
@@ -24,7 +41,9 @@ bytes of one block known when it is planned (its own included): the cache holds 
 ``prefetch_depth`` blocks' parameters. Before each call the cache is trimmed to that fragment's
 reserve; prefetches stop at the largest reserve of any plan (the next fragment, not known yet,
 trims again). A fragment planned with no reserve (``"auto"`` before the model was seen to be
-dynamic) runs with an empty cache.
+dynamic) runs with an empty cache. Between a step's optimizer step and the next forward the cache
+holds the next step's first block (within that block's fragment's reserve); a CPU measurement
+started in between (``measure_peak``) does not see that copy, which was made before it started.
 
 Predictors (``pilot`` option): ``"markov"`` (last successor, markov.py), ``"lightgbm"`` (the
 online :class:`~memcompile.dynamic.pilot.Pilot`, Markov below its confidence threshold), ``"auto"``
@@ -51,6 +70,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from memcompile.backends.fragments import FragmentRecord
 from memcompile.dynamic.idioms import IdiomVector, graph_idioms
@@ -72,6 +92,13 @@ __all__ = [
     "Prefetcher",
     "make_predictor",
 ]
+
+#: Waste control (see the module doc): a ``source@j`` tag (``j`` >= 2, not the rule's) is muted
+#: while over the last ``WASTE_WINDOW`` steps more than ``MAX_WASTE`` of its settled bytes were
+#: wasted; a muted tag still copies every ``PROBE_EVERY``-th prediction.
+MAX_WASTE = 0.5
+WASTE_WINDOW = 4
+PROBE_EVERY = 4
 
 #: Keyword arguments for the ``"lightgbm"``/``"auto"`` :class:`Pilot` (besides ``horizon`` and
 #: ``seed``): tests and benchmarks shorten the warm-up or train inline.
@@ -163,8 +190,9 @@ class PilotReport:
         predictions: predictions scored at ``horizon``.
         predict_us_p50: median prediction time, microseconds.
         hit_rate: prefetched bytes used / host-parameter bytes the forward fetched (``None``:
-            nothing fetched yet). The first block of a step is never prefetched (the optimizer
-            step comes between), so its bytes are always misses.
+            nothing fetched yet). The first block of a step is prefetched after the optimizer
+            step (see :meth:`Prefetcher.after_optimizer_step`); without an optimizer step in
+            between (e.g. evaluation loops) its bytes are misses.
         needed_bytes, hit_bytes: those two byte counts.
         prefetched_bytes: bytes copied ahead of use.
         wasted_bytes: prefetched copies freed unused (mispredictions, stale copies, copies
@@ -268,6 +296,26 @@ class Prefetcher:
         self._hits = [0] * horizon
         self._scored = [0] * horizon
         self._latency_ns: deque[int] = deque(maxlen=10_000)
+        # the predictions past a step start at the last forward tail: for the optimizer step
+        self._next_step: tuple[str, str] | None = None  # (block, tag)
+        # waste control: per-step snapshots of the cache's per-tag (hit, wasted) bytes
+        self._tag_history: deque[dict[str, tuple[int, int]]] = deque(maxlen=WASTE_WINDOW + 1)
+        self._muted: set[str] = set()
+        self._probe: dict[str, int] = {}
+        #: predictions not copied because their tag was muted
+        self.muted_predictions = 0
+        #: optimizer steps after which the next step's first blocks were prefetched
+        self.step_start_prefetches = 0
+        # A weak reference: the hook must not keep the prefetcher (and its cache) alive.
+        ref = weakref.ref(self)
+
+        def hook(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+            prefetcher = ref()
+            if prefetcher is not None:
+                prefetcher.after_optimizer_step(optimizer)
+
+        handle = register_optimizer_step_post_hook(hook)
+        weakref.finalize(self, handle.remove)
 
     @property
     def predictor(self) -> BlockPredictor:
@@ -316,6 +364,7 @@ class Prefetcher:
         if step != self._step:
             if self._step is not None:
                 self.predictor.end_step()
+            self._update_muted()
             self._step = step
             self._step_starts.add(self._namer.label(record, block, kind))
         label = self._namer.label(record, block, kind)
@@ -344,24 +393,56 @@ class Prefetcher:
         if observe_outputs is not None and outputs is not None:
             observe_outputs(small_int_outputs(outputs))
         start = time.perf_counter_ns()
-        blocks = tuple(self.predictor.predict().blocks)[: self.horizon]
+        prediction = self.predictor.predict()
         self._latency_ns.append(time.perf_counter_ns() - start)
+        blocks = tuple(prediction.blocks)[: self.horizon]
+        sources = tuple(prediction.sources)
         self._made.append((self._t - 1, blocks))
-        wanted: list[tuple[str, torch.Tensor]] = []
-        for b in blocks:
+        wanted: list[tuple[str, torch.Tensor, str]] = []
+        self._next_step = None
+        for j, b in enumerate(blocks, 1):
             if b is None:
                 continue
+            source = sources[j - 1] if j <= len(sources) else "none"
             if b in self._step_starts:
-                break  # the next step: the optimizer step comes first
-            wanted.extend((b, t) for t in _alive(self._params.get(b, ())))
+                # The next step: the optimizer step comes first (after_optimizer_step).
+                self._next_step = (b, f"{source}@step")
+                break
+            tag = f"{source}@{j}"
+            if tag in self._muted:
+                n = self._probe[tag] = self._probe.get(tag, 0) + 1
+                if n % PROBE_EVERY:
+                    self.muted_predictions += 1
+                    continue
+            wanted.extend((b, t, tag) for t in _alive(self._params.get(b, ())))
         cache = self.cache
-        cache.evict(keep={PrefetchCache.key(t) for _, t in wanted})
-        for b, t in wanted:
+        cache.evict(keep={PrefetchCache.key(t) for _, t, _ in wanted})
+        for b, t, tag in wanted:
+            if cache.has(t):
+                cache.retag(t, tag)  # counted under the prediction that keeps it now
+                continue
+            if cache.bytes + t.untyped_storage().nbytes() > self.capacity:
+                break
+            cache.prefetch(t, self._device, b, tag)
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer stepped: if it steps host-placed parameters of this model, copy the
+        parameters of the block predicted to start the next step (kept by :meth:`after`)."""
+        if not self.enabled or self._in_forward or self._next_step is None:
+            return
+        cache = self.cache
+        if not any(cache.watches(p) for g in optimizer.param_groups for p in g["params"]):
+            return  # another model's optimizer
+        label, tag = self._next_step
+        copied = 0
+        for t in _alive(self._params.get(label, ())):
             if cache.has(t):
                 continue
             if cache.bytes + t.untyped_storage().nbytes() > self.capacity:
                 break
-            cache.prefetch(t, self._device, b)
+            copied += cache.prefetch(t, self._device, label, tag)
+        if copied:
+            self.step_start_prefetches += 1
 
     def reset(self) -> None:
         """The compiler forgot its fragments: forget blocks and free the cache."""
@@ -370,6 +451,7 @@ class Prefetcher:
         self._in_forward = False
         self._by_index.clear()
         self._params.clear()
+        self._next_step = None
         self._namer.reset()
         self._idioms.clear()
 
@@ -418,6 +500,25 @@ class Prefetcher:
         )
 
     # -- internals -----------------------------------------------------------------------------
+    def _update_muted(self) -> None:
+        """A step began: mute the hedging tags that wasted too much over the last steps."""
+        now = {t: (c.hit, c.wasted) for t, c in self.cache.by_tag.items()}
+        history = self._tag_history
+        history.append(now)
+        old = history[0]
+        muted: set[str] = set()
+        for tag, (hit, wasted) in now.items():
+            source, _, ahead = tag.rpartition("@")
+            if source == "rule" or not ahead.isdigit() or int(ahead) < 2:
+                continue
+            hit0, wasted0 = old.get(tag, (0, 0)) if len(history) > 1 else (0, 0)
+            used, lost = hit - hit0, wasted - wasted0
+            if used + lost and lost > MAX_WASTE * (used + lost):
+                muted.add(tag)
+        if muted != self._muted:
+            log.debug("memcompile pilot: muted prefetch tags %s", sorted(muted))
+        self._muted = muted
+
     def _score(self, label: str) -> None:
         t = self._t
         made = self._made

@@ -22,6 +22,8 @@ Counters (bytes, for the report): ``needed`` (fetches of watched parameters whil
 on: the forward of a training step), ``hit`` (of those, served from the cache), ``prefetched``,
 ``wasted`` (copies freed unused, stale ones included), and ``stall_ns`` (time spent in on-demand
 fetches while counting: what the compute would wait for on a GPU, measured here on the CPU).
+Each copy carries a ``tag`` (the prefetcher's: which predictor source, how many blocks ahead);
+:attr:`PrefetchCache.by_tag` counts prefetched, hit and wasted bytes per tag.
 
 Copies are synchronous: host-placed parameters exist only for the CPU device in this version
 (the DESIGN's CPU row). On CUDA the copy would go on a side stream with an event per copy, and a
@@ -40,7 +42,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CacheCounters", "PrefetchCache"]
+__all__ = ["CacheCounters", "PrefetchCache", "TagCounters"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,16 @@ class _Entry:
     version: int
     nbytes: int
     block: str
+    tag: str
+
+
+@dataclass
+class TagCounters:
+    """Bytes of the copies made under one tag: copied, used (hit), freed unused (wasted)."""
+
+    prefetched: int = 0
+    hit: int = 0
+    wasted: int = 0
 
 
 def _key(t: torch.Tensor) -> int:
@@ -80,6 +92,8 @@ class PrefetchCache:
         self.counting = False
         self.needed = self.hit = self.prefetched = self.wasted = self.stale = 0
         self.stall_ns = self.misses = self.peak_bytes = 0
+        #: per copy tag: bytes prefetched, hit, wasted
+        self.by_tag: dict[str, TagCounters] = {}
 
     # -- what the graphs fetch ------------------------------------------------------------
     def watch(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -105,10 +119,12 @@ class PrefetchCache:
                 if self.counting:
                     self.needed += nbytes
                     self.hit += nbytes
+                self.by_tag[entry.tag].hit += entry.nbytes
                 return entry.copy
             # The parameter changed after the copy was made: never serve old values.
             self.stale += entry.nbytes
             self.wasted += entry.nbytes
+            self.by_tag[entry.tag].wasted += entry.nbytes
             log.debug("prefetch cache: stale copy of %s dropped", entry.block)
         if not self.counting:
             return on_demand()
@@ -123,19 +139,31 @@ class PrefetchCache:
     def has(self, h: torch.Tensor) -> bool:
         return _key(h) in self._entries
 
-    def prefetch(self, h: torch.Tensor, device: torch.device, block: str) -> int:
-        """Copy ``h`` to ``device`` now (if not cached yet); returns the bytes copied."""
+    def prefetch(self, h: torch.Tensor, device: torch.device, block: str, tag: str = "") -> int:
+        """Copy ``h`` to ``device`` now (if not cached yet); returns the bytes copied. ``tag``:
+        what the copy's use and waste are counted under (:attr:`by_tag`)."""
         key = _key(h)
         if key in self._entries:
             return 0
         copy = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
         copy.copy_(h)
         nbytes = h.untyped_storage().nbytes()
-        self._entries[key] = _Entry(copy, h._version, nbytes, block)
+        self._entries[key] = _Entry(copy, h._version, nbytes, block, tag)
         self.bytes += nbytes
         self.prefetched += nbytes
+        self.by_tag.setdefault(tag, TagCounters()).prefetched += nbytes
         self.peak_bytes = max(self.peak_bytes, self.bytes)
         return nbytes
+
+    def retag(self, h: torch.Tensor, tag: str) -> None:
+        """Count the cached copy of ``h`` (its bytes, use or waste) under ``tag`` from now on:
+        the prediction that keeps it now, not the one that made it."""
+        entry = self._entries.get(_key(h))
+        if entry is None or entry.tag == tag:
+            return
+        self.by_tag[entry.tag].prefetched -= entry.nbytes
+        self.by_tag.setdefault(tag, TagCounters()).prefetched += entry.nbytes
+        entry.tag = tag
 
     def evict(self, keep: Collection[int] = ()) -> int:
         """Free the copies whose host storage is not in ``keep`` (a misprediction); returns the
@@ -162,6 +190,7 @@ class PrefetchCache:
         entry = self._entries.pop(key)
         self.bytes -= entry.nbytes
         self.wasted += entry.nbytes
+        self.by_tag[entry.tag].wasted += entry.nbytes
         return entry.nbytes
 
     def clear(self) -> int:
