@@ -322,7 +322,7 @@ class Pilot:
         # training rows: (row, targets); the last ``horizon`` rows still wait for targets
         self._rows: deque[tuple[list[float], list[int]]] = deque(maxlen=window + horizon)
         # scoring: (time, predicted ids) of predictions not yet fully scored
-        self._made: deque[tuple[int, tuple[int, ...]]] = deque()
+        self._made: deque[tuple[int, Sequence[int]]] = deque()
         self._hits = [0] * horizon
         self._scored = [0] * horizon
         self._fallbacks = 0
@@ -335,7 +335,7 @@ class Pilot:
         # identical answers), for the models they came from
         # (a ctypes array: a list is copied into it faster than into numpy; numpy view on it)
         self._cx = (ctypes.c_double * len(self.features))(*([_NAN] * len(self.features)))
-        self._x = np.frombuffer(self._cx, dtype=np.float64)
+        self._x = np.frombuffer(memoryview(self._cx), dtype=np.float64)  # type: ignore[arg-type]
         self._answers: dict[bytes, list[tuple[int, float] | None]] = {}
         self._answers_for: tuple[_Horizon, ...] | None = None
         self._answer_hits = 0
@@ -538,7 +538,7 @@ class Pilot:
     ) -> list[tuple[int, float] | None]:
         """The boosters' answers for ``row`` (per horizon, ``None`` until asked), after writing
         it into the buffer they read; kept per row for these models."""
-        self._cx[:] = row
+        self._cx[:] = row  # type: ignore[assignment]
         if models is not self._answers_for:
             self._answers.clear()
             self._answers_for = models
