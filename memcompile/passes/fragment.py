@@ -149,6 +149,17 @@ def accumulate_clone_bytes(
     return clone
 
 
+def _covers_storage(v: object) -> bool:
+    if not isinstance(v, torch.Tensor):
+        return False
+    try:
+        nbytes, _ = sym_to_int(v.numel() * v.element_size())
+        storage, _ = sym_to_int(v.untyped_storage().nbytes())
+        return v.storage_offset() == 0 and nbytes == storage
+    except Exception:  # symbolic sizes that cannot be compared: not counted
+        return False
+
+
 def profile_fragment(
     fw_gm: fx.GraphModule,
     bw_gm: fx.GraphModule | None,
@@ -217,7 +228,12 @@ def profile_fragment(
     saved = dict.fromkeys(s for s in bw_in_ids if s in fw_out_ids)
     saved_bytes = sum(ids.nbytes(s) for s in saved)
     static_ids = {sid for v in static for sid in ids.ids_of(v)}
-    activation_ids = {sid for v in in_vals for sid in ids.ids_of(v)} - static_ids
+    # Only inputs that are their whole storage: a view into a larger one (a row of an
+    # embedding table's output, read by every call of a tree cell) is held by whoever made it,
+    # and counting its storage once per call would count it many times over.
+    activation_ids = {
+        sid for v in in_vals if _covers_storage(v) for sid in ids.ids_of(v)
+    } - static_ids
     saved_inputs = dict.fromkeys(s for s in bw_in_ids if s in activation_ids)
     saved_input_bytes = sum(ids.nbytes(s) for s in saved_inputs)
     held = sum(ids.nbytes(s) for s in dict.fromkeys(tracked_user) if s not in saved)
