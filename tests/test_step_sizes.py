@@ -14,11 +14,12 @@ from memcompile.report import find_compiler
 from helpers import train
 
 
-def _moe_step(offload_params: bool) -> tuple[int, int]:
-    """(predicted, measured) absolute peak of one MoE step after 3 training steps."""
+def _step(name: str, **options: object) -> tuple[int, int]:
+    """(predicted, measured) absolute peak of one step of zoo ``name`` (tiny) after 3 training
+    steps under memcompile with ``options``."""
     torch._dynamo.reset()
-    wl = zoo.build("moe", size="tiny")
-    compiled = memcompile.compile(wl.model, offload_params=offload_params)
+    wl = zoo.build(name, size="tiny")
+    compiled = memcompile.compile(wl.model, **options)
     train(wl, compiled, "sgd", 3)
     wl.model.zero_grad(set_to_none=True)
     batch = wl.batch(4)
@@ -36,7 +37,7 @@ def test_moe_step_prediction_is_within_two_percent_of_the_measured_peak(offload_
     # eight times per step at different sizes; each layer's router saves its input, which the
     # Python loop drops. Profiled at the example's sizes, without saved inputs, the prediction
     # was 502,596 B for a measured 574,824 B (-13 %).
-    predicted, measured = _moe_step(offload_params)
+    predicted, measured = _step("moe", offload_params=offload_params)
     assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
 
 
@@ -75,21 +76,6 @@ def test_static_fragments_have_no_size_profiles():
     comp, _ = find_compiler(compiled)
     (record,) = comp.records()
     assert record.profile_at is None
-
-
-def _step(name: str) -> tuple[int, int]:
-    torch._dynamo.reset()
-    wl = zoo.build(name, size="tiny")
-    compiled = memcompile.compile(wl.model)
-    train(wl, compiled, "sgd", 3)
-    wl.model.zero_grad(set_to_none=True)
-    batch = wl.batch(4)
-    measured = memcompile.measure_peak(
-        lambda: compiled(*batch).backward(), resident=[wl.model, batch]
-    )
-    predicted = memcompile.report(compiled).predicted_peak
-    assert predicted is not None
-    return predicted, measured
 
 
 def test_tree_cells_reading_rows_of_one_embedding_count_it_once():

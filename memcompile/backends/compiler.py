@@ -1083,11 +1083,7 @@ class MemCompiler:
 
     def _sequence_and_sizes(self) -> tuple[tuple[StepEvent, ...], tuple[SizeKey, ...]]:
         """:meth:`step_sequence` and each call's size key."""
-        step = self._step
-        if step and (step[-1][1] == "backward" or not self.last_step):
-            seq, sizes = tuple(step), tuple(self._step_sizes)
-        else:
-            seq, sizes = self.last_step, self.last_step_sizes
+        seq, sizes = self._current_step()
         if len(sizes) != len(seq):  # not recorded (calls made before sizes were): the hints
             sizes = ((),) * len(seq)
         if seq and not any(kind == "backward" for _, kind, _ in seq):
@@ -1125,21 +1121,13 @@ class MemCompiler:
         profiles = {r.index: r.profile for r in records}
         # A graph compiled for dynamic sizes (an expert's token count) is profiled at each
         # call's own sizes: its example's would under- or overstate the other calls.
-        by_index = {r.index: r for r in records}
-        call_profiles: list[FragmentProfile | None] = []
-        for (i, _, _), k in zip(seq, sizes, strict=True):
-            at = by_index[i].profile_at if i in by_index else None
-            call_profiles.append(at(k) if at is not None else None)
+        at = {r.index: r.profile_at for r in records if r.profile_at is not None}
+        call_profiles = [
+            at[i](k) if i in at else profiles.get(i)
+            for (i, _, _), k in zip(seq, sizes, strict=True)
+        ]
         prediction = (
-            simulate_step(
-                profiles,
-                seq,
-                resident_bytes=resident,
-                call_profiles=[
-                    p if p is not None else profiles.get(i)
-                    for p, (i, _, _) in zip(call_profiles, seq, strict=True)
-                ],
-            )
+            simulate_step(profiles, seq, resident_bytes=resident, call_profiles=call_profiles)
             if seq
             else None
         )
@@ -1187,10 +1175,14 @@ class MemCompiler:
     def current_step(self) -> tuple[StepEvent, ...]:
         """The most recent step: the one in progress once it has reached its backward (or the
         last complete one before that), else the calls seen so far."""
+        return self._current_step()[0]
+
+    def _current_step(self) -> tuple[tuple[StepEvent, ...], tuple[SizeKey, ...]]:
+        """:meth:`current_step` and each call's size key."""
         step = self._step
         if step and (step[-1][1] == "backward" or not self.last_step):
-            return tuple(step)
-        return self.last_step
+            return tuple(step), tuple(self._step_sizes)
+        return self.last_step, self.last_step_sizes
 
     def records(self) -> list[FragmentRecord]:
         """A snapshot of the compiled fragments, in compile order."""

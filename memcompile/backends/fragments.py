@@ -117,6 +117,25 @@ class FragmentRecord:
         return self.identity.id
 
 
+class RecordIndex:
+    """Fragment records by index, looked up in ``records()`` again only for an index not seen
+    yet (a fragment compiled since): per-call lookups on the hot path stay a dict access."""
+
+    def __init__(self, records: Callable[[], Sequence[FragmentRecord]]) -> None:
+        self._records = records
+        self._by_index: dict[int, FragmentRecord] = {}
+
+    def __call__(self, index: int) -> FragmentRecord | None:
+        record = self._by_index.get(index)
+        if record is None:
+            self._by_index = {r.index: r for r in self._records()}
+            record = self._by_index.get(index)
+        return record
+
+    def clear(self) -> None:
+        self._by_index.clear()
+
+
 def _fmt(x: Any, index: dict[fx.Node, int]) -> str:
     if isinstance(x, fx.Node):
         return f"%{index[x]}"

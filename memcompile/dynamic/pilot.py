@@ -52,6 +52,7 @@ rows give identical answers, so predictions do not change; ``PilotStats.reuse_ra
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -157,17 +158,7 @@ class PilotStats:
     reuse_rate: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "accuracy": self.accuracy,
-            "k_ahead_accuracy": self.k_ahead_accuracy,
-            "predictions": self.predictions,
-            "predict_us_p50": self.predict_us_p50,
-            "active": self.active,
-            "fallback_rate": self.fallback_rate,
-            "models_trained": self.models_trained,
-            "rule_rate": self.rule_rate,
-            "reuse_rate": self.reuse_rate,
-        }
+        return dataclasses.asdict(self)
 
 
 class _Horizon:

@@ -60,6 +60,7 @@ refuses an explicit pilot on a CUDA device.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -72,7 +73,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from memcompile.backends.fragments import FragmentRecord
+from memcompile.backends.fragments import FragmentRecord, RecordIndex
 from memcompile.dynamic.idioms import IdiomVector, graph_idioms
 from memcompile.dynamic.markov import UNKNOWN, MarkovPredictor
 from memcompile.dynamic.trace import MAX_SIZES, _BlockNamer, small_int_outputs
@@ -226,27 +227,7 @@ class PilotReport:
     fallback_rate: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "enabled": self.enabled,
-            "active": self.active,
-            "horizon": self.horizon,
-            "accuracy": self.accuracy,
-            "k_ahead_accuracy": self.k_ahead_accuracy,
-            "predictions": self.predictions,
-            "predict_us_p50": self.predict_us_p50,
-            "hit_rate": self.hit_rate,
-            "needed_bytes": self.needed_bytes,
-            "hit_bytes": self.hit_bytes,
-            "prefetched_bytes": self.prefetched_bytes,
-            "wasted_bytes": self.wasted_bytes,
-            "stall_us": self.stall_us,
-            "misses": self.misses,
-            "reserve_bytes": self.reserve_bytes,
-            "cache_peak_bytes": self.cache_peak_bytes,
-            "models_trained": self.models_trained,
-            "fallback_rate": self.fallback_rate,
-        }
+        return dataclasses.asdict(self)
 
 
 class Prefetcher:
@@ -278,8 +259,7 @@ class Prefetcher:
         self.cache = PrefetchCache()
         self.enabled = gate is None
         self._gate = gate
-        self._records = records
-        self._by_index: dict[int, FragmentRecord] = {}
+        self._record = RecordIndex(records)
         self._namer = _BlockNamer(model)
         self._idioms: dict[str, IdiomVector] = {}
         # block label -> its host-placed parameters (weak: the model owns them)
@@ -449,7 +429,7 @@ class Prefetcher:
         self.cache.clear()
         self.cache.counting = False
         self._in_forward = False
-        self._by_index.clear()
+        self._record.clear()
         self._params.clear()
         self._next_step = None
         self._namer.reset()
@@ -530,13 +510,6 @@ class Prefetcher:
                 self._scored[j - 1] += 1
                 self._hits[j - 1] += predicted[j - 1] == label
         self._t = t + 1
-
-    def _record(self, index: int) -> FragmentRecord | None:
-        record = self._by_index.get(index)
-        if record is None:
-            self._by_index = {r.index: r for r in self._records()}
-            record = self._by_index.get(index)
-        return record
 
     def _fragment_idioms(self, record: FragmentRecord) -> IdiomVector:
         vec = self._idioms.get(record.id)

@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from memcompile.backends.fragments import FragmentRecord
+from memcompile.backends.fragments import FragmentRecord, RecordIndex
 from memcompile.dynamic.idioms import IDIOMS, IdiomVector, graph_idioms
 
 log = logging.getLogger(__name__)
@@ -353,8 +353,7 @@ class TraceRecorder:
         if keep < 1:
             raise ValueError(f"TraceRecorder: keep must be >= 1; got {keep}")
         self.path = None if path is None else os.fspath(path)
-        self._records = records
-        self._by_index: dict[int, FragmentRecord] = {}
+        self._record = RecordIndex(records)
         self._idioms: dict[str, IdiomVector] = {}
         self._namer = _BlockNamer(model)
         self._lock = threading.Lock()
@@ -421,7 +420,7 @@ class TraceRecorder:
         """The compiler forgot its fragments (``torch._dynamo.reset()``): end the step."""
         self._end_step()
         self._step = None
-        self._by_index.clear()
+        self._record.clear()
         self._idioms.clear()
         self._namer.reset()
 
@@ -438,13 +437,6 @@ class TraceRecorder:
         self._write()
 
     # -- internals -------------------------------------------------------------------------
-    def _record(self, index: int) -> FragmentRecord | None:
-        record = self._by_index.get(index)
-        if record is None:
-            self._by_index = {r.index: r for r in self._records()}
-            record = self._by_index.get(index)
-        return record
-
     def _end_step(self) -> None:
         if self._step is None or not self._events:
             return

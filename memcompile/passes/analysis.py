@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import torch
 from torch import fx
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
@@ -41,6 +42,7 @@ __all__ = [
     "StorageIds",
     "StorageProfile",
     "bound_sizes",
+    "covers_storage",
     "node_cost",
     "profile_graph",
     "sym_to_int",
@@ -97,6 +99,23 @@ def sym_to_int(x: int | torch.SymInt) -> tuple[int, bool]:
         except Exception:  # an unbacked symbol: no example value exists
             hint = None
     return (int(hint) if hint is not None else _UNBACKED_FALLBACK), True
+
+
+def covers_storage(val: Any) -> bool:
+    """``val`` is a tensor that is exactly its storage: offset 0, dense, every byte of it (what
+    a swap copies, and what a caller holding no other view can drop)."""
+    if not isinstance(val, torch.Tensor):
+        return False
+    try:
+        nbytes = val.numel() * val.element_size()
+        return (
+            val.storage_offset() == 0
+            and is_non_overlapping_and_dense_or_false(val)
+            and nbytes == val.untyped_storage().nbytes()
+            and nbytes > 0
+        )
+    except Exception:  # symbolic sizes that cannot be compared
+        return False
 
 
 def tensor_vals(val: Any) -> list[torch.Tensor]:

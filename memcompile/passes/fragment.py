@@ -23,7 +23,13 @@ import torch
 from torch import fx
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
-from memcompile.passes.analysis import GraphProfile, StorageIds, profile_graph, sym_to_int
+from memcompile.passes.analysis import (
+    GraphProfile,
+    StorageIds,
+    covers_storage,
+    profile_graph,
+    sym_to_int,
+)
 
 log = logging.getLogger(__name__)
 
@@ -149,17 +155,6 @@ def accumulate_clone_bytes(
     return clone
 
 
-def _covers_storage(v: object) -> bool:
-    if not isinstance(v, torch.Tensor):
-        return False
-    try:
-        nbytes, _ = sym_to_int(v.numel() * v.element_size())
-        storage, _ = sym_to_int(v.untyped_storage().nbytes())
-        return v.storage_offset() == 0 and nbytes == storage
-    except Exception:  # symbolic sizes that cannot be compared: not counted
-        return False
-
-
 def profile_fragment(
     fw_gm: fx.GraphModule,
     bw_gm: fx.GraphModule | None,
@@ -232,7 +227,7 @@ def profile_fragment(
     # embedding table's output, read by every call of a tree cell) is held by whoever made it,
     # and counting its storage once per call would count it many times over.
     activation_ids = {
-        sid for v in in_vals if _covers_storage(v) for sid in ids.ids_of(v)
+        sid for v in in_vals if covers_storage(v) for sid in ids.ids_of(v)
     } - static_ids
     saved_inputs = dict.fromkeys(s for s in bw_in_ids if s in activation_ids)
     saved_input_bytes = sum(ids.nbytes(s) for s in saved_inputs)

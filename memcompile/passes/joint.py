@@ -27,9 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 from torch._functorch import partitioners as P
-from torch._prims_common import is_non_overlapping_and_dense_or_false
 
-from memcompile.passes.analysis import StorageIds, node_cost, tensor_vals
+from memcompile.passes.analysis import StorageIds, covers_storage, node_cost, tensor_vals
 from memcompile.passes.costmodel import DeviceProfile
 from memcompile.passes.schedule import draws_random, has_effect
 from memcompile.passes.schedule import schedule as schedule_nodes
@@ -188,7 +187,7 @@ class JointModel:
         self.profile = profile
         self.cost = [self._op_time(n, profile) for n in nodes]
         # Swapping copies a whole storage: only tensors that are exactly their storage qualify.
-        self.covers_storage = [self._covers_storage(n) for n in nodes]
+        self.covers_storage = [covers_storage(n.meta.get("val")) for n in nodes]
         workspace = workspace or {}
         self.workspace = [workspace.get(n.name, 0) for n in nodes]
         self.clone_bytes = clone_bytes
@@ -239,22 +238,6 @@ class JointModel:
         flops, moved, _ = node_cost(n, self.ids)
         outs = tensor_vals(n.meta.get("val"))
         return profile.op_time(flops, moved, outs[0].dtype if outs else "float32")
-
-    @staticmethod
-    def _covers_storage(n: fx.Node) -> bool:
-        val = n.meta.get("val")
-        if not isinstance(val, torch.Tensor) or isinstance(val.shape, torch.SymInt):
-            return False
-        try:
-            nbytes = val.numel() * val.element_size()
-            return (
-                val.storage_offset() == 0
-                and is_non_overlapping_and_dense_or_false(val)
-                and nbytes == val.untyped_storage().nbytes()
-                and nbytes > 0
-            )
-        except Exception:  # symbolic sizes that cannot be compared: do not swap
-            return False
 
     def _recomputable(self, n: fx.Node) -> bool:
         if n.op != "call_function" or P._must_be_in_forward(n) or draws_random(n):

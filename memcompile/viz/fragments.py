@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import graphviz
 import networkx as nx
@@ -60,17 +60,24 @@ def transition_graph(insp: Inspection) -> nx.DiGraph:
     g = nx.DiGraph()
     previous = None
     for call in insp.step:
-        label = call.label
-        if label not in g:
-            g.add_node(label, fragment=call.fragment, kind=call.kind, block=call.block, calls=0)
-        g.nodes[label]["calls"] += 1
-        if previous is not None:
-            if g.has_edge(previous, label):
-                g.edges[previous, label]["count"] += 1
-            else:
-                g.add_edge(previous, label, count=1)
-        previous = label
+        previous = _count_call(
+            g, previous, call.label, fragment=call.fragment, kind=call.kind, block=call.block
+        )
     return transition_probabilities(g)
+
+
+def _count_call(g: nx.DiGraph, previous: str | None, label: str, **attrs: Any) -> str:
+    """Count a call of block ``label`` (a node, made with ``attrs`` the first time) after
+    ``previous`` (an edge); returns ``label``."""
+    if label not in g:
+        g.add_node(label, calls=0, **attrs)
+    g.nodes[label]["calls"] += 1
+    if previous is not None:
+        if g.has_edge(previous, label):
+            g.edges[previous, label]["count"] += 1
+        else:
+            g.add_edge(previous, label, count=1)
+    return label
 
 
 def transition_probabilities(g: nx.DiGraph) -> nx.DiGraph:
@@ -106,16 +113,14 @@ def trace_transition_graph(
         for e in step.events:
             if e.phase not in phases:
                 continue
-            label = block_label(e.block, fragments)
-            if label not in g:
-                g.add_node(label, fragment=e.fragment, kind=e.phase, block=e.block, calls=0)
-            g.nodes[label]["calls"] += 1
-            if previous is not None:
-                if g.has_edge(previous, label):
-                    g.edges[previous, label]["count"] += 1
-                else:
-                    g.add_edge(previous, label, count=1)
-            previous = label
+            previous = _count_call(
+                g,
+                previous,
+                block_label(e.block, fragments),
+                fragment=e.fragment,
+                kind=e.phase,
+                block=e.block,
+            )
     if g.number_of_nodes() == 0:
         raise ValueError(
             f"the trace ({len(steps)} steps) has no block calls in phases {', '.join(phases)}"
