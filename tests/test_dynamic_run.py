@@ -306,3 +306,37 @@ def test_a_limit_the_user_set_is_kept_and_its_fallback_reported() -> None:
     assert rep.eager_frames >= 1 and rep.fallbacks[0].kind == "recompile_limit"
     assert rep.to_dict()["eager_frames"] == rep.eager_frames
     assert "EAGER" in str(rep)
+
+
+class SeesOutputs(AlwaysWrong):
+    """AlwaysWrong that records what the prefetcher shows it after each forward call."""
+
+    def __init__(self, horizon: int = 2) -> None:
+        super().__init__(horizon)
+        self.outputs: list[tuple[str | None, tuple[tuple[int, ...], ...]]] = []
+
+    def observe_outputs(self, outputs: tuple[tuple[int, ...], ...]) -> None:
+        self.outputs.append((self.last, outputs))
+
+
+def test_the_prefetchers_predictor_sees_the_routers_counts() -> None:
+    # The output rule (rules.py) needs each block's small integer outputs: the prefetcher
+    # passes them on at the tail of every forward call, the router's per-expert counts included.
+    torch._dynamo.reset()
+    wl = zoo.build("moe", size="tiny")
+    compiled = memcompile.compile(wl.model, offload_params=True, pilot="markov")
+    compiler = find_compiler(compiled)[0]
+    assert compiler.prefetcher is not None
+    seen = compiler.prefetcher.predictor = SeesOutputs()
+    train(wl, compiled, "sgd", 2)
+    experts = wl.model.blocks[0].experts
+    counts = [
+        out
+        for block, outputs in seen.outputs
+        for out in outputs
+        if block is not None and len(out) == len(experts)
+    ]
+    assert counts, seen.outputs[:5]
+    tokens = wl.batch(0)[0].numel()
+    top_k = wl.model.blocks[0].top_k
+    assert any(sum(c) == tokens * top_k for c in counts)  # every routed slot, counted once
