@@ -214,7 +214,7 @@ def _pilot_line(p: PilotReport) -> str:
         f"{p.horizon}-ahead {pct(p.k_ahead_accuracy)}, hit rate {pct(p.hit_rate)} of "
         f"{format_bytes(p.needed_bytes)} fetched, wasted {format_bytes(p.wasted_bytes)}, "
         f"stall {p.stall_us / 1000:.2f} ms (CPU), predict p50 {us}, reserve "
-        f"{format_bytes(p.reserve_bytes)}"
+        f"{format_bytes(p.reserve_bytes)}, {p.muted_predictions} predictions muted (wasteful)"
     )
 
 

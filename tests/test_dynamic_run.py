@@ -195,8 +195,13 @@ def test_a_wasteful_hedge_is_muted_and_probed() -> None:
     hedge = tags["hedge@2"]
     assert hedge.hit == 0 and hedge.wasted == hedge.prefetched > 0  # probes still copy
     assert tags["markov@1"].hit > 0
-    p = memcompile.report(compiled).pilot
+    rep = memcompile.report(compiled)
+    p = rep.pilot
     assert p is not None and p.wasted_bytes >= hedge.wasted
+    # Predictions it did not act on are in the report, not dropped quietly.
+    assert p.muted_predictions == prefetcher.muted_predictions > 0
+    assert f"{p.muted_predictions} predictions muted" in str(rep)
+    assert rep.to_dict()["pilot"]["muted_predictions"] == p.muted_predictions
 
 
 def test_measured_peak_stays_within_the_budget_with_prefetch() -> None:

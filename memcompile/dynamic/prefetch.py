@@ -204,6 +204,8 @@ class PilotReport:
         reserve_bytes: the largest prefetch reserve any fragment was planned with.
         cache_peak_bytes: the most bytes the cache held.
         models_trained, fallback_rate: the Pilot's (``None`` for other predictors).
+        muted_predictions: predicted blocks not copied because their kind of guess (e.g. Markov
+            two blocks ahead) wasted more than it saved lately (see the module doc).
     """
 
     mode: str
@@ -225,6 +227,7 @@ class PilotReport:
     cache_peak_bytes: int
     models_trained: int | None = None
     fallback_rate: float | None = None
+    muted_predictions: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -477,6 +480,7 @@ class Prefetcher:
             cache_peak_bytes=c.peak_bytes,
             models_trained=stats.models_trained if stats is not None else None,
             fallback_rate=stats.fallback_rate if stats is not None else None,
+            muted_predictions=self.muted_predictions,
         )
 
     # -- internals -----------------------------------------------------------------------------
