@@ -13,10 +13,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Literal
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,8 @@ def parse_bytes(value: int | str, *, key: str = "budget") -> int:
     """Bytes from an int or a string such as ``"512MiB"``, ``"6GB"``, ``"1.5 GiB"``.
 
     ``KB/MB/GB/TB`` are decimal (10**3…), ``KiB/MiB/GiB/TiB`` binary (2**10…), case-insensitive.
+    A fraction of a unit that is not a whole byte count (``"1.1MiB"``) is rounded down: a budget
+    is an upper bound, so the byte below it is still within it. A fraction of a byte is an error.
 
     Raises:
         TypeError: ``value`` is neither int nor str (bools included).
@@ -66,10 +70,11 @@ def parse_bytes(value: int | str, *, key: str = "budget") -> int:
                 "number with a unit: B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB "
                 "(powers of 1024), e.g. '512MiB' or '6GB'"
             )
-        amount = float(m.group(1)) * _UNITS[unit]
-        if amount != int(amount):
+        # Exact arithmetic: float would turn "0.3GB" into 299999999.99999994 bytes.
+        amount = Fraction(m.group(1)) * _UNITS[unit]
+        if _UNITS[unit] == 1 and amount.denominator != 1:
             raise ValueError(f"memcompile option {key!r}: {value!r} is not a whole number of bytes")
-        n = int(amount)
+        n = math.floor(amount)
     if n <= 0:
         raise ValueError(f"memcompile option {key!r} must be a positive size; got {value!r}")
     return n

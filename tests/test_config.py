@@ -24,6 +24,9 @@ from memcompile.config import MemConfig, parse_bytes
         ("7b", 7),
         ("123", 123),
         ("2TiB", 2 * 2**40),
+        ("1.1MiB", 1_153_433),  # 1153433.6 bytes, rounded down: still within the budget
+        ("0.3GB", 300_000_000),  # exact, where float arithmetic gives 299999999.99999994
+        ("2.0B", 2),
     ],
 )
 def test_parse_bytes_reads_ints_and_units(text: int | str, expected: int) -> None:
