@@ -169,3 +169,90 @@ def test_no_budget_does_not_rewrite() -> None:
     _grads(compiled, torch.randn(16, 64))
     (plan,) = memcompile.report(compiled).plan.fragments
     assert not any(n.startswith("dropout_") for n in plan.backward_order + plan.forward_order)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.empty(512, 256),
+        lambda: torch.empty(5, 7, 3).permute(2, 1, 0),  # a permuted layout
+        lambda: torch.empty(64, 66)[:, ::2],  # a strided view
+        lambda: torch.empty(1000, dtype=torch.float64),
+    ],
+)
+def test_draw_then_replay_is_native_dropouts_mask_and_stream(make) -> None:
+    x = make()
+    for p in (0.0, 0.1, 0.5, 0.9, 1.0):
+        torch.manual_seed(3)
+        mask = torch.ops.aten.native_dropout(x, p, True)[1]
+        after = torch.get_rng_state()
+        torch.manual_seed(3)
+        state = torch.ops.memcompile.dropout_draw(x, p)
+        assert torch.equal(torch.get_rng_state(), after)  # the stream advanced as eager's
+        replayed = torch.ops.memcompile.dropout_replay(state, mask.shape, mask.stride(), p)
+        assert torch.equal(replayed, mask) and replayed.stride() == mask.stride()
+        assert torch.equal(torch.get_rng_state(), after)  # the replay put the generator back
+
+
+def test_replay_pass_draws_and_replays_every_cpu_dropout() -> None:
+    from memcompile.passes.dropout import MASK_PREFIX, STATE_PREFIX
+
+    joint = capture_joint("gpt")["joint"]
+    out = dropout_pass(joint, PassContext(fragment="F0", graph="joint"), replay=True)
+    targets = [n.target for n in out.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.native_dropout.default not in targets
+    draws = [n for n in out.graph.nodes if n.name.startswith(STATE_PREFIX)]
+    masks = [n for n in out.graph.nodes if n.name.startswith(MASK_PREFIX)]
+    assert len(draws) == len(masks) == 4
+    assert all(n.target is torch.ops.memcompile.dropout_draw.default for n in draws)
+    assert {m.args[0] for m in masks} == set(draws)  # each mask is replayed from its state
+    rewrites = out.meta["memcompile_dropouts"]
+    assert sorted(r.mask for r in rewrites) == sorted(m.name for m in masks)
+    # The draw is random (never recomputed, its order kept); the replay is not.
+    from memcompile.passes.schedule import draws_random
+
+    assert all(draws_random(n) for n in draws) and not any(draws_random(m) for m in masks)
+
+
+def test_replayed_masks_stay_bit_identical_and_are_recomputed(monkeypatch) -> None:
+    from memcompile.backends import compiler as compiler_module
+    from memcompile.passes.dropout import MASK_PREFIX
+
+    monkeypatch.setattr(compiler_module, "DROPOUT_REWRITE", "replay")
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+    eager = ManyDropouts()
+    eager_loss, eager_grads = _grads(eager, x)
+    eager_peak = memcompile.measure_peak(lambda: eager(x).backward())
+    eager.zero_grad(set_to_none=True)
+    compiled = memcompile.compile(
+        ManyDropouts(), budget=int(eager_peak * 0.35), swap=False, on_infeasible="best_effort"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemoryBudgetWarning)
+        for _ in range(2):  # the second step replays from states drawn in its own forward
+            loss, grads = _grads(compiled, x)
+            assert torch.equal(loss, eager_loss)
+            assert all(torch.equal(a, b) for a, b in zip(eager_grads, grads, strict=True))
+    (plan,) = memcompile.report(compiled).plan.fragments
+    assert any(n.startswith(MASK_PREFIX) for n in plan.backward_order), plan.backward_order
+
+
+def test_gpt_with_replayed_masks_fits_and_is_predicted(monkeypatch) -> None:
+    # The tiny GPT at 0.74x its unplanned peak (the plan without rewrites needs 0.750x): with
+    # masks replayed it fits, bit-identical over 3 Adam steps (train_under_budget), and the
+    # allocator agrees with the prediction.
+    from memcompile.backends import compiler as compiler_module
+    from memcompile.passes.dropout import MASK_PREFIX
+
+    monkeypatch.setattr(compiler_module, "DROPOUT_REWRITE", "replay")
+    budget = int(predicted_peak("gpt", size="tiny") * 0.74)
+    torch._dynamo.reset()
+    compiled, _, measured = train_under_budget(
+        "gpt", "adam", budget, size="tiny", swap=False, offload_params=False
+    )
+    rep = memcompile.report(compiled)
+    (plan,) = rep.plan.fragments
+    assert plan.feasible
+    assert any(n.startswith(MASK_PREFIX) for n in plan.backward_order), plan.backward_order
+    assert measured <= budget * 1.02, (measured, budget)
+    assert abs(rep.predicted_peak - measured) <= 0.03 * measured, (rep.predicted_peak, measured)

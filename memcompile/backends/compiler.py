@@ -98,9 +98,11 @@ class BlockObserver(Protocol):
 
 
 #: When a budgeted plan uses the dropout rewrite (passes/dropout.py): ``"auto"`` when the plan
-#: without it misses the budget and the one with it fits or peaks lower; ``"always"`` and
-#: ``"never"`` are for tests and benchmarks (not a user option: "auto" is the contract).
-DROPOUT_REWRITE: Literal["auto", "always", "never"] = "auto"
+#: without it misses the budget and the one with it fits or peaks lower, first with saved masks,
+#: then (CPU) with masks replayed from the generator's state; ``"always"`` (saved masks),
+#: ``"replay"`` and ``"never"`` are for tests and benchmarks (not a user option: "auto" is the
+#: contract).
+DROPOUT_REWRITE: Literal["auto", "always", "replay", "never"] = "auto"
 
 #: Planned fragments compute cross-entropy heads in place (passes/losshead.py); ``False`` is for
 #: tests and benchmarks that compare against the aten ops.
@@ -272,21 +274,29 @@ class _FragmentBuild:
         model, plan = self._plan(joint, num_fwd_outputs, static)
         mode = DROPOUT_REWRITE
         if config.budget is not None and config.recompute and mode != "never":
-            if mode == "always" or not plan.feasible:
-                # Dropout outputs (and all that is computed from them) become recomputable once
-                # rebuilt from the saved mask; that costs forward time, so only when needed.
-                rewritten = dropout_pass(joint, ctx)
-                if rewritten.meta["memcompile_dropouts"]:
-                    model2, plan2 = self._plan(rewritten, num_fwd_outputs, static)
-                    log.info(
-                        "F%d: with recomputable dropouts the plan peaks at %s (%s without)",
-                        self.index,
-                        format_bytes(plan2.predicted_peak),
-                        format_bytes(plan.predicted_peak),
-                    )
-                    better = plan2.feasible or plan2.predicted_peak < plan.predicted_peak
-                    if better or mode == "always":
-                        joint, model, plan = rewritten, model2, plan2
+            # Dropout outputs (and all that is computed from them) become recomputable once
+            # rebuilt from the saved mask, and the masks too once replayed from the generator's
+            # state; each costs forward time, so only when needed, the cheaper first.
+            original = joint
+            for replay in (False, True):
+                forced = mode == ("replay" if replay else "always")
+                if not forced and (plan.feasible or mode != "auto"):
+                    continue
+                rewritten = dropout_pass(original, ctx, replay=replay)
+                rewrites = rewritten.meta["memcompile_dropouts"]
+                if not rewrites or (replay and all(r.mask is None for r in rewrites)):
+                    continue
+                model2, plan2 = self._plan(rewritten, num_fwd_outputs, static)
+                log.info(
+                    "F%d: with recomputable dropouts%s the plan peaks at %s (%s without)",
+                    self.index,
+                    " and replayed masks" if replay else "",
+                    format_bytes(plan2.predicted_peak),
+                    format_bytes(plan.predicted_peak),
+                )
+                better = plan2.feasible or plan2.predicted_peak < plan.predicted_peak
+                if better or forced:
+                    joint, model, plan = rewritten, model2, plan2
         hosted: list[int] = []
         host_peak: int | None = None  # the plan with parameters on the host, when tried
         candidates = self._host_candidates(static) if aligned else []

@@ -39,6 +39,19 @@ Other devices, non-floating dtypes, ``p == 1`` on CUDA and ``train=False`` are l
 The rewrite costs two elementwise multiplies per dropout in the forward (``nd[0]`` is still
 computed) and one more activation-sized transient while they run, so the backend applies it
 only when a budget cannot be met without it (see ``backends/compiler.py``).
+
+**Replayed masks** (``replay=True``, CPU, static shapes). The mask itself is recomputed too, by
+drawing it again from the generator's state (``runtime/rng.py``):
+
+    dropout_state  = memcompile.dropout_draw(x, p)     random: the state, then native_dropout's draw
+    dropout_replay = memcompile.dropout_replay(dropout_state, size, stride, p)   pure: the mask
+    dropout_masked = aten.mul.Tensor(x, dropout_replay)
+    dropout_scaled = aten.mul.Tensor(dropout_masked, scale)
+
+``native_dropout`` is gone; the generator advances exactly as it did. The planner may keep the
+5 KiB state instead of the mask (1 byte per element) and replay the mask in the backward. It
+costs a second draw per dropout in the forward, and one per replay, so the backend tries it
+only after the saved-mask rewrite misses the budget.
 """
 
 from __future__ import annotations
@@ -53,6 +66,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from memcompile.passes.context import PassContext
+from memcompile.runtime.rng import STATE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +77,11 @@ aten = torch.ops.aten
 #: Name prefixes of the nodes the pass creates (plans and tests recognise them by these).
 MASKED_PREFIX = "dropout_masked"
 SCALED_PREFIX = "dropout_scaled"
+STATE_PREFIX = "dropout_state"
+MASK_PREFIX = "dropout_replay"
+
+_DRAW = torch.ops.memcompile.dropout_draw.default
+_REPLAY = torch.ops.memcompile.dropout_replay.default
 
 
 @dataclass(frozen=True)
@@ -71,6 +90,8 @@ class DropoutRewrite:
 
     dropout: str
     output: str
+    #: The replayed mask's node (``replay=True``), else ``None`` (the op's saved mask).
+    mask: str | None = None
 
 
 def dropout_scale(p: float, dtype: torch.dtype, device_type: str) -> float | None:
@@ -134,13 +155,25 @@ def _rewritable(nd: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, float] | None:
     return x, getitems[0], getitems[1], scale
 
 
-def dropout_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+def _replayable(nd: fx.Node, mask: fx.Node) -> tuple[list[int], list[int]] | None:
+    """(size, stride) of the mask a CPU dropout draws, when its mask can be replayed."""
+    val = mask.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.device.type != "cpu":
+        return None
+    dims = (*val.shape, *val.stride())
+    if not all(isinstance(d, int) for d in dims):  # symbolic sizes would need graph nodes
+        return None
+    return [int(d) for d in val.shape], [int(d) for d in val.stride()]
+
+
+def dropout_pass(gm: fx.GraphModule, ctx: PassContext, *, replay: bool = False) -> fx.GraphModule:
     """A copy of the joint graph ``gm`` whose dropout outputs are ``x * mask * scale``.
 
     ``gm`` is not changed (the caller may still partition it). The copy shares the fake values
     of every node it keeps, so storages keep their identity; the new nodes get fresh ones. The
     rewritten dropouts are in the result's ``meta['memcompile_dropouts']`` (a tuple of
-    :class:`DropoutRewrite`).
+    :class:`DropoutRewrite`). ``replay``: where it is supported (CPU, static shapes) the mask is
+    drawn again from the generator's saved state instead of kept (module docstring).
     """
     targets: dict[fx.Node, tuple[fx.Node, fx.Node, fx.Node, float]] = {}
     for n in gm.graph.nodes:
@@ -151,6 +184,12 @@ def dropout_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             else:
                 targets[n] = found
     by_output = {out: (nd, x, mask, scale) for nd, (x, out, mask, scale) in targets.items()}
+    replays = {}
+    if replay:
+        for nd, (_, _, mask, _) in targets.items():
+            layout = _replayable(nd, mask)
+            if layout is not None:
+                replays[nd] = layout
 
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -161,6 +200,9 @@ def dropout_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
     for n in gm.graph.nodes:
         if n in env:  # a mask getitem copied early (below)
+            continue
+        if n in replays:  # the random op becomes the draw and the replayed mask
+            _draw_and_replay(new, env, n, targets[n], replays[n])
             continue
         if n not in by_output:
             copy(n)
@@ -182,7 +224,8 @@ def dropout_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             node.meta["val"] = val
             node.meta["tensor_meta"] = _extract_tensor_metadata(val)
         env[n] = scaled  # every user of the output reads the product; the getitem is gone
-        rewrites.append(DropoutRewrite(dropout=nd.name, output=scaled.name))
+        replayed = env[mask].name if nd in replays else None
+        rewrites.append(DropoutRewrite(dropout=nd.name, output=scaled.name, mask=replayed))
 
     out_gm = fx.GraphModule(gm, new)
     out_gm.meta = dict(getattr(gm, "meta", {}))
@@ -190,9 +233,10 @@ def dropout_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     out_gm.graph.lint()
     out_gm.recompile()
     log.info(
-        "%s: %d of %d dropouts rewritten as x * mask * scale (recomputable)",
+        "%s: %d of %d dropouts rewritten as x * mask * scale (recomputable; %d masks replayed)",
         ctx.fragment,
         len(rewrites),
+        len(replays),
         sum(
             1
             for n in gm.graph.nodes
@@ -200,3 +244,33 @@ def dropout_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ),
     )
     return out_gm
+
+
+def _draw_and_replay(
+    new: fx.Graph,
+    env: dict[fx.Node, fx.Node],
+    nd: fx.Node,
+    found: tuple[fx.Node, fx.Node, fx.Node, float],
+    layout: tuple[list[int], list[int]],
+) -> None:
+    """Append ``state = dropout_draw(x, p)`` and ``mask = dropout_replay(state, ...)`` in place
+    of ``nd``; the mask getitem's readers get the replayed mask."""
+    x, _, mask, _ = found
+    named = dict(zip(("input", "p", "train"), nd.args, strict=False)) | dict(nd.kwargs)
+    p_arg = named["p"]
+    assert isinstance(p_arg, (int, float))  # _rewritable checked it
+    p = float(p_arg)
+    size, stride = layout
+    state = new.create_node("call_function", _DRAW, (env[x], p), name=STATE_PREFIX)
+    replayed = new.create_node("call_function", _REPLAY, (state, size, stride, p), name=MASK_PREFIX)
+    state_val = _fake_op(_DRAW, x.meta["val"], p)
+    mask_val = _fake_op(_REPLAY, state_val, size, stride, p)
+    for node, val in ((state, state_val), (replayed, mask_val)):
+        node.meta = {k: v for k, v in nd.meta.items() if k not in ("val", "tensor_meta")}
+        node.meta["val"] = val
+        node.meta["tensor_meta"] = _extract_tensor_metadata(val)
+    # Scratch inside the calls (runtime/rng.py): the draw's discarded mask; the generator state
+    # the replay puts back afterwards.
+    state.meta["memcompile_workspace"] = mask.meta["val"].numel()
+    replayed.meta["memcompile_workspace"] = STATE_BYTES
+    env[mask] = replayed
