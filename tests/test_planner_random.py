@@ -140,15 +140,31 @@ def test_random_network_under_random_budget(program, fraction: float, batch: int
 def test_random_network_with_rebuilt_dropouts(program, fraction: float, batch: int) -> None:
     # The backend rebuilds dropout outputs only where that lowers the peak (rare in networks
     # this small); here every budgeted plan uses the rewritten graph, so its runs are checked.
+    _check_rewritten(program, fraction, batch, "always")
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
+@given(
+    program=programs.filter(lambda p: any(op == "dropout" for op, _, _ in p)),
+    fraction=st.floats(0.2, 1.0),
+    batch=st.sampled_from([16, 64]),
+)
+def test_random_network_with_replayed_dropout_masks(program, fraction: float, batch: int) -> None:
+    # The same with the masks drawn again from the generator's state (runtime/rng.py).
+    _check_rewritten(program, fraction, batch, "replay")
+
+
+def _check_rewritten(program, fraction: float, batch: int, mode: str) -> None:
     rewritten: list[int] = []
 
-    def spy(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-        out = dropout_pass(gm, ctx)
+    def spy(gm: fx.GraphModule, ctx: PassContext, *, replay: bool = False) -> fx.GraphModule:
+        out = dropout_pass(gm, ctx, replay=replay)
         rewritten.append(len(out.meta["memcompile_dropouts"]))
         return out
 
     with (
-        mock.patch.object(compiler, "DROPOUT_REWRITE", "always"),
+        mock.patch.object(compiler, "DROPOUT_REWRITE", mode),
         mock.patch.object(compiler, "dropout_pass", spy),
     ):
         plan = _check_case(program, fraction, batch)

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +71,7 @@ from memcompile.runtime.rng import STATE_BYTES
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DropoutRewrite", "dropout_pass", "dropout_scale"]
+__all__ = ["DropoutRewrite", "dropout_pass", "dropout_scale", "saved_after"]
 
 aten = torch.ops.aten
 
@@ -86,12 +87,36 @@ _REPLAY = torch.ops.memcompile.dropout_replay.default
 
 @dataclass(frozen=True)
 class DropoutRewrite:
-    """One rewritten dropout: the random op and the node that now carries its output."""
+    """One rewritten dropout: node names in the input graph (``dropout``, ``replaced_output``,
+    ``replaced_mask``) and in the rewritten one (``output``, ``mask``, ``state``)."""
 
+    #: The random op.
     dropout: str
+    #: The node that now carries its output (``dropout_scaled``).
     output: str
-    #: The replayed mask's node (``replay=True``), else ``None`` (the op's saved mask).
-    mask: str | None = None
+    #: The op's output and mask getitems.
+    replaced_output: str
+    replaced_mask: str
+    #: The mask's node now: the op's mask getitem, or the replayed mask.
+    mask: str
+    #: The generator state the mask is replayed from (``replay=True``), else ``None``.
+    state: str | None = None
+
+
+def saved_after(names: Collection[str], rewrites: Sequence[DropoutRewrite]) -> frozenset[str]:
+    """A saved set named in the input graph, named in the rewritten one: a dropout's output is
+    now its rebuilt product; a replayed mask is kept as the state it is replayed from. Plans of
+    the rewritten graph start from the input graph's plan this way (``planner.py``'s ``start``):
+    the same choices, with each replayed mask's bytes taken off."""
+    out = set(names)
+    for r in rewrites:
+        if r.replaced_output in out:
+            out.discard(r.replaced_output)
+            out.add(r.output)
+        if r.state is not None and r.replaced_mask in out:
+            out.discard(r.replaced_mask)
+            out.add(r.state)
+    return frozenset(out)
 
 
 def dropout_scale(p: float, dtype: torch.dtype, device_type: str) -> float | None:
@@ -224,8 +249,17 @@ def dropout_pass(gm: fx.GraphModule, ctx: PassContext, *, replay: bool = False) 
             node.meta["val"] = val
             node.meta["tensor_meta"] = _extract_tensor_metadata(val)
         env[n] = scaled  # every user of the output reads the product; the getitem is gone
-        replayed = env[mask].name if nd in replays else None
-        rewrites.append(DropoutRewrite(dropout=nd.name, output=scaled.name, mask=replayed))
+        state = env[mask].args[0] if nd in replays else None
+        rewrites.append(
+            DropoutRewrite(
+                dropout=nd.name,
+                output=scaled.name,
+                replaced_output=n.name,
+                replaced_mask=mask.name,
+                mask=env[mask].name,
+                state=state.name if isinstance(state, fx.Node) else None,
+            )
+        )
 
     out_gm = fx.GraphModule(gm, new)
     out_gm.meta = dict(getattr(gm, "meta", {}))

@@ -38,6 +38,7 @@ caller turns into ``MemoryBudgetError`` or, with ``on_infeasible="best_effort"``
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
@@ -337,6 +338,7 @@ def search_saved_set(
     recompute: bool = True,
     swap_tier: str | None = None,
     reorder: bool = True,
+    start: Collection[str] = (),
 ) -> SearchResult:
     """Greedy search for a saved set (and swaps) whose tracked peak is at most ``target``.
 
@@ -346,6 +348,9 @@ def search_saved_set(
         recompute: recomputing saved tensors is allowed.
         swap_tier: swap saved tensors to this tier (``host``/``disk``), or never (``None``).
         reorder: try the memory-aware order of each graph (free: same ops, another order).
+        start: names (:meth:`JointModel.describe`) of a saved set to search from as well, e.g.
+            another graph's plan carried over to this one (``dropout.saved_after``); the better
+            of the two ends is kept (fits at less time, else peaks lower).
     """
     baseline = model.evaluate(model.default_saved() | model.must_save())
     best = model.evaluate(baseline.saved, schedule=True) if reorder else baseline
@@ -385,6 +390,12 @@ def search_saved_set(
             if current.peak <= target:
                 current = search.undo(current, applied, schedule=reorder)
                 evaluations += search.evaluations
+    if start and recompute:
+        warm, warm_applied, n = _search_from(model, target, start, recompute, swap_tier, reorder)
+        evaluations += n
+        if _better(warm, current, target):
+            log.debug("planner: the search from the given start ends better: %d B", warm.peak)
+            current, applied = warm, warm_applied
     log.debug(
         "planner: %d evaluations, %d moves (%d kept), peak %d -> %d B (target %d B), "
         "recompute %.3f ms, swap %.3f ms",
@@ -400,6 +411,41 @@ def search_saved_set(
     return SearchResult(current, baseline, evaluations, search.kept(current, applied))
 
 
+def _search_from(
+    model: JointModel,
+    target: int,
+    start: Collection[str],
+    recompute: bool,
+    swap_tier: str | None,
+    reorder: bool,
+) -> tuple[JointEval, list[_Move], int]:
+    """The greedy search started from the saved set named ``start`` (names this graph lacks are
+    skipped): its end, its moves and its evaluations."""
+    saved = set(model.must_save())
+    for name in sorted(start):
+        try:
+            saved.add(model.storage_named(name))
+        except (KeyError, ValueError):  # not in this graph, or not one storage
+            log.debug("planner: start tensor %s skipped", name)
+    search = _Search(model, target, recompute, swap_tier)
+    current, applied = search.greedy(model.evaluate(frozenset(saved)))
+    if current.peak <= target:
+        current = search.undo(current, applied, schedule=False)
+    if reorder:
+        ordered = search.evaluate(current.saved, dict(current.swapped), schedule=True)
+        current = ordered if ordered.peak <= current.peak else current
+    return current, applied, search.evaluations + 1 + reorder
+
+
+def _better(a: JointEval, b: JointEval, target: int) -> bool:
+    """``a`` is the better plan: it fits and ``b`` does not, both fit and ``a`` is faster, or
+    neither fits and ``a`` peaks lower."""
+    fits_a, fits_b = a.feasible and a.peak <= target, b.feasible and b.peak <= target
+    if fits_a != fits_b:
+        return fits_a
+    return a.time < b.time if fits_a else a.peak < b.peak
+
+
 def plan_fragment(
     model: JointModel,
     *,
@@ -408,6 +454,7 @@ def plan_fragment(
     recompute: bool = True,
     swap_tier: str | None = None,
     reorder: bool = True,
+    start: Collection[str] = (),
 ) -> FragmentPlan:
     """Plan one fragment: the decisions, backward order and predictions for ``target``.
 
@@ -417,9 +464,10 @@ def plan_fragment(
         resident_bytes: what else counts against the budget (parameters, inputs, other fragments);
             added to the predicted peaks to make them absolute.
         recompute, swap_tier, reorder: the techniques allowed (see :func:`search_saved_set`).
+        start: a saved set to search from as well (see :func:`search_saved_set`).
     """
     result = search_saved_set(
-        model, target, recompute=recompute, swap_tier=swap_tier, reorder=reorder
+        model, target, recompute=recompute, swap_tier=swap_tier, reorder=reorder, start=start
     )
     final, baseline = result.final, result.baseline
     swapped = dict(final.swapped)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-import memcompile.runtime.losshead  # noqa: F401 - registers the loss head's in-place ops
+import memcompile.runtime.losshead  # registers the loss head's in-place ops
 import memcompile.runtime.rng  # noqa: F401 - registers the dropout replay ops
 from memcompile.runtime.store import get_store
 
