@@ -13,7 +13,7 @@ last observed step, and predicts the step peak with :func:`memcompile.passes.ste
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +23,7 @@ from memcompile.backends.compiler import MemCompiler
 from memcompile.backends.dynamo_hooks import dynamo_context
 from memcompile.backends.entry import COMPILER_ATTR
 from memcompile.backends.fallbacks import Fallback, FunctionSpan, function_span
+from memcompile.backends.replan import Replan
 from memcompile.config import MemConfig
 from memcompile.errors import format_bytes
 from memcompile.passes.fragment import FragmentProfile
@@ -105,6 +106,9 @@ class MemReport:
         dynamic: why the model counts as dynamic (``""``: not seen to be).
         recompile_limit_raised: ``(old, new)`` when memcompile raised Dynamo's recompile limit
             for this dynamic model (frames over the limit still run eagerly: ``fallbacks``).
+        replans: re-planning rounds of steps predicted over budget, in order (see
+            ``memcompile.backends.replan``); the last round of a step that still does not fit
+            has ``fits == False``.
     """
 
     config: MemConfig
@@ -120,6 +124,7 @@ class MemReport:
     pilot: PilotReport | None = None
     dynamic: str = ""
     recompile_limit_raised: tuple[int, int] | None = None
+    replans: tuple[Replan, ...] = ()
 
     @property
     def eager_frames(self) -> int:
@@ -160,6 +165,7 @@ class MemReport:
                 list(self.recompile_limit_raised) if self.recompile_limit_raised else None
             ),
             "pilot": self.pilot.to_dict() if self.pilot is not None else None,
+            "replans": [asdict(r) for r in self.replans],
         }
 
     def __str__(self) -> str:
@@ -193,6 +199,16 @@ class MemReport:
             lines.append(f"  dynamic: {self.dynamic}{raised}")
         if self.pilot is not None:
             lines.append(_pilot_line(self.pilot))
+        for r in self.replans:
+            after = (
+                "not run yet"
+                if r.peak_after is None
+                else f"{format_bytes(r.peak_after)}" + ("" if r.fits else ", still over budget")
+            )
+            lines.append(
+                f"  re-planned {', '.join(r.fragments)} (round {r.round}, {r.calls}-call step): "
+                f"predicted {format_bytes(r.predicted_peak)} -> {after}"
+            )
         for fb in self.fallbacks:
             lines.append(f"  EAGER {fb.code}: {fb.kind}: {fb.reason}")
         return "\n".join(lines)
@@ -326,6 +342,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
         pilot=compiler.prefetcher.report() if compiler.prefetcher is not None else None,
         dynamic=compiler.dynamic,
         recompile_limit_raised=compiler.recompile_limit_raised,
+        replans=tuple(compiler.replans),
         over_budget=compiler.over_budget
         or (
             prediction is not None

@@ -156,10 +156,13 @@ def test_multi_fragment_step_over_budget_is_warned() -> None:
     torch._dynamo.reset()
     wl = zoo.build(name, size="tiny")
     compiled = memcompile.compile(wl.model, budget=budget, on_infeasible="best_effort")
+    # The first step's check re-plans its fragments (tests/test_replan.py); the warning comes
+    # once the re-planned step is seen to exceed the budget still (parameters and gradients).
     with pytest.warns(MemoryBudgetWarning, match=r"step is predicted to peak at .* over budget="):
-        for step in range(2):
+        for step in range(4):
             wl.loss(compiled, step).backward()
-    assert memcompile.report(compiled).over_budget
+    rep = memcompile.report(compiled)
+    assert rep.over_budget and rep.replans  # re-planning was tried first
 
 
 def test_no_budget_keeps_every_tensor_and_only_reorders() -> None:

@@ -90,6 +90,8 @@ def test_bit_identical_to_eager_under_a_budget(name: str, fraction: float) -> No
     # Either the predicted step fits, or the user was told it does not (never a quiet overrun).
     # Multi-fragment steps are planned a fragment at a time and may exceed (see the README).
     warned = any(issubclass(w.category, memcompile.MemoryBudgetWarning) for w in caught)
-    assert rep.predicted_peak <= budget or (rep.over_budget and warned), rep
+    # ... or it is being re-planned with the whole step known (warned if that cannot fit).
+    replanning = bool(rep.replans) and rep.replans[-1].fits is None
+    assert rep.predicted_peak <= budget or (rep.over_budget and (warned or replanning)), rep
     if comp.single_fragment and fraction < 0.5:
         assert any(p.recomputed or p.swapped for p in plans), rep

@@ -23,6 +23,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from types import CodeType
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import sympy
@@ -37,8 +38,14 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from memcompile.backends.dynamo_hooks import calling_dynamo_context, install_call_hook
 from memcompile.backends.fallbacks import Fallback, FunctionSpan, monitor
-from memcompile.backends.fragments import FragmentRecord, FragmentStats, fragment_identity
+from memcompile.backends.fragments import (
+    FragmentIdentity,
+    FragmentRecord,
+    FragmentStats,
+    fragment_identity,
+)
 from memcompile.backends.inner import BoxedCallable, compile_inner, decompositions
+from memcompile.backends.replan import MAX_ROUNDS, Replan, decide_replan
 from memcompile.config import MemConfig
 from memcompile.errors import MemoryBudgetError, MemoryBudgetWarning, format_bytes
 from memcompile.passes.analysis import bound_sizes
@@ -135,6 +142,16 @@ def _frame_location(frame: Any) -> str:
     return f"{frame.name} ({frame.filename}:{frame.lineno})" if frame is not None else "<unknown>"
 
 
+def _compiling_code() -> CodeType | None:
+    """The code object Dynamo is compiling (``None`` outside a Dynamo compile)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        return InstructionTranslator.current_tx().f_code
+    except AttributeError:  # no translator on this thread: the backend was called directly
+        return None
+
+
 def _profiler_enabled() -> bool:
     return torch.autograd.profiler._is_profiler_enabled
 
@@ -184,6 +201,9 @@ class _FragmentBuild:
         # Bytes this fragment's plan leaves to the pilot's prefetch cache (dynamic/prefetch.py).
         self.prefetch_reserve = 0
         self._bw_gm: fx.GraphModule | None = None
+        #: A re-plan (backends/replan.py): what the rest of the step holds at this fragment's
+        #: worst call, from the step's prediction; ``None``: planned as a new fragment.
+        self.replan_resident: int | None = None
 
     # -- AOTAutograd hooks -------------------------------------------------------------------
     def partition(
@@ -685,6 +705,24 @@ class MemCompiler:
         self._open_blocks: dict[int, list[tuple[int, SizeKey]]] = {}
         self._checked_steps: set[tuple[Any, ...]] = set()
         self.over_budget = False
+        #: Re-planning rounds of steps predicted over budget (backends/replan.py), in order.
+        self.replans: list[Replan] = []
+        # Dynamo code object of each fragment (weakly): what reset_code drops to re-plan it.
+        self._codes: dict[int, weakref.ref[CodeType]] = {}
+        # Prefetch reserve each fragment's plan added to its resident bytes.
+        self._reserves: dict[int, int] = {}
+        # Fragment index -> times re-planned; indices whose current plan is a re-plan.
+        self._replan_counts: dict[int, int] = {}
+        self._replanned: set[int] = set()
+        # Step calls (without sizes) -> position in ``replans`` of its latest round.
+        self._replan_rounds: dict[tuple[tuple[int, str], ...], int] = {}
+        # Identity -> (record, resident) of fragments whose code was dropped: the next compile
+        # of the same graph takes the record's index and plans with that resident.
+        self._awaiting: dict[str, list[tuple[FragmentRecord, int | None]]] = {}
+        # Codes to drop before the model's next call (between two calls nothing of them runs).
+        self._pending_codes: list[CodeType] = []
+        self._hooked = False
+        self._warned_steps: set[tuple[tuple[int, str], ...]] = set()
         #: Bytes of parameters this compiler moved to the host tier (``offload_params``).
         self.host_param_bytes = 0
         #: CUDA: device bytes allocated at the first plan that belong to none of memcompile's
@@ -778,6 +816,7 @@ class MemCompiler:
     def planned_reserve(self, build: _FragmentBuild, fetched: Sequence[int]) -> None:
         """``build`` was planned with ``build.prefetch_reserve`` for the cache and fetches the
         inputs at ``fetched`` from the host tier."""
+        self._reserves[build.index] = build.prefetch_reserve
         own = {
             t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
             for i in fetched
@@ -806,14 +845,29 @@ class MemCompiler:
             # torch.compile(backend="memcompile"): watch this model's later calls. (Failures before
             # this point are claimed by report(), which knows the model's methods.)
             self.attach(ctx)
+        identity = fragment_identity(gm, example_inputs)
+        awaiting = self._awaiting.get(identity.id)
+        old, resident = awaiting.pop(0) if awaiting else (None, None)
         # Dynamo compiles under its own global lock, so the next index cannot be taken meanwhile.
-        build = _FragmentBuild(self, len(self.fragments), example_inputs)
+        # A re-planned fragment keeps its index (and call counts): it replaces its record.
+        index = old.index if old is not None else self._next_index()
+        build = _FragmentBuild(self, index, example_inputs)
+        if old is not None:
+            build.stats = old.stats
+            build.replan_resident = resident
         self.note_dynamic_fragment(build.index, gm)
-        compiled, record = self._compile_fragment(build, gm, example_inputs)
+        compiled, record = self._compile_fragment(build, gm, example_inputs, identity)
+        code = _compiling_code()
         with self._lock:
-            self.fragments.append(record)
+            if code is not None:
+                self._codes[record.index] = weakref.ref(code)
+            if old is not None:
+                self.fragments[self.fragments.index(old)] = record
+            else:
+                self.fragments.append(record)
         log.info(
-            "compiled %s %s (%s): %s, %d inputs",
+            "%s %s %s (%s): %s, %d inputs",
+            "re-planned" if old is not None else "compiled",
             record.name,
             record.id,
             record.code,
@@ -822,10 +876,16 @@ class MemCompiler:
         )
         return compiled
 
+    def _next_index(self) -> int:
+        return max((r.index for r in self.fragments), default=-1) + 1
+
     def _compile_fragment(
-        self, build: _FragmentBuild, gm: fx.GraphModule, example_inputs: Sequence[Any]
+        self,
+        build: _FragmentBuild,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        identity: FragmentIdentity,
     ) -> tuple[Callable[..., Any], FragmentRecord]:
-        identity = fragment_identity(gm, example_inputs)
         why = getattr(gm, "compile_subgraph_reason", None)
         stack = list(getattr(why, "user_stack", None) or [])
         reason = (getattr(why, "reason", "") or "").strip().splitlines()
@@ -896,6 +956,15 @@ class MemCompiler:
             self._checked_steps.clear()
             self.over_budget = False
             self.steps_observed = 0
+            self.replans.clear()
+            self._codes.clear()
+            self._reserves.clear()
+            self._replan_counts.clear()
+            self._replanned.clear()
+            self._replan_rounds.clear()
+            self._awaiting.clear()
+            self._pending_codes.clear()
+            self._warned_steps.clear()
         for observer in self.block_observers:
             observer.reset()
         if self.prefetcher is not None:
@@ -912,8 +981,14 @@ class MemCompiler:
         (parameters, buffers, user inputs; not those at positions ``host``, or already in the
         host tier), other fragments' parameters, and (an upper bound, for multi-fragment models)
         what the other training fragments save. Recompiles of the same frame (new shapes)
-        replace each other in a step and are not counted."""
+        replace each other in a step and are not counted.
+
+        A re-plan (``build.replan_resident``) takes the step prediction's figure instead, less
+        the inputs at ``host`` that would leave the device now."""
         skip = set(host)
+        if build.replan_resident is not None:
+            moved = storage_sizes(build.example_inputs[i] for i in skip)
+            return max(0, build.replan_resident - sum(moved.values()))
         storages = storage_sizes(t for i, t in enumerate(build.example_inputs) if i not in skip)
         compile_id = torch._guards.CompileContext.current_compile_id()
         frame = str(compile_id).split("/")[0] if compile_id is not None else None
@@ -997,6 +1072,18 @@ class MemCompiler:
                 "prefetch cache (pilot='off', or a smaller prefetch_depth, frees it)"
             )
         hint = "; ".join(tips)
+        if build.replan_resident is not None:
+            # A re-plan runs its smallest plan: the next step's prediction tells whether the
+            # step fits with every re-planned fragment, and warns if not (_check_step_budget).
+            log.info(
+                "memcompile: re-planned F%d cannot meet its share of budget=%s (smallest peak "
+                "%s); running its smallest plan: %s",
+                build.index,
+                format_bytes(budget),
+                format_bytes(plan.predicted_peak),
+                hint,
+            )
+            return
         if self.config.on_infeasible == "error":
             raise MemoryBudgetError(budget, plan.predicted_peak, hint)
         warnings.warn(
@@ -1029,10 +1116,28 @@ class MemCompiler:
         was installed now (False: it already was)."""
 
         def enter() -> Callable[[], None]:
+            self._between_calls()
             cursor = monitor.cursor()
             return lambda: self._claim(monitor.claim_since(cursor))
 
+        self._hooked = True
         return install_call_hook(ctx, enter)
+
+    def _between_calls(self) -> None:
+        # A model call starts and none of its frames runs: the place to end a step whose backward
+        # is done (so its check runs now, not in the next step's first fragment) and to drop the
+        # code of the fragments to re-plan, which Dynamo then compiles again in this call.
+        if self._step and self._last_kind == "backward":
+            self._end_step()
+        self._apply_replans()
+
+    def _apply_replans(self) -> None:
+        codes, self._pending_codes = self._pending_codes, []
+        if codes:
+            with torch._dynamo.convert_frame.compile_lock:
+                for code in codes:
+                    torch._dynamo.reset_code(code)
+            log.info("memcompile: dropped %d compiled frame(s) to re-plan them", len(codes))
 
     def _claim(self, fallbacks: list[Fallback]) -> None:
         if fallbacks:
@@ -1060,14 +1165,10 @@ class MemCompiler:
                 or len(step) >= _MAX_STEP_EVENTS
             )
         ):
-            self.last_step = tuple(step)
-            self.last_step_sizes = tuple(self._step_sizes)
-            self.steps_observed += 1
-            self._step = step = []
-            self._step_sizes = []
-            self._step_trains = False
-            self._open_blocks.clear()
-            self._check_step_budget()
+            self._end_step()
+            step = self._step
+            if not self._hooked:  # no call hook: drop the code now (this frame keeps running)
+                self._apply_replans()
         if kind == "forward":
             self._open_blocks.setdefault(index, []).append((block, sizes))
         elif kind == "backward":
@@ -1081,6 +1182,16 @@ class MemCompiler:
         self._last_kind = kind
         for observer in self.block_observers:
             observer.on_block(self.steps_observed, index, kind, block, args)
+
+    def _end_step(self) -> None:
+        self.last_step = tuple(self._step)
+        self.last_step_sizes = tuple(self._step_sizes)
+        self.steps_observed += 1
+        self._step = []
+        self._step_sizes = []
+        self._step_trains = False
+        self._open_blocks.clear()
+        self._check_step_budget()
 
     def _on_call_end(self, index: int, kind: str, block: int, outputs: Any) -> None:
         # After a forward or inference call returned: its outputs, e.g. an MoE router's
@@ -1123,6 +1234,12 @@ class MemCompiler:
 
         Resident: the parameters and buffers of every block that ran, of the compiled module when
         known, and ``extra_resident``."""
+        return self._predict(extra_resident)[:3]
+
+    def _predict(
+        self, extra_resident: Iterable[torch.Tensor] = ()
+    ) -> tuple[StepPrediction | None, tuple[StepEvent, ...], int, list[FragmentProfile | None]]:
+        """:meth:`predict_step` and the profile each call was replayed with."""
         records = self.records()
         static: dict[int, int] = {}
         for r in records:
@@ -1148,10 +1265,11 @@ class MemCompiler:
             if seq
             else None
         )
-        return prediction, seq, resident
+        return prediction, seq, resident, call_profiles
 
     def _check_step_budget(self) -> None:
-        # Fragments are planned one at a time: check the whole step once per new composition.
+        # Fragments are planned one at a time: check the whole step once per new composition,
+        # and re-plan those that did not know what the rest of the step holds (replan.py).
         budget = self.config.budget
         if budget is None or not self.last_step:
             return
@@ -1163,20 +1281,99 @@ class MemCompiler:
         if len(self._checked_steps) >= _MAX_CHECKED_STEPS:  # a dynamic model: new every step
             self._checked_steps.clear()
         self._checked_steps.add(shape)
-        prediction = self.predict_step()[0]
-        if prediction is None or prediction.peak <= budget:
+        prediction, seq, _, call_profiles = self._predict()
+        if prediction is None:
             return
-        self.over_budget = True
+        # Rounds count per composition of calls; sizes may change once re-planned (a frame
+        # Dynamo compiles again starts with the sizes it learned were dynamic).
+        calls = tuple((i, k) for i, k, _ in seq)
+        at = self._replan_rounds.get(calls)
+        last = self.replans[at] if at is not None else None
+        if at is not None and last is not None and last.peak_after is None:
+            self.replans[at] = dataclasses.replace(last, peak_after=prediction.peak)
+            log.info(
+                "memcompile: re-planned (round %d), the step is predicted to peak at %s "
+                "(budget %s; %s before)",
+                last.round,
+                format_bytes(prediction.peak),
+                format_bytes(budget),
+                format_bytes(last.predicted_peak),
+            )
+        if prediction.peak <= budget:
+            return
         used = {i for i, _, _ in shape}
-        plans = [r.plan for r in self.records() if r.index in used]
-        if any(p is not None and not p.feasible for p in plans):
+        records = {r.index: r for r in self.records()}
+        if any(
+            r.plan is not None and not r.plan.feasible and i not in self._replanned
+            for i, r in records.items()
+            if i in used
+        ):
+            self.over_budget = True
             return  # an infeasible fragment plan was already reported (error or warning)
-        if len(used) > 1:
+        rounds = last.round if last is not None else 0
+        stuck: tuple[int, ...] = ()
+        if rounds < MAX_ROUNDS:
+            assumed = {
+                i: r.plan.resident_bytes - self._reserves.get(i, 0)
+                for i, r in records.items()
+                if r.plan is not None
+            }
+            decision = decide_replan(
+                prediction,
+                seq,
+                call_profiles,
+                budget=budget,
+                assumed=assumed,
+                replans=self._replan_counts,
+            )
+            stuck = decision.stuck
+            chosen = {i: b for i, b in decision.resident.items() if self._code_of(i) is not None}
+            if chosen:
+                self._request_replan(chosen, records)
+                self.replans.append(
+                    Replan(
+                        round=rounds + 1,
+                        calls=len(seq),
+                        budget=budget,
+                        predicted_peak=prediction.peak,
+                        fragments=tuple(f"F{i}" for i in chosen),
+                        resident=tuple(chosen.values()),
+                    )
+                )
+                self._replan_rounds[calls] = len(self.replans) - 1
+                self._checked_steps.discard(shape)  # check it again, re-planned
+                log.info(
+                    "memcompile: a %d-call step is predicted to peak at %s, over budget=%s: "
+                    "re-planning %s (round %d) with what the rest of the step holds",
+                    len(seq),
+                    format_bytes(prediction.peak),
+                    format_bytes(budget),
+                    ", ".join(f"F{i} ({format_bytes(b)})" for i, b in chosen.items()),
+                    rounds + 1,
+                )
+                return
+        self.over_budget = True
+        if calls in self._warned_steps:  # a dynamic model: the same calls at other sizes
+            return
+        self._warned_steps.add(calls)
+        if rounds:
+            why = (
+                f"re-planning its fragments with the whole step known did not fit it ({rounds} "
+                "round(s))"
+            )
+        else:
+            names = ", ".join(f"F{i}" for i in stuck) or "none"
+            why = (
+                "none of its fragments can be re-planned tighter (over budget: "
+                f"{names}; each already planned for what the rest of the step holds, or "
+                "re-planned before)"
+            )
+        if len(used) > 1 or rounds:
             warnings.warn(
                 f"memcompile: a {len(self.last_step)}-call step is predicted to peak at "
-                f"{format_bytes(prediction.peak)}, over budget={format_bytes(budget)}: its "
-                f"{len(used)} fragments were planned one at a time and together exceed it "
-                "(a lower budget tightens every fragment's plan; see memcompile.report())",
+                f"{format_bytes(prediction.peak)}, over budget={format_bytes(budget)}: {why}. "
+                "Its parameters, gradients and smallest saved sets need more (allow recompute "
+                "and swap, set offload_params=True, or raise the budget; see memcompile.report())",
                 MemoryBudgetWarning,
                 stacklevel=2,
             )
@@ -1188,6 +1385,37 @@ class MemCompiler:
                 MemoryBudgetWarning,
                 stacklevel=2,
             )
+
+    def _code_of(self, index: int) -> CodeType | None:
+        ref = self._codes.get(index)
+        return ref() if ref is not None else None
+
+    def _request_replan(
+        self, chosen: Mapping[int, int], records: Mapping[int, FragmentRecord]
+    ) -> None:
+        """Drop the code of the fragments in ``chosen`` (index -> resident bytes to plan with)
+        before the model's next call. Every fragment of a dropped code compiles again: those not
+        chosen with the resident bytes their plan assumed (the same target)."""
+        codes: dict[int, CodeType] = {}
+        for i in chosen:
+            code = self._code_of(i)
+            assert code is not None
+            codes.setdefault(id(code), code)
+        for index, r in records.items():
+            code = self._code_of(index)
+            if code is None or id(code) not in codes:
+                continue
+            resident: int | None
+            if index in chosen:
+                resident = chosen[index]
+                self._replan_counts[index] = self._replan_counts.get(index, 0) + 1
+                self._replanned.add(index)
+            elif r.plan is not None:
+                resident = r.plan.resident_bytes - self._reserves.get(index, 0)
+            else:
+                resident = None
+            self._awaiting.setdefault(r.identity.id, []).append((r, resident))
+        self._pending_codes.extend(codes.values())
 
     def current_step(self) -> tuple[StepEvent, ...]:
         """The most recent step: the one in progress once it has reached its backward (or the
