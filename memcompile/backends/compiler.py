@@ -504,6 +504,7 @@ class _FragmentBuild:
             cost,
             fragment=name,
             copy_bytes=max(compiler.max_block_host_bytes, self.prefetch_reserve // depth),
+            copy_tensors=max(compiler.max_block_host_tensors, 1),
             observed=observed_outputs(gm),
         )
         if PILOT_IN_GRAPH and compiler.pilot_plans():
@@ -722,6 +723,8 @@ class MemCompiler:
         self.recompile_limit_raised: tuple[int, int] | None = None
         #: The largest host-placed parameter bytes of one block planned so far (the reserve).
         self.max_block_host_bytes = 0
+        #: The most host-placed parameters of one block planned so far (each is one copy).
+        self.max_block_host_tensors = 0
         #: The pilot: predicts the next blocks and prefetches their host-placed parameters
         #: (dynamic/prefetch.py); ``None`` with ``pilot="off"``.
         self.prefetcher: Prefetcher | None = None
@@ -803,6 +806,7 @@ class MemCompiler:
             if isinstance(t := build.example_inputs[i], torch.Tensor)
         }
         self.max_block_host_bytes = max(self.max_block_host_bytes, sum(own.values()))
+        self.max_block_host_tensors = max(self.max_block_host_tensors, len(own))
         if self.prefetcher is not None:
             self.prefetcher.add_reserve(build.prefetch_reserve)
 

@@ -239,6 +239,8 @@ class PilotReport:
         sim_stall_us: simulated device stall of the training forwards, microseconds: the
             copies on the device profile's host link, issued where they were (see the module
             doc; ``None`` before any fragment was placed). A GPU estimate with a GPU profile.
+        sim_late_us: the part of ``sim_stall_us`` spent waiting for prefetched copies (issued
+            too late to hide; the rest is misses, copied on demand).
         sim_profile: the device profile of ``sim_stall_us``.
         placements: where each forward graph predicts (passes/pilot_prefetch.py), by fragment.
     """
@@ -266,6 +268,7 @@ class PilotReport:
     in_graph_predictions: int = 0
     tail_predictions: int = 0
     sim_stall_us: float | None = None
+    sim_late_us: float | None = None
     sim_profile: str | None = None
     placements: tuple[PilotPrefetchPlan, ...] = ()
 
@@ -600,6 +603,7 @@ class Prefetcher:
             in_graph_predictions=self.in_graph_predictions,
             tail_predictions=self.tail_predictions,
             sim_stall_us=c.sim_stall_s * 1e6 if self._sim_profile is not None else None,
+            sim_late_us=c.sim_late_s * 1e6 if self._sim_profile is not None else None,
             sim_profile=self._sim_profile,
             placements=tuple(self.placements[i] for i in sorted(self.placements)),
         )

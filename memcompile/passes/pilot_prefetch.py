@@ -80,12 +80,14 @@ class PilotPrefetchPlan:
         position: how many compute nodes (not placeholders) run before the op.
         observed: the nodes whose values the predictor reads, in output order.
         copy_bytes: the expected copy (one block's host-placed parameters).
-        copy_seconds: its time over the host link, launch included.
+        copy_tensors: how many tensors that is (one copy each).
+        copy_seconds: its time over the host link, launches included.
         issue_seconds: predicted compute time before the op.
         graph_seconds: predicted compute time of the whole forward graph (example sizes).
         overlap_seconds: copy time hidden behind the graph's compute.
-        stall_seconds: copy time left when the graph's compute ends (the data dependency placed
-            the op too late to hide it all, or the graph is too short).
+        stall_seconds: how long after the graph's compute ends the copy is done (the data
+            dependency placed the op too late to hide it all, the graph is too short, or the
+            graph's own copies hold the copy stream).
         profile: the device profile of the times (``cpu``: this machine; ``h100``: estimate).
     """
 
@@ -95,6 +97,7 @@ class PilotPrefetchPlan:
     position: int
     observed: tuple[str, ...]
     copy_bytes: int
+    copy_tensors: int
     copy_seconds: float
     issue_seconds: float
     graph_seconds: float
@@ -146,15 +149,27 @@ def plan_pilot_prefetch(
     *,
     fragment: str,
     copy_bytes: int,
+    copy_tensors: int = 1,
     observed: Sequence[fx.Node] = (),
 ) -> PilotPrefetchPlan:
     """Choose where ``gm`` (a forward graph) predicts and prefetches; see the module docstring.
 
+    Args:
+        gm: a forward graph (after the swap pass: its own copies go first on the copy stream).
+        profile: the device's cost model.
+        fragment: the fragment's name, for the plan and the log.
+        copy_bytes: the expected copy's bytes (0: nothing to copy; the op goes at the end).
+        copy_tensors: how many tensors it is (each copy pays the profile's launch overhead).
+        observed: the nodes the predictor reads (:func:`observed_outputs`).
+
     Raises:
-        ValueError: ``copy_bytes`` is negative, or an observed node is not in ``gm``.
+        ValueError: ``copy_bytes`` is negative, ``copy_tensors`` is below 1, or an observed
+            node is not in ``gm``.
     """
     if copy_bytes < 0:
         raise ValueError(f"plan_pilot_prefetch: copy_bytes must be >= 0; got {copy_bytes}")
+    if copy_tensors < 1:
+        raise ValueError(f"plan_pilot_prefetch: copy_tensors must be >= 1; got {copy_tensors}")
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     missing = [n.name for n in observed if n not in index]
@@ -174,7 +189,9 @@ def plan_pilot_prefetch(
         else:
             clock += node_seconds(n, profile, ids)
     end = clock
-    seconds = profile.launch_overhead + profile.copy_time(copy_bytes, "host") if copy_bytes else 0.0
+    seconds = 0.0
+    if copy_bytes:
+        seconds = copy_tensors * profile.launch_overhead + profile.copy_time(copy_bytes, "host")
     first = next(i for i, n in enumerate(nodes) if n.op != "placeholder")
     floor = max([first, *(index[n] + 1 for n in observed)])
     last = len(nodes) - 1  # before the output node: the graph's end
@@ -188,6 +205,8 @@ def plan_pilot_prefetch(
     while q > floor and done(q) > end:
         q -= 1
     stall = max(0.0, done(q) - end)
+    # The copy starts once issued and the copy stream is free; it overlaps compute until `end`.
+    overlap = min(seconds, max(0.0, end - (done(q) - seconds)))
     plan = PilotPrefetchPlan(
         fragment=fragment,
         in_graph=True,
@@ -195,10 +214,11 @@ def plan_pilot_prefetch(
         position=sum(1 for n in nodes[:q] if n.op != "placeholder"),
         observed=tuple(n.name for n in observed),
         copy_bytes=copy_bytes,
+        copy_tensors=copy_tensors,
         copy_seconds=seconds,
         issue_seconds=start_s[q],
         graph_seconds=end,
-        overlap_seconds=seconds - stall,
+        overlap_seconds=overlap,
         stall_seconds=stall,
         profile=profile.name,
     )

@@ -22,13 +22,15 @@ Counters (bytes, for the report): ``needed`` (fetches of watched parameters whil
 on: the forward of a training step), ``hit`` (of those, served from the cache), ``prefetched``,
 ``wasted`` (copies freed unused, stale ones included), and ``stall_ns`` (time spent in on-demand
 fetches while counting: what the compute would wait for on a GPU, measured here on the CPU).
-**Simulated device time** (a GPU estimate; ``sim_*``): the prefetcher advances
-:attr:`PrefetchCache.sim_clock` by each forward call's predicted compute time and issues each copy
-at a simulated time (``prefetch(issue_s=…)``); the copies run one after the other on a simulated
-copy stream, each taking :attr:`PrefetchCache.copy_seconds` of its bytes. While counting, a hit
-waits until its copy is done and a miss copies on demand; both add to ``sim_stall_s`` and move
-the clock (the fetch is assumed at the clock's current point: the first reader's time within the
-call is not modelled, which overstates a stall).
+
+**Simulated device time** (a GPU estimate with a GPU profile; ``sim_*``): the prefetcher advances
+:attr:`PrefetchCache.sim_clock` by each forward call's predicted compute time and issues each
+copy at a simulated time (``prefetch(issue_s=…)``); the copies run one after the other on a
+simulated copy stream, each taking :attr:`PrefetchCache.copy_seconds` of its bytes. While
+counting, a hit waits until its copy is done (``sim_late_s``: the copy was issued too late to
+hide) and a miss copies on demand; both add to ``sim_stall_s`` and move the clock. The fetch is
+assumed at the clock's current point (the first reader's time within the call is not modelled,
+which overstates a stall).
 
 Each copy carries a ``tag`` (the prefetcher's: which predictor source, how many blocks ahead);
 :attr:`PrefetchCache.by_tag` counts prefetched, hit and wasted bytes per tag.
@@ -67,6 +69,7 @@ class CacheCounters:
     misses: int
     peak_bytes: int
     sim_stall_s: float = 0.0
+    sim_late_s: float = 0.0
 
 
 @dataclass
@@ -108,7 +111,7 @@ class PrefetchCache:
         #: Simulated device time (see the module doc): the clock, the stall, the copy stream's
         #: free time, and a copy's seconds by its bytes (``None``: no simulation).
         self.sim_clock = 0.0
-        self.sim_stall_s = 0.0
+        self.sim_stall_s = self.sim_late_s = 0.0
         self._copy_free_s = 0.0
         self.copy_seconds: Callable[[int], float] | None = None
 
@@ -136,7 +139,9 @@ class PrefetchCache:
                 if self.counting:
                     self.needed += nbytes
                     self.hit += nbytes
-                    self._sim_wait(entry.ready_s - self.sim_clock)
+                    late = max(0.0, entry.ready_s - self.sim_clock)
+                    self.sim_late_s += late
+                    self._sim_wait(late)
                 self.by_tag[entry.tag].hit += entry.nbytes
                 return entry.copy
             # The parameter changed after the copy was made: never serve old values.
@@ -249,6 +254,7 @@ class PrefetchCache:
             misses=self.misses,
             peak_bytes=self.peak_bytes,
             sim_stall_s=self.sim_stall_s,
+            sim_late_s=self.sim_late_s,
         )
 
     @staticmethod
