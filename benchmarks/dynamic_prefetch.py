@@ -29,7 +29,7 @@ copies issued too late to hide ("late") and on-demand copies of misses.
 Figures come from ``memcompile.report(compiled).pilot``: accuracy (next block), k-ahead accuracy,
 hit rate (prefetched bytes used / host-parameter bytes the forward fetched), wasted bytes, stall
 (time the forward spent in on-demand fetches, **measured on this CPU**: what a GPU's compute
-stream would wait for; on the CPU the prefetch copies are synchronous at the fragment tails, so
+stream would wait for; on the CPU the prefetch copies are synchronous (inside the graphs), so
 step time does not improve here) and the median step time, and the bytes prefetched / hit /
 wasted per copy tag (``source@j``; ``@step``: the next step's first block, copied after the
 optimizer step) with the 2-ahead predictions muted by the waste control (prefetch.py). Losses are
