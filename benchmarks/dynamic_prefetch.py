@@ -1,7 +1,7 @@
 """Prefetch in training on the zoo MoE: hit rate, wasted bytes and stall time per predictor.
 
     OMP_NUM_THREADS=1 python benchmarks/dynamic_prefetch.py [--steps 40] [--size small]
-        [--batch 1] [--seq-len 8] [--warmup 10] [--out DIR]
+        [--batch 1] [--seq-len 8] [--warmup 10] [--profile h100] [--out DIR]
 
 Trains the zoo MoE (``moe_workload(size, batch=…, seq_len=…)``: the model's own router on the
 zoo's structured topic stream; with few tokens per step some experts idle, so the block sequence
@@ -16,11 +16,20 @@ per predictor, in one process:
   prefetcher's predictor, the ``pilot="markov"`` path otherwise);
 * ``pilot``: ``pilot="lightgbm"``, the online Pilot (LightGBM, Markov below its threshold),
   trained inline after ``--warmup`` steps and every 5 steps after (deterministic swap points).
+* ``markov, tail`` and ``pilot, tail``: the same with the prediction at each fragment's tail
+  (``compiler.PILOT_IN_GRAPH = False``, as before the in-graph op): the same predictions and
+  copies, issued after the graph instead of inside it.
+
+Every run uses ``device_profile=--profile`` (``h100`` by default), which prices the in-graph
+op's placement (passes/pilot_prefetch.py) and the **simulated stall** (``sim_stall_us``: a GPU
+estimate from the profile, not a measurement; prefetch.py's module doc): the time a GPU's
+compute stream would wait for the forward's parameter copies, split into waits for prefetched
+copies issued too late to hide ("late") and on-demand copies of misses.
 
 Figures come from ``memcompile.report(compiled).pilot``: accuracy (next block), k-ahead accuracy,
 hit rate (prefetched bytes used / host-parameter bytes the forward fetched), wasted bytes, stall
 (time the forward spent in on-demand fetches, **measured on this CPU**: what a GPU's compute
-stream would wait for; on the CPU the prefetch copies are synchronous at the fragment tails, so
+stream would wait for; on the CPU the prefetch copies are synchronous (inside the graphs), so
 step time does not improve here) and the median step time, and the bytes prefetched / hit /
 wasted per copy tag (``source@j``; ``@step``: the next step's first block, copied after the
 optimizer step) with the 2-ahead predictions muted by the waste control (prefetch.py). Losses are
@@ -48,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 from machine import describe_machine  # noqa: E402
 
 import memcompile  # noqa: E402
+from memcompile.backends import compiler as compiler_module  # noqa: E402
 from memcompile.dynamic import prefetch  # noqa: E402
 from memcompile.dynamic.pilot import Prediction  # noqa: E402
 from memcompile.report import find_compiler  # noqa: E402
@@ -96,8 +106,12 @@ class Replay:
 def run(kind: str, args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
     torch._dynamo.reset()
     wl = moe_workload(args.size, 0, batch=args.batch, seq_len=args.seq_len)
-    pilot = {"off": "off", "pilot": "lightgbm"}.get(kind, "markov")
-    compiled = memcompile.compile(wl.model, offload_params=True, pilot=pilot)
+    base = kind.removesuffix(", tail")
+    pilot = {"off": "off", "pilot": "lightgbm"}.get(base, "markov")
+    compiler_module.PILOT_IN_GRAPH = not kind.endswith(", tail")
+    compiled = memcompile.compile(
+        wl.model, offload_params=True, pilot=pilot, device_profile=args.profile
+    )
     if kind in ("replay", "on_demand"):
         compiler = find_compiler(compiled)[0]
         assert compiler.prefetcher is not None
@@ -113,6 +127,7 @@ def run(kind: str, args: argparse.Namespace) -> tuple[dict[str, Any], list[float
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
     rep = memcompile.report(compiled)
+    compiler_module.PILOT_IN_GRAPH = True
     row: dict[str, Any] = {"predictor": kind, "step_ms_p50": 1000 * statistics.median(times[2:])}
     if rep.pilot is not None:
         row.update(rep.pilot.to_dict())
@@ -135,11 +150,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--profile", default="h100", help="device profile of the simulated stall")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     prefetch.PILOT_KNOBS.update(warmup_steps=args.warmup, retrain_every=5, background=False, seed=0)
     rows, reference = [], None
-    for kind in ("off", "on_demand", "markov", "replay", "pilot"):
+    for kind in ("off", "on_demand", "markov", "markov, tail", "replay", "pilot", "pilot, tail"):
         row, losses = run(kind, args)
         if reference is None:
             reference = losses
@@ -150,12 +166,15 @@ def main() -> None:
     def pct(x: Any) -> str:
         return "-" if x is None else f"{100 * x:.1f} %"
 
+    def per_step(us: float | None) -> str:
+        return "-" if us is None else f"{us / args.steps:.1f}"
+
     lines = [
         "# Prefetch in training: zoo MoE, parameters on the host",
         "",
         f"`OMP_NUM_THREADS=1 python benchmarks/dynamic_prefetch.py --steps {args.steps} "
         f"--size {args.size} --batch {args.batch} --seq-len {args.seq_len} "
-        f"--warmup {args.warmup}`",
+        f"--warmup {args.warmup} --profile {args.profile}`",
         "",
         f"{describe_machine()}; torch {torch.__version__}; "
         f"{datetime.date.today().isoformat()}. Stall: measured on this CPU (time in on-demand "
@@ -165,14 +184,22 @@ def main() -> None:
         "predictions not copied because their source wasted more than half its bytes over the "
         "last steps (prefetch.py, waste control).",
         "",
+        f"Simulated stall: a **{args.profile} estimate** (device profile), not a measurement: "
+        "the time a GPU's compute stream would wait for the forward's parameter copies, per "
+        "step (mean over the run), and of it the waits for prefetched copies issued too late "
+        "to hide (late; the rest is misses, copied on demand). `, tail`: the prediction at "
+        "each fragment's tail, as before the in-graph op (`PILOT_IN_GRAPH = False`); the "
+        "predictions and copies are the same, only where they are issued differs.",
+        "",
         "| predictor | next-block acc. | 2-ahead acc. | hit rate | wasted | prefetched | "
-        "stall (ms, total) | misses | muted | predict p50 (us) | step p50 (ms) | losses = off |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "stall (ms, total) | misses | muted | sim. stall / step (us) | of it late (us) | "
+        "in-graph / tail predictions | predict p50 (us) | step p50 (ms) | losses = off |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["predictor"] == "off":
             lines.append(
-                f"| off (fetch on demand) | - | - | 0 % | 0 | 0 | - | - | - | - | "
+                f"| off (fetch on demand) | - | - | 0 % | 0 | 0 | - | - | - | - | - | - | - | "
                 f"{r['step_ms_p50']:.1f} | yes |"
             )
             continue
@@ -183,7 +210,9 @@ def main() -> None:
             f"{pct(r['k_ahead_accuracy'])} | {pct(r['hit_rate'])} | "
             f"{r['wasted_bytes'] / 1024:.0f} KiB ({pct(wasted)}) | "
             f"{r['prefetched_bytes'] / 1024:.0f} KiB | "
-            f"{r['stall_us'] / 1000:.1f} | {r['misses']} | {r['muted_predictions']} | {p50} | "
+            f"{r['stall_us'] / 1000:.1f} | {r['misses']} | {r['muted_predictions']} | "
+            f"{per_step(r['sim_stall_us'])} | {per_step(r['sim_late_us'])} | "
+            f"{r['in_graph_predictions']} / {r['tail_predictions']} | {p50} | "
             f"{r['step_ms_p50']:.1f} | {'yes' if r['bit_identical_losses'] else 'NO'} |"
         )
     lines += [
@@ -200,6 +229,25 @@ def main() -> None:
                 for t, c in r["by_tag"].items()
             )
             lines.append(f"* {r['predictor']}: {tags}")
+    placed = next((r["placements"] for r in rows if r["predictor"] == "pilot"), [])
+    if placed:
+        lines += [
+            "",
+            f"Where each forward graph predicts (`pilot` run; times: {args.profile} estimate, "
+            "example sizes; passes/pilot_prefetch.py):",
+            "",
+            "| fragment | before node | compute nodes before | observed | expected copy | "
+            "copy (us) | graph (us) | overlap (us) | stall (us) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for p in placed:
+            lines.append(
+                f"| {p['fragment']} | `{p['before']}` | {p['position']} | "
+                f"{', '.join(p['observed']) or '-'} | {p['copy_bytes'] // 1024} KiB in "
+                f"{p['copy_tensors']} | {1e6 * p['copy_seconds']:.1f} | "
+                f"{1e6 * p['graph_seconds']:.1f} | {1e6 * p['overlap_seconds']:.1f} | "
+                f"{1e6 * p['stall_seconds']:.1f} |"
+            )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "dynamic_prefetch.md").write_text("\n".join(lines) + "\n")

@@ -231,6 +231,21 @@ def _pilot_line(p: PilotReport) -> str:
         f"{format_bytes(p.needed_bytes)} fetched, wasted {format_bytes(p.wasted_bytes)}, "
         f"stall {p.stall_us / 1000:.2f} ms (CPU), predict p50 {us}, reserve "
         f"{format_bytes(p.reserve_bytes)}, {p.muted_predictions} predictions muted (wasteful)"
+        + _placement_line(p)
+    )
+
+
+def _placement_line(p: PilotReport) -> str:
+    # Where the predictions were made (passes/pilot_prefetch.py) and the simulated stall.
+    inside = [pl for pl in p.placements if pl.in_graph]
+    if p.sim_stall_us is None:
+        return ""
+    late = p.sim_late_us or 0.0
+    return (
+        f"\n  pilot prefetch: {p.in_graph_predictions} predictions in-graph ({len(inside)} of "
+        f"{len(p.placements)} forward graphs), {p.tail_predictions} at a tail; simulated stall "
+        f"{p.sim_stall_us / 1000:.3f} ms ({late / 1000:.3f} ms waiting for late copies; "
+        f"{p.sim_profile} profile estimate)"
     )
 
 

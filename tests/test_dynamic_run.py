@@ -14,6 +14,7 @@ from torch import fx, nn
 
 import memcompile
 from memcompile import zoo
+from memcompile.backends import compiler as compiler_module
 from memcompile.backends.compiler import DYNAMIC_RECOMPILE_LIMIT, MemCompiler
 from memcompile.config import MemConfig
 from memcompile.dynamic import prefetch
@@ -25,6 +26,17 @@ from helpers import assert_same_state, train, train_under_budget
 
 # The Pilot trains inline after two steps, so it predicts with LightGBM within a short test.
 _FAST_PILOT = {"warmup_steps": 2, "retrain_every": 1, "background": False}
+# The in-graph prediction op (passes/pilot_prefetch.py), as the profiles name targets.
+PILOT_OP = "memcompile.pilot_prefetch.default"
+
+
+def _pilot_ops(rep: memcompile.MemReport) -> dict[str, int]:
+    """Training fragment -> pilot ops in its forward graph."""
+    return {
+        f.name: sum(n.target == PILOT_OP for n in f.profile.forward.nodes)
+        for f in rep.fragments
+        if f.training and f.profile is not None
+    }
 
 
 class AlwaysWrong:
@@ -80,9 +92,14 @@ def test_training_is_bit_identical_whatever_the_pilot_predicts(
     monkeypatch.setattr(prefetch, "PILOT_KNOBS", _FAST_PILOT)
     rep = _run(name, pilot, 5 if name == "moe" else 6)
     p = rep.pilot
+    ops = _pilot_ops(rep)
     if pilot == "off":
         assert p is None and rep.to_dict()["pilot"] is None
+        assert ops and not any(ops.values())  # no prediction op in any graph
         return
+    # Each forward graph predicts once, in the graph; no tail predicts again.
+    assert ops and set(ops.values()) == {1}
+    assert p.in_graph_predictions > 0 and p.tail_predictions == 0
     assert p is not None and p.enabled and p.mode == ("markov" if pilot != "lightgbm" else pilot)
     assert p.needed_bytes > 0 and p.predictions > 0 and p.predict_us_p50 is not None
     assert p.reserve_bytes > 0 and p.cache_peak_bytes <= p.reserve_bytes
@@ -345,3 +362,77 @@ def test_the_prefetchers_predictor_sees_the_routers_counts() -> None:
     tokens = wl.batch(0)[0].numel()
     top_k = wl.model.blocks[0].top_k
     assert any(sum(c) == tokens * top_k for c in counts)  # every routed slot, counted once
+
+
+def test_the_moe_router_predicts_in_its_graph_after_its_counts() -> None:
+    torch._dynamo.reset()
+    wl = zoo.build("moe", size="tiny")
+    compiled = memcompile.compile(wl.model, offload_params=True, pilot="markov")
+    train(wl, compiled, "sgd", 1)
+    rep = memcompile.report(compiled)
+    assert rep.pilot is not None
+    placed = {pl.fragment: pl for pl in rep.pilot.placements}
+    routers = 0
+    for f in rep.fragments:
+        assert f.profile is not None
+        nodes = f.profile.forward.nodes
+        at = {n.name: i for i, n in enumerate(nodes)}
+        (op,) = (i for i, n in enumerate(nodes) if n.target == PILOT_OP)
+        plan = placed[f.name]
+        assert plan.in_graph and nodes[op + 1].name == plan.before
+        assert nodes[op].inputs == plan.observed  # what the predictor reads
+        assert all(at[o] < op for o in plan.observed)  # ... is computed before it
+        counts = [o for o in plan.observed if nodes[at[o]].target == "aten.sum.dim_IntList"]
+        routers += bool(counts)
+    assert routers == 1  # one route graph serves both blocks; its per-expert counts
+
+
+class CountsPredictions(prefetch.MarkovBlocks):
+    """Markov, counting its predictions."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.predictions = 0
+
+    def predict(self) -> Prediction:
+        self.predictions += 1
+        return super().predict()
+
+
+def _moe_with(
+    in_graph: bool, monkeypatch: pytest.MonkeyPatch
+) -> tuple[memcompile.MemReport, CountsPredictions, list[torch.Tensor]]:
+    monkeypatch.setattr(compiler_module, "PILOT_IN_GRAPH", in_graph)
+    torch._dynamo.reset()
+    wl = zoo.build("moe", size="tiny")
+    compiled = memcompile.compile(
+        wl.model, offload_params=True, pilot="markov", device_profile="h100"
+    )
+    prefetcher = find_compiler(compiled)[0].prefetcher
+    assert prefetcher is not None
+    predictor = prefetcher.predictor = CountsPredictions()
+    losses = train(wl, compiled, "sgd", 4)
+    return memcompile.report(compiled), predictor, losses
+
+
+def test_in_graph_predictions_hide_copies_the_tail_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
+    inside, inside_predictor, inside_losses = _moe_with(True, monkeypatch)
+    tail, tail_predictor, tail_losses = _moe_with(False, monkeypatch)
+    p, q = inside.pilot, tail.pilot
+    assert p is not None and q is not None
+    forward_calls = sum(f.forward_calls for f in inside.fragments)
+    # One prediction per forward call: in the graph, or (the old way) at the tail, never both.
+    assert inside_predictor.predictions == p.in_graph_predictions == forward_calls
+    assert p.tail_predictions == 0
+    assert tail_predictor.predictions == q.tail_predictions == forward_calls
+    assert q.in_graph_predictions == 0 and set(_pilot_ops(tail).values()) == {0}
+    # The same predictions and copies, only issued earlier: same hits, waste and losses ...
+    assert (p.hit_bytes, p.wasted_bytes, p.misses) == (q.hit_bytes, q.wasted_bytes, q.misses)
+    assert all(torch.equal(a, b) for a, b in zip(inside_losses, tail_losses, strict=True))
+    # ... and less simulated (H100) time waiting for copies issued too late.
+    assert p.sim_profile == q.sim_profile == "h100"
+    assert p.sim_late_us is not None and q.sim_late_us is not None
+    assert p.sim_late_us < q.sim_late_us
+    assert p.sim_stall_us is not None and q.sim_stall_us is not None
+    assert q.sim_stall_us - p.sim_stall_us == pytest.approx(q.sim_late_us - p.sim_late_us)
+    assert "predictions in-graph" in str(inside) and "h100 profile estimate" in str(inside)

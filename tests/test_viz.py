@@ -68,6 +68,16 @@ def test_host_placed_parameters_and_their_fetches_have_their_role() -> None:
     assert any(name.startswith("fetch_param") for name in hosted)
 
 
+def test_the_pilots_in_graph_prediction_is_drawn_as_a_prefetch() -> None:
+    wl = resolve_target("cli_targets:mlp")
+    insp = mv.collect(wl, measure=False, offload_params=True, pilot="markov")
+    (frag,) = insp.fragments
+    assert frag.forward is not None
+    roles = node_roles(frag, insp.plan_of(frag))
+    (op,) = (n for n in frag.forward.nodes if n.target == "memcompile.pilot_prefetch.default")
+    assert roles[("forward", op.name)] == "prefetch"
+
+
 @needs_dot
 def test_show_plan_displays_inline_svg_and_saves(swapped: mv.Inspection, tmp_path: Path) -> None:
     img = mv.show_plan(swapped)

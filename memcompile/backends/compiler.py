@@ -57,6 +57,11 @@ from memcompile.passes.joint import JointModel
 from memcompile.passes.losshead import loss_head_pass
 from memcompile.passes.params import param_fetch_pass
 from memcompile.passes.partition import partition_pass
+from memcompile.passes.pilot_prefetch import (
+    observed_outputs,
+    pilot_prefetch_pass,
+    plan_pilot_prefetch,
+)
 from memcompile.passes.plan import FragmentPlan
 from memcompile.passes.planner import plan_fragment
 from memcompile.passes.prefetch import plan_prefetch, prefetch_pass
@@ -114,6 +119,10 @@ DROPOUT_REWRITE: Literal["auto", "always", "replay", "never"] = "auto"
 #: Planned fragments compute cross-entropy heads in place (passes/losshead.py); ``False`` is for
 #: tests and benchmarks that compare against the aten ops.
 LOSS_HEAD_IN_PLACE = True
+
+#: The pilot predicts and prefetches inside each forward graph (passes/pilot_prefetch.py);
+#: ``False`` leaves the prediction at the fragment's tail, for tests and benchmarks that compare.
+PILOT_IN_GRAPH = True
 
 #: Step compositions remembered as already checked against the budget (then forgotten).
 _MAX_CHECKED_STEPS = 4096
@@ -515,8 +524,36 @@ class _FragmentBuild:
         if decided.issue_before:
             self._profile(self._fw_gm, bw)  # type: ignore[arg-type]
 
+    def _pilot_prefetch(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+        # Where the pilot predicts and copies the next blocks: inside this forward graph, where
+        # the copy overlaps the rest of it, once plans leave the cache a reserve; else (and for
+        # the simulated stall, always) the decision at the tail. Before profiling: the profile
+        # then describes the graph as built.
+        compiler = self.compiler
+        prefetcher = compiler.prefetcher
+        if prefetcher is None:
+            return
+        cost = compiler.cost_profile(example_inputs)
+        depth = compiler.config.prefetch_depth
+        name = f"F{self.index}"
+        decided = plan_pilot_prefetch(
+            gm,
+            cost,
+            fragment=name,
+            copy_bytes=max(compiler.max_block_host_bytes, self.prefetch_reserve // depth),
+            copy_tensors=max(compiler.max_block_host_tensors, 1),
+            observed=observed_outputs(gm),
+        )
+        if PILOT_IN_GRAPH and compiler.pilot_plans():
+            ctx = PassContext(fragment=name, graph="forward")
+            pilot_prefetch_pass(gm, ctx, plan=decided, hook=prefetcher.key, fragment=self.index)
+        else:
+            decided = decided.at_tail()
+        prefetcher.place(self.index, decided, cost)
+
     def forward_compiler(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> BoxedCallable:
         self._fw_gm = gm
+        self._pilot_prefetch(gm, example_inputs)
         self._profile(gm, self._bw_gm)
         self._prefetch(example_inputs)
         if self.plan is not None:
@@ -741,6 +778,8 @@ class MemCompiler:
         self.recompile_limit_raised: tuple[int, int] | None = None
         #: The largest host-placed parameter bytes of one block planned so far (the reserve).
         self.max_block_host_bytes = 0
+        #: The most host-placed parameters of one block planned so far (each is one copy).
+        self.max_block_host_tensors = 0
         #: The pilot: predicts the next blocks and prefetches their host-placed parameters
         #: (dynamic/prefetch.py); ``None`` with ``pilot="off"``.
         self.prefetcher: Prefetcher | None = None
@@ -823,6 +862,7 @@ class MemCompiler:
             if isinstance(t := build.example_inputs[i], torch.Tensor)
         }
         self.max_block_host_bytes = max(self.max_block_host_bytes, sum(own.values()))
+        self.max_block_host_tensors = max(self.max_block_host_tensors, len(own))
         if self.prefetcher is not None:
             self.prefetcher.add_reserve(build.prefetch_reserve)
 

@@ -8,12 +8,25 @@ The compiler (``backends/compiler.py``) calls the :class:`Prefetcher` around eve
                   copies), count b's fetches (hit: served from the cache; miss: fetched on demand).
                   First backward call of a step: free every copy left (the optimizer step will
                   change the parameters), stop counting.
-    after()       tail of a forward call (the only hook before the next fragment's guards,
-                  research/04 §Q1): predict the next ``prefetch_depth`` blocks; free the copies
-                  of blocks no longer predicted (a misprediction); copy the host-placed
+    in_graph()    inside the forward graph (``memcompile::pilot_prefetch``, placed by
+                  passes/pilot_prefetch.py where the copy overlaps the rest of the graph, after
+                  the values the predictor reads): show the predictor those values (a router's
+                  counts), predict the next ``prefetch_depth`` blocks; free the copies of
+                  blocks no longer predicted (a misprediction; the running block's own copies,
+                  which its graph may not have fetched yet, stay); copy the host-placed
                   parameters of the predicted blocks into the cache, nearest first, while they
-                  fit the reserve. Predictions from a block that starts a step on are kept
-                  for the optimizer step (it comes in between and changes the parameters).
+                  fit the running fragment's reserve (its plan left that much beside its peak),
+                  except the running block's own (a prediction that it runs again: its graph
+                  would take the copy now; the tail copies them).
+                  Predictions from a block that starts a step on are kept for the optimizer
+                  step (it comes in between and changes the parameters).
+    after()       tail of a forward call (the only hook before the next fragment's guards,
+                  research/04 §Q1). After ``in_graph`` ran: no second prediction; free what
+                  the prediction does not name (the block's unfetched copies) and copy what did
+                  not fit the fragment's reserve while it fit the largest. Else (a graph built
+                  without the op: ``pilot="auto"`` before the model was seen to be dynamic, or
+                  the compiler's ``PILOT_IN_GRAPH`` off) the same work as ``in_graph``, here,
+                  with the call's outputs.
     optimizer step (a global ``torch.optim`` step post-hook, only for an optimizer that steps
                   host-placed parameters the prefetcher has seen): the parameters are final
                   now; copy those of the first prediction kept at the last forward call's
@@ -31,6 +44,15 @@ and gives a GPU copy time to overlap). Such a tag is *muted* while, over the las
 ``WASTE_WINDOW`` steps, more than ``MAX_WASTE`` of its settled bytes were wasted: its predictions
 are not copied, except every ``PROBE_EVERY``-th one (a probe, so the ratio stays measured and the
 tag can come back). The rule's predictions and 1-ahead ones are never muted.
+
+**Simulated stall** (a GPU estimate, the device profile's; ``PilotReport.sim_stall_us``): the
+copies are synchronous on the CPU, so where a copy is issued changes no measured time here. The
+cache replays the forward on a simulated device clock (runtime/cache.py): each forward call
+takes its graph's predicted compute time (``PilotPrefetchPlan.graph_seconds``), a copy is issued
+at the in-graph op's point of its call (or at the call's end, from the tail) and runs on a FIFO
+copy stream, a fetch served from the cache waits until the copy is done, and a miss copies on
+demand. The same predictions issued at the tail instead of in the graph stall for the copy time
+the graph's remaining compute would have hidden.
 
 Correctness never depends on a prediction: a fetch the cache cannot serve copies on demand, as
 with ``pilot="off"``, and a stale copy (its parameter's version counter moved) is dropped.
@@ -53,9 +75,9 @@ online :class:`~memcompile.dynamic.pilot.Pilot`, Markov below its confidence thr
 (tests inject an adversarial one).
 
 CPU only: host-placed parameters exist only for the CPU device, where the copies are synchronous
-(the time is spent at the tail instead of inside the graph). On CUDA the copy would run on a side
-stream with an event that the fetch waits for; that path is not implemented and the compiler
-refuses an explicit pilot on a CUDA device.
+(the time is spent inside the graph, where a GPU's copy would overlap compute). On CUDA the copy
+would run on a side stream with an event that the fetch waits for; that path is not implemented
+and the compiler refuses an explicit pilot on a CUDA device.
 """
 
 from __future__ import annotations
@@ -66,7 +88,7 @@ import math
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -77,7 +99,10 @@ from memcompile.backends.fragments import FragmentRecord, RecordIndex
 from memcompile.dynamic.idioms import IdiomVector, graph_idioms
 from memcompile.dynamic.markov import UNKNOWN, MarkovPredictor
 from memcompile.dynamic.trace import MAX_SIZES, _BlockNamer, small_int_outputs
+from memcompile.passes.costmodel import DeviceProfile
+from memcompile.passes.pilot_prefetch import PilotPrefetchPlan
 from memcompile.runtime.cache import PrefetchCache
+from memcompile.runtime.ops import register_hook
 from memcompile.runtime.store import is_host_placed
 
 if TYPE_CHECKING:  # pilot.py imports LightGBM: only when the Pilot is used
@@ -104,6 +129,9 @@ PROBE_EVERY = 4
 #: Keyword arguments for the ``"lightgbm"``/``"auto"`` :class:`Pilot` (besides ``horizon`` and
 #: ``seed``): tests and benchmarks shorten the warm-up or train inline.
 PILOT_KNOBS: dict[str, Any] = {}
+
+#: The predictions a forward call makes, with the tags of their copies: (block, tensor, tag).
+_Wanted = list[tuple[str, torch.Tensor, str]]
 
 
 class BlockPredictor(Protocol):
@@ -206,6 +234,15 @@ class PilotReport:
         models_trained, fallback_rate: the Pilot's (``None`` for other predictors).
         muted_predictions: predicted blocks not copied because their kind of guess (e.g. Markov
             two blocks ahead) wasted more than it saved lately (see the module doc).
+        in_graph_predictions: predictions made inside a forward graph (``pilot_prefetch``).
+        tail_predictions: predictions made at a forward call's tail (graphs without the op).
+        sim_stall_us: simulated device stall of the training forwards, microseconds: the
+            copies on the device profile's host link, issued where they were (see the module
+            doc; ``None`` before any fragment was placed). A GPU estimate with a GPU profile.
+        sim_late_us: the part of ``sim_stall_us`` spent waiting for prefetched copies (issued
+            too late to hide; the rest is misses, copied on demand).
+        sim_profile: the device profile of ``sim_stall_us``.
+        placements: where each forward graph predicts (passes/pilot_prefetch.py), by fragment.
     """
 
     mode: str
@@ -228,6 +265,12 @@ class PilotReport:
     models_trained: int | None = None
     fallback_rate: float | None = None
     muted_predictions: int = 0
+    in_graph_predictions: int = 0
+    tail_predictions: int = 0
+    sim_stall_us: float | None = None
+    sim_late_us: float | None = None
+    sim_profile: str | None = None
+    placements: tuple[PilotPrefetchPlan, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -289,6 +332,21 @@ class Prefetcher:
         self.muted_predictions = 0
         #: optimizer steps after which the next step's first blocks were prefetched
         self.step_start_prefetches = 0
+        # The forward call running now (before() -> in_graph() -> after()): its fragment index
+        # while in_graph() has not run for it, its reserve, its block's own parameter keys, its
+        # fragment's placement, and what in_graph() predicted (None: not yet).
+        self._pending: int | None = None
+        self._reserve_now = 0
+        self._own: set[int] = set()
+        self._placement: PilotPrefetchPlan | None = None
+        self._wanted: _Wanted | None = None
+        #: fragment index -> where its forward graph predicts (the compiler's decisions)
+        self.placements: dict[int, PilotPrefetchPlan] = {}
+        self._sim_profile: str | None = None
+        self.in_graph_predictions = 0
+        self.tail_predictions = 0
+        #: the key the graphs' ``memcompile::pilot_prefetch`` nodes carry (runtime/ops.py)
+        self.key = register_hook(self)
         # A weak reference: the hook must not keep the prefetcher (and its cache) alive.
         ref = weakref.ref(self)
 
@@ -316,6 +374,14 @@ class Prefetcher:
         """A fragment was planned with ``nbytes`` reserved for the cache."""
         self.capacity = max(self.capacity, nbytes)
 
+    def place(self, index: int, plan: PilotPrefetchPlan, profile: DeviceProfile) -> None:
+        """Fragment ``index``'s forward graph predicts where ``plan`` says (in the graph or at
+        its tail), timed on ``profile`` (the simulated stall's copies use its host link)."""
+        self.placements[index] = plan
+        if self._sim_profile is None:
+            self._sim_profile = profile.name
+            self.cache.copy_seconds = lambda n: profile.launch_overhead + profile.copy_time(n)
+
     # -- the compiler's hooks ------------------------------------------------------------------
     def before(
         self,
@@ -329,6 +395,7 @@ class Prefetcher:
     ) -> bool:
         """A fragment call is about to run (``args``: its inputs, before the boxed call clears
         them). Returns whether :meth:`after` should run at its tail."""
+        self._pending, self._wanted = None, None
         if not self.enabled:
             if self._gate is None or not self._gate():
                 return False
@@ -366,22 +433,64 @@ class Prefetcher:
             a.numel() for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in static
         )[:MAX_SIZES]
         self.predictor.observe(label, record.id, sizes, self._fragment_idioms(record))
+        self._pending, self._reserve_now = index, reserve
+        self._own = own
+        self._placement = self.placements.get(index)
         return True
 
+    def in_graph(self, fragment: int, observed: Sequence[torch.Tensor]) -> None:
+        """Inside fragment ``fragment``'s forward graph (``memcompile::pilot_prefetch``): show
+        the predictor the ``observed`` values, predict, free mispredicted copies, prefetch what
+        fits the fragment's reserve. Nothing unless this is the forward call :meth:`before`
+        announced (an inference call, or the pilot not running yet)."""
+        if self._pending != fragment:
+            return
+        self._pending = None
+        self.in_graph_predictions += 1
+        self._wanted = wanted = self._predict(small_int_outputs(list(observed)))
+        plan = self._placement
+        issue = self.cache.sim_clock + (plan.issue_seconds if plan is not None else 0.0)
+        # The running block's own copies stay: its graph may fetch them after this point. A
+        # prediction of the running block itself (its next call) is copied at the tail: here,
+        # its graph would take the copy now.
+        own = self._own
+        limit = min(self.capacity, self._reserve_now)
+        later = [w for w in wanted if PrefetchCache.key(w[1]) not in own]
+        self._copy(
+            later, limit, keep=own | {PrefetchCache.key(t) for _, t, _ in wanted}, issue_s=issue
+        )
+
     def after(self, outputs: Any = None) -> None:
-        """Tail of a forward call: show the predictor the call's small integer outputs (a
-        router's counts: which experts run next, see rules.py), predict, free mispredicted
-        copies, prefetch."""
+        """Tail of a forward call: after :meth:`in_graph`, free what its prediction does not
+        name and copy what did not fit the fragment's reserve; else show the predictor the
+        call's small integer outputs (a router's counts: which experts run next, see
+        rules.py), predict, free mispredicted copies, prefetch."""
+        self._pending = None
+        plan = self._placement
+        cache = self.cache
+        cache.sim_advance(plan.graph_seconds if plan is not None else 0.0)
+        wanted = self._wanted
+        if wanted is not None:  # predicted in the graph: not again
+            self._wanted = None
+            self._copy(wanted, self.capacity, issue_s=cache.sim_clock)
+            return
+        self.tail_predictions += 1
+        wanted = self._predict(small_int_outputs(outputs) if outputs is not None else None)
+        self._copy(wanted, self.capacity, issue_s=cache.sim_clock)
+
+    def _predict(self, outputs: tuple[tuple[int, ...], ...] | None) -> _Wanted:
+        """Show the predictor ``outputs`` (``None``: none known), predict; the host-placed
+        parameters to copy, nearest block first, muted tags left out."""
         observe_outputs = getattr(self.predictor, "observe_outputs", None)
         if observe_outputs is not None and outputs is not None:
-            observe_outputs(small_int_outputs(outputs))
+            observe_outputs(outputs)
         start = time.perf_counter_ns()
         prediction = self.predictor.predict()
         self._latency_ns.append(time.perf_counter_ns() - start)
         blocks = tuple(prediction.blocks)[: self.horizon]
         sources = tuple(prediction.sources)
         self._made.append((self._t - 1, blocks))
-        wanted: list[tuple[str, torch.Tensor, str]] = []
+        wanted: _Wanted = []
         self._next_step = None
         for j, b in enumerate(blocks, 1):
             if b is None:
@@ -398,15 +507,23 @@ class Prefetcher:
                     self.muted_predictions += 1
                     continue
             wanted.extend((b, t, tag) for t in _alive(self._params.get(b, ())))
+        return wanted
+
+    def _copy(
+        self, wanted: _Wanted, limit: int, *, keep: Collection[int] = (), issue_s: float
+    ) -> None:
+        """Free the copies neither ``wanted`` nor in ``keep``; copy ``wanted`` in order while
+        the cache holds at most ``limit`` bytes (issued at ``issue_s`` on the simulated
+        clock)."""
         cache = self.cache
-        cache.evict(keep={PrefetchCache.key(t) for _, t, _ in wanted})
+        cache.evict(keep={PrefetchCache.key(t) for _, t, _ in wanted} | set(keep))
         for b, t, tag in wanted:
             if cache.has(t):
                 cache.retag(t, tag)  # counted under the prediction that keeps it now
                 continue
-            if cache.bytes + t.untyped_storage().nbytes() > self.capacity:
+            if cache.bytes + t.untyped_storage().nbytes() > limit:
                 break
-            cache.prefetch(t, self._device, b, tag)
+            cache.prefetch(t, self._device, b, tag, issue_s=issue_s)
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer stepped: if it steps host-placed parameters of this model, copy the
@@ -423,7 +540,7 @@ class Prefetcher:
                 continue
             if cache.bytes + t.untyped_storage().nbytes() > self.capacity:
                 break
-            copied += cache.prefetch(t, self._device, label, tag)
+            copied += cache.prefetch(t, self._device, label, tag, issue_s=cache.sim_clock)
         if copied:
             self.step_start_prefetches += 1
 
@@ -437,6 +554,8 @@ class Prefetcher:
         self._next_step = None
         self._namer.reset()
         self._idioms.clear()
+        self._pending, self._wanted = None, None
+        self.placements.clear()
 
     def wait(self) -> None:
         """Wait for a predictor's background training (the Pilot's), for deterministic tests."""
@@ -481,6 +600,12 @@ class Prefetcher:
             models_trained=stats.models_trained if stats is not None else None,
             fallback_rate=stats.fallback_rate if stats is not None else None,
             muted_predictions=self.muted_predictions,
+            in_graph_predictions=self.in_graph_predictions,
+            tail_predictions=self.tail_predictions,
+            sim_stall_us=c.sim_stall_s * 1e6 if self._sim_profile is not None else None,
+            sim_late_us=c.sim_late_s * 1e6 if self._sim_profile is not None else None,
+            sim_profile=self._sim_profile,
+            placements=tuple(self.placements[i] for i in sorted(self.placements)),
         )
 
     # -- internals -----------------------------------------------------------------------------

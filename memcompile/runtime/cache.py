@@ -22,6 +22,16 @@ Counters (bytes, for the report): ``needed`` (fetches of watched parameters whil
 on: the forward of a training step), ``hit`` (of those, served from the cache), ``prefetched``,
 ``wasted`` (copies freed unused, stale ones included), and ``stall_ns`` (time spent in on-demand
 fetches while counting: what the compute would wait for on a GPU, measured here on the CPU).
+
+**Simulated device time** (a GPU estimate with a GPU profile; ``sim_*``): the prefetcher advances
+:attr:`PrefetchCache.sim_clock` by each forward call's predicted compute time and issues each
+copy at a simulated time (``prefetch(issue_s=…)``); the copies run one after the other on a
+simulated copy stream, each taking :attr:`PrefetchCache.copy_seconds` of its bytes. While
+counting, a hit waits until its copy is done (``sim_late_s``: the copy was issued too late to
+hide) and a miss copies on demand; both add to ``sim_stall_s`` and move the clock. The fetch is
+assumed at the clock's current point (the first reader's time within the call is not modelled,
+which overstates a stall).
+
 Each copy carries a ``tag`` (the prefetcher's: which predictor source, how many blocks ahead);
 :attr:`PrefetchCache.by_tag` counts prefetched, hit and wasted bytes per tag.
 
@@ -34,6 +44,7 @@ explicit pilot on a CUDA device).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
@@ -57,6 +68,8 @@ class CacheCounters:
     stall_ns: int
     misses: int
     peak_bytes: int
+    sim_stall_s: float = 0.0
+    sim_late_s: float = 0.0
 
 
 @dataclass
@@ -66,6 +79,7 @@ class _Entry:
     nbytes: int
     block: str
     tag: str
+    ready_s: float = -math.inf
 
 
 @dataclass
@@ -94,6 +108,12 @@ class PrefetchCache:
         self.stall_ns = self.misses = self.peak_bytes = 0
         #: per copy tag: bytes prefetched, hit, wasted
         self.by_tag: dict[str, TagCounters] = {}
+        #: Simulated device time (see the module doc): the clock, the stall, the copy stream's
+        #: free time, and a copy's seconds by its bytes (``None``: no simulation).
+        self.sim_clock = 0.0
+        self.sim_stall_s = self.sim_late_s = 0.0
+        self._copy_free_s = 0.0
+        self.copy_seconds: Callable[[int], float] | None = None
 
     # -- what the graphs fetch ------------------------------------------------------------
     def watch(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -119,6 +139,9 @@ class PrefetchCache:
                 if self.counting:
                     self.needed += nbytes
                     self.hit += nbytes
+                    late = max(0.0, entry.ready_s - self.sim_clock)
+                    self.sim_late_s += late
+                    self._sim_wait(late)
                 self.by_tag[entry.tag].hit += entry.nbytes
                 return entry.copy
             # The parameter changed after the copy was made: never serve old values.
@@ -133,22 +156,45 @@ class PrefetchCache:
         self.stall_ns += time.perf_counter_ns() - start
         self.needed += nbytes
         self.misses += 1
+        if self.copy_seconds is not None:
+            self._sim_wait(self.copy_seconds(nbytes))
         return out
+
+    def _sim_wait(self, seconds: float) -> None:
+        if seconds > 0:
+            self.sim_stall_s += seconds
+            self.sim_clock += seconds
+
+    def sim_advance(self, seconds: float) -> None:
+        """The simulated device computed for ``seconds``."""
+        self.sim_clock += seconds
 
     # -- the prefetcher's side -------------------------------------------------------------
     def has(self, h: torch.Tensor) -> bool:
         return _key(h) in self._entries
 
-    def prefetch(self, h: torch.Tensor, device: torch.device, block: str, tag: str = "") -> int:
+    def prefetch(
+        self,
+        h: torch.Tensor,
+        device: torch.device,
+        block: str,
+        tag: str = "",
+        *,
+        issue_s: float | None = None,
+    ) -> int:
         """Copy ``h`` to ``device`` now (if not cached yet); returns the bytes copied. ``tag``:
-        what the copy's use and waste are counted under (:attr:`by_tag`)."""
+        what the copy's use and waste are counted under (:attr:`by_tag`); ``issue_s``: when
+        the copy is issued on the simulated clock (``None``: not simulated, ready at once)."""
         key = _key(h)
         if key in self._entries:
             return 0
         copy = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
         copy.copy_(h)
         nbytes = h.untyped_storage().nbytes()
-        self._entries[key] = _Entry(copy, h._version, nbytes, block, tag)
+        ready = -math.inf
+        if issue_s is not None and self.copy_seconds is not None:
+            ready = self._copy_free_s = max(issue_s, self._copy_free_s) + self.copy_seconds(nbytes)
+        self._entries[key] = _Entry(copy, h._version, nbytes, block, tag, ready)
         self.bytes += nbytes
         self.prefetched += nbytes
         self.by_tag.setdefault(tag, TagCounters()).prefetched += nbytes
@@ -207,6 +253,8 @@ class PrefetchCache:
             stall_ns=self.stall_ns,
             misses=self.misses,
             peak_bytes=self.peak_bytes,
+            sim_stall_s=self.sim_stall_s,
+            sim_late_s=self.sim_late_s,
         )
 
     @staticmethod

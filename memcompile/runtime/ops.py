@@ -3,6 +3,8 @@
     host = torch.ops.memcompile.offload(x, store, tier)    # copy x to the store's tier
     y    = torch.ops.memcompile.reload(host, device, store, tier)  # copy back to the device
     torch.ops.memcompile.wait(y, store)                    # before the first use of y
+    torch.ops.memcompile.pilot_prefetch(hook, fragment, [counts])  # dynamic/prefetch.py
+
 
 Real custom ops (``torch.library.custom_op``, functional, with fake kernels), so they survive
 AOTAutograd, FX codegen and Inductor, and the analysis can recognise them. ``offload`` returns a
@@ -15,13 +17,28 @@ or drops it (it returns nothing); it does not change ``y``'s values.
 
 from __future__ import annotations
 
+import itertools
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Protocol
+
 import torch
 
 import memcompile.runtime.losshead  # registers the loss head's in-place ops
 import memcompile.runtime.rng  # noqa: F401 - registers the dropout replay ops
 from memcompile.runtime.store import get_store
 
-__all__ = ["DIRECT", "TIERS", "offload", "reload", "wait"]
+__all__ = [
+    "DIRECT",
+    "TIERS",
+    "InGraphHook",
+    "offload",
+    "pilot_prefetch",
+    "register_hook",
+    "reload",
+    "wait",
+]
 
 #: Tier codes carried by the graph nodes.
 TIERS: tuple[str, ...] = ("host", "disk")
@@ -75,6 +92,52 @@ def _(y: torch.Tensor, store: int) -> None:
     return None
 
 
+class InGraphHook(Protocol):
+    """What ``pilot_prefetch`` calls (the pilot's prefetcher has it)."""
+
+    def in_graph(self, fragment: int, observed: Sequence[torch.Tensor]) -> None: ...
+
+
+# Weak: a graph outliving its compiler (and prefetcher) must not keep them alive.
+_hooks: dict[int, weakref.ref[InGraphHook]] = {}
+_hook_keys = itertools.count()
+_hooks_lock = threading.Lock()
+
+
+def register_hook(hook: InGraphHook) -> int:
+    """A process-wide key for ``hook`` (graph nodes carry the key, not the object)."""
+    with _hooks_lock:
+        key = next(_hook_keys)
+
+        def forget(_: object, key: int = key) -> None:
+            _hooks.pop(key, None)
+
+        _hooks[key] = weakref.ref(hook, forget)
+        return key
+
+
+def pilot_prefetch_impl(hook: int, fragment: int, observed: list[torch.Tensor]) -> None:
+    """What ``pilot_prefetch`` runs: the hook's ``in_graph`` (nothing once it is gone)."""
+    ref = _hooks.get(hook)
+    target = ref() if ref is not None else None
+    if target is not None:
+        target.in_graph(fragment, observed)
+
+
+@torch.library.custom_op("memcompile::pilot_prefetch", mutates_args=())
+def pilot_prefetch(hook: int, fragment: int, observed: list[torch.Tensor]) -> None:
+    """Fragment ``fragment``'s forward reached the point where the pilot predicts and prefetches
+    the next blocks, reading ``observed``."""
+    pilot_prefetch_impl(hook, fragment, observed)
+
+
+@pilot_prefetch.register_fake
+def _(hook: int, fragment: int, observed: list[torch.Tensor]) -> None:
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.memcompile.pilot_prefetch.default)
+
 #: The plain functions behind the ops. A graph run node by node (the eager inner compiler) calls
 #: these instead: going through the dispatcher costs ~20 us per call on a GPU host, three calls
 #: per swapped tensor. Graphs keep the ops (the analysis and Inductor recognise them).
@@ -82,4 +145,5 @@ DIRECT: dict[object, object] = {
     torch.ops.memcompile.offload.default: offload_impl,
     torch.ops.memcompile.reload.default: reload_impl,
     torch.ops.memcompile.wait.default: wait_impl,
+    torch.ops.memcompile.pilot_prefetch.default: pilot_prefetch_impl,
 }

@@ -12,7 +12,8 @@ tensors are the edges between the two. Colours (:data:`ROLE_COLOURS`):
     keep       a saved tensor the plan keeps on the device
     recompute  a saved tensor the plan recomputes, and the backward's copies that recompute it
     swap       a tensor swapped to the host or disk tier, and the offload/reload/wait nodes
-    prefetch   a reload the plan issues early (``FragmentPlan.prefetch``), so its copy overlaps
+    prefetch   a reload the plan issues early (``FragmentPlan.prefetch``), so its copy overlaps,
+               and the pilot's in-graph prediction and prefetch (``memcompile::pilot_prefetch``)
     host_parameter  a parameter kept in the host tier (``FragmentPlan.host_params``), and the
                fetches that copy it to the device before each reader (``passes/params.py``)
     input      a graph input (parameters, buffers, the batch, incoming gradients)
@@ -74,6 +75,7 @@ ROLE_COLOURS: dict[str, str] = {
 
 _SWAP_OPS = ("memcompile.offload.default", "memcompile.reload.default", "memcompile.wait.default")
 _RELOAD = "memcompile.reload.default"
+_PILOT = "memcompile.pilot_prefetch.default"
 
 
 class DrawError(RuntimeError):
@@ -100,6 +102,8 @@ def node_roles(fragment: FragmentView, plan: FragmentPlan | None) -> dict[tuple[
                 role = "host_parameter" if n.name in hosted else "input"
             elif n.name.startswith(FETCH_PREFIX) and n.target == _RELOAD:
                 role = "host_parameter"
+            elif n.target == _PILOT:
+                role = "prefetch"
             elif n.target in _SWAP_OPS:
                 role = "prefetch" if n.target == _RELOAD and n.name in prefetched else "swap"
             elif graph.kind != "backward" and n.name in actions:
