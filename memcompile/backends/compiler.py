@@ -40,6 +40,7 @@ from memcompile.backends.fallbacks import Fallback, FunctionSpan, monitor
 from memcompile.backends.fragments import FragmentRecord, FragmentStats, fragment_identity
 from memcompile.backends.inner import BoxedCallable, compile_inner, decompositions
 from memcompile.config import MemConfig
+from memcompile.dynamic.trace import small_int_outputs
 from memcompile.errors import MemoryBudgetError, MemoryBudgetWarning, format_bytes
 from memcompile.passes.analysis import bound_sizes
 from memcompile.passes.context import PassContext
@@ -92,9 +93,10 @@ class BlockObserver(Protocol):
 
     def reset(self) -> None: ...
 
-    # Optional: ``on_block_end(step, index, kind, block, outputs)`` runs after a forward or
-    # inference call returned, with its outputs (called only on observers that define it; see
-    # ``MemCompiler._on_call_end``).
+    # Optional: ``on_block_end(step, index, kind, block, outputs, small_ints=...)`` runs after a
+    # forward or inference call returned, with its outputs and their small integer values
+    # (dynamic/trace.py's ``small_int_outputs``, computed once per call and shared with the
+    # prefetcher); called only on observers that define it, see ``MemCompiler._on_call_end``.
 
 
 #: When a budgeted plan uses the dropout rewrite (passes/dropout.py): ``"auto"`` when the plan
@@ -565,10 +567,11 @@ class _FragmentBuild:
                     out = fn(args)
             else:
                 out = fn(args)
+            small_ints = None  # the outputs' small integer values, read once for everyone
             if kind != "backward":  # observers see the outputs (a router's counts)
-                compiler._on_call_end(index, kind, block, out)
+                small_ints = compiler._on_call_end(index, kind, block, out)
             if tail:  # the tail of a forward call: predict the next blocks, prefetch them
-                prefetcher.after(out)  # type: ignore[union-attr]
+                prefetcher.after(out, small_ints=small_ints)  # type: ignore[union-attr]
             return out
 
         run._boxed_call = True  # type: ignore[attr-defined]
@@ -1065,16 +1068,24 @@ class MemCompiler:
         for observer in self.block_observers:
             observer.on_block(self.steps_observed, index, kind, block, args)
 
-    def _on_call_end(self, index: int, kind: str, block: int, outputs: Any) -> None:
+    def _on_call_end(
+        self, index: int, kind: str, block: int, outputs: Any
+    ) -> tuple[tuple[int, ...], ...] | None:
         # After a forward or inference call returned: its outputs, e.g. an MoE router's
         # per-expert counts, which decide the next blocks (dynamic/pilot.py). The compiler reads
         # nothing here. Observers must not read the values of device tensors: on CUDA that
         # synchronises the stream (dynamic/trace.py reads small integer CPU tensors only; on a
         # GPU the counts would be copied non_blocking into pinned host memory instead).
+        # The small integer values are read once per call, here, and returned for the
+        # prefetcher's tail (None: no observer wanted them; the tail reads them itself).
+        small_ints = None
         for observer in self.block_observers:
             end = getattr(observer, "on_block_end", None)
             if end is not None:
-                end(self.steps_observed, index, kind, block, outputs)
+                if small_ints is None:
+                    small_ints = small_int_outputs(outputs)
+                end(self.steps_observed, index, kind, block, outputs, small_ints=small_ints)
+        return small_ints
 
     def step_sequence(self) -> tuple[StepEvent, ...]:
         """The step predictions replay: :meth:`current_step`, with the backward assumed (reverse

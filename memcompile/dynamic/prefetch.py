@@ -368,13 +368,16 @@ class Prefetcher:
         self.predictor.observe(label, record.id, sizes, self._fragment_idioms(record))
         return True
 
-    def after(self, outputs: Any = None) -> None:
+    def after(
+        self, outputs: Any = None, *, small_ints: tuple[tuple[int, ...], ...] | None = None
+    ) -> None:
         """Tail of a forward call: show the predictor the call's small integer outputs (a
         router's counts: which experts run next, see rules.py), predict, free mispredicted
-        copies, prefetch."""
+        copies, prefetch. ``small_ints``: those values, when the compiler read them already
+        for its block observers (read once per call)."""
         observe_outputs = getattr(self.predictor, "observe_outputs", None)
         if observe_outputs is not None and outputs is not None:
-            observe_outputs(small_int_outputs(outputs))
+            observe_outputs(small_ints if small_ints is not None else small_int_outputs(outputs))
         start = time.perf_counter_ns()
         prediction = self.predictor.predict()
         self._latency_ns.append(time.perf_counter_ns() - start)
