@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import struct
 import warnings
 
 import lightgbm as lgb
@@ -321,6 +322,29 @@ def test_boosters_share_one_row_buffer_and_best_is_the_argmax() -> None:
         FastBooster(one, row=np.zeros(4))
     with pytest.raises(ValueError, match=r"row must be a C-contiguous float64 array of shape"):
         FastBooster(one, row=np.zeros(5, dtype=np.float32))
+
+
+def test_best_of_reads_the_packed_row_in_place_and_answers_as_best() -> None:
+    """``best_of(bytes)`` (the pilot's path) gives exactly ``best()``'s answer for the same row,
+    leaves the row buffer alone, and refuses bytes of the wrong length (the C call would read
+    past them)."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(300, 5))
+    x[rng.random(x.shape) < 0.1] = np.nan  # missing values travel through the bytes too
+    params = {"objective": "multiclass", "verbose": -1, "num_threads": 1, "seed": 0}
+    y = (np.nan_to_num(x[:, 0]) > 0) + (np.nan_to_num(x[:, 1]) > 0)
+    fast = FastBooster(lgb.train({**params, "num_class": 3}, lgb.Dataset(x, y), 4))
+    fast.row[:] = 7.0
+    for r in x[:20]:
+        i, p = fast.best_of(struct.pack("5d", *r))
+        assert np.all(fast.row == 7.0)  # not written
+        again = FastBooster(fast.booster)
+        again.row[:] = r
+        assert (i, p) == again.best()  # bit-identical probability
+    with pytest.raises(ValueError, match=r"best_of: data must be 40 bytes \(float64 per feature\)"):
+        fast.best_of(struct.pack("4d", 0, 0, 0, 0))
+    with pytest.raises(ValueError, match=r"best_of: data must be 40 bytes"):
+        fast.best_of(bytearray(40))  # type: ignore[arg-type]
 
 
 def test_repeated_rows_reuse_the_boosters_answers_of_the_current_models() -> None:

@@ -17,7 +17,7 @@ from memcompile import zoo
 from memcompile.backends import compiler as compiler_module
 from memcompile.backends.compiler import DYNAMIC_RECOMPILE_LIMIT, MemCompiler
 from memcompile.config import MemConfig
-from memcompile.dynamic import prefetch
+from memcompile.dynamic import prefetch, trace
 from memcompile.dynamic.pilot import Prediction
 from memcompile.report import find_compiler
 from memcompile.runtime.cache import PrefetchCache
@@ -436,3 +436,38 @@ def test_in_graph_predictions_hide_copies_the_tail_cannot(monkeypatch: pytest.Mo
     assert p.sim_stall_us is not None and q.sim_stall_us is not None
     assert q.sim_stall_us - p.sim_stall_us == pytest.approx(q.sim_late_us - p.sim_late_us)
     assert "predictions in-graph" in str(inside) and "h100 profile estimate" in str(inside)
+
+
+def test_small_int_outputs_are_read_once_per_call_for_the_recorder_and_the_prefetcher(
+    tmp_path, monkeypatch
+) -> None:
+    # The trace recorder and the prefetcher's predictor both want each forward call's small
+    # integer outputs: the compiler reads them once per call and hands the same values to both.
+    torch._dynamo.reset()
+    wl = zoo.build("moe", size="tiny")
+    path = tmp_path / "moe.jsonl"
+    compiled = memcompile.compile(
+        wl.model, offload_params=True, pilot="markov", trace_path=str(path)
+    )
+    compiler = find_compiler(compiled)[0]
+    assert compiler.prefetcher is not None
+    seen = compiler.prefetcher.predictor = SeesOutputs()
+    reads: list[object] = []
+    real = trace.small_int_outputs
+
+    def counting(outputs: object) -> tuple[tuple[int, ...], ...]:
+        reads.append(outputs)
+        return real(outputs)
+
+    for module in (compiler_module, trace, prefetch):  # wherever it might be called from
+        monkeypatch.setattr(module, "small_int_outputs", counting)
+    train(wl, compiled, "sgd", 2)
+    calls = sum(r.stats.forward_calls + r.stats.inference_calls for r in compiler.records())
+    assert calls > 0 and len(reads) == calls  # once per call, not once per consumer
+    assert len({id(o) for o in reads}) == len(reads)  # ...each call's outputs read once
+    # both consumers got them: the predictor saw router counts, the trace recorded them
+    assert any(outputs for _, outputs in seen.outputs)
+    (recorder,) = compiler.block_observers
+    recorder.flush()  # type: ignore[attr-defined]
+    recorded = [e.outputs for s in trace.read_trace(path) for e in s.events if e.outputs]
+    assert recorded and [o for _, o in seen.outputs if o] == recorded

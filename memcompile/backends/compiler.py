@@ -47,6 +47,7 @@ from memcompile.backends.fragments import (
 from memcompile.backends.inner import BoxedCallable, compile_inner, decompositions
 from memcompile.backends.replan import MAX_ROUNDS, Replan, decide_replan
 from memcompile.config import MemConfig
+from memcompile.dynamic.trace import small_int_outputs
 from memcompile.errors import MemoryBudgetError, MemoryBudgetWarning, format_bytes
 from memcompile.passes.analysis import bound_sizes
 from memcompile.passes.context import PassContext
@@ -104,9 +105,10 @@ class BlockObserver(Protocol):
 
     def reset(self) -> None: ...
 
-    # Optional: ``on_block_end(step, index, kind, block, outputs)`` runs after a forward or
-    # inference call returned, with its outputs (called only on observers that define it; see
-    # ``MemCompiler._on_call_end``).
+    # Optional: ``on_block_end(step, index, kind, block, outputs, small_ints=...)`` runs after a
+    # forward or inference call returned, with its outputs and their small integer values
+    # (dynamic/trace.py's ``small_int_outputs``, computed once per call and shared with the
+    # prefetcher); called only on observers that define it, see ``MemCompiler._on_call_end``.
 
 
 #: When a budgeted plan uses the dropout rewrite (passes/dropout.py): ``"auto"`` when the plan
@@ -639,10 +641,16 @@ class _FragmentBuild:
                     out = fn(args)
             else:
                 out = fn(args)
+            # The outputs' small integer values, read once for everyone: by the graph's pilot
+            # op when it ran (the same values), else by the first observer that wants them.
+            small_ints = None
+            if tail:
+                small_ints = prefetcher.in_graph_small_ints  # type: ignore[union-attr]
+                prefetcher.in_graph_small_ints = None  # type: ignore[union-attr]
             if kind != "backward":  # observers see the outputs (a router's counts)
-                compiler._on_call_end(index, kind, block, out)
+                small_ints = compiler._on_call_end(index, kind, block, out, small_ints)
             if tail:  # the tail of a forward call: predict the next blocks, prefetch them
-                prefetcher.after(out)  # type: ignore[union-attr]
+                prefetcher.after(out, small_ints=small_ints)  # type: ignore[union-attr]
             return out
 
         run._boxed_call = True  # type: ignore[attr-defined]
@@ -1233,16 +1241,29 @@ class MemCompiler:
         self._open_blocks.clear()
         self._check_step_budget()
 
-    def _on_call_end(self, index: int, kind: str, block: int, outputs: Any) -> None:
+    def _on_call_end(
+        self,
+        index: int,
+        kind: str,
+        block: int,
+        outputs: Any,
+        small_ints: tuple[tuple[int, ...], ...] | None = None,
+    ) -> tuple[tuple[int, ...], ...] | None:
         # After a forward or inference call returned: its outputs, e.g. an MoE router's
         # per-expert counts, which decide the next blocks (dynamic/pilot.py). The compiler reads
         # nothing here. Observers must not read the values of device tensors: on CUDA that
         # synchronises the stream (dynamic/trace.py reads small integer CPU tensors only; on a
         # GPU the counts would be copied non_blocking into pinned host memory instead).
+        # The small integer values are read once per call, here unless given (``small_ints``:
+        # the graph's pilot op read them), and returned for the prefetcher's tail (None: no
+        # observer wanted them; the tail reads them itself).
         for observer in self.block_observers:
             end = getattr(observer, "on_block_end", None)
             if end is not None:
-                end(self.steps_observed, index, kind, block, outputs)
+                if small_ints is None:
+                    small_ints = small_int_outputs(outputs)
+                end(self.steps_observed, index, kind, block, outputs, small_ints=small_ints)
+        return small_ints
 
     def step_sequence(self) -> tuple[StepEvent, ...]:
         """The step predictions replay: :meth:`current_step`, with the backward assumed (reverse

@@ -12,7 +12,13 @@ The output array is reused by the next call: copy it to keep it. Calls release t
 and each :class:`FastBooster` has its own buffers: use one per thread. Several boosters over the
 same features can share one input row (``FastBooster(b, row=x)``): the pilot writes a feature row
 once and every horizon's booster reads it. :meth:`FastBooster.best` returns the argmax class and
-its probability without a numpy round trip per call site.
+its probability without a numpy round trip per call site. :meth:`FastBooster.best_of` reads the
+row from a ``bytes`` object instead (``struct.pack`` of the float64 values, native order): ctypes
+hands the C call a pointer into the bytes, so a caller that packs the row anyway (the pilot uses
+the bytes as its answer-cache key) copies it into no buffer:
+
+    key = struct.pack(f"{n}d", *features)   # 0.5 µs for 49 floats; a list into a buffer: 1.1 µs
+    i, p = fast.best_of(key)
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class FastBooster:
         self.out = np.zeros(classes, dtype=np.float64)
         self._row_ptr = self.row.ctypes.data_as(ctypes.c_void_p)
         self._out_ptr = self.out.ctypes.data_as(ctypes.POINTER(ctypes.c_double))
+        self._nbytes = 8 * ncol
         self._out_len = ctypes.c_int64(0)
         self._out_len_ref = ctypes.byref(self._out_len)
         self._config = ctypes.c_void_p()
@@ -90,6 +97,25 @@ class FastBooster:
         """Predict :attr:`row`: the most probable class index (the first on ties, as
         ``argmax``) and its probability."""
         if self._predict(*self._args) != 0:
+            raise lgb.basic.LightGBMError(_LIB.LGBM_GetLastError().decode("utf-8"))
+        out = self.out
+        i = int(out.argmax())
+        return i, out.item(i)
+
+    def best_of(self, data: bytes) -> tuple[int, float]:
+        """Like :meth:`best`, for the row packed in ``data`` (float64, native byte order, one
+        value per feature) instead of :attr:`row`, which is left as it is.
+
+        Raises:
+            ValueError: ``data`` is not ``8 * num_feature`` bytes (the C call would read past it).
+        """
+        if type(data) is not bytes or len(data) != self._nbytes:
+            raise ValueError(
+                f"FastBooster.best_of: data must be {self._nbytes} bytes (float64 per feature); "
+                f"got {type(data).__name__} of {len(data) if isinstance(data, bytes) else '?'}"
+            )
+        # ctypes passes a bytes argument as a pointer to its (immutable) buffer: no copy
+        if self._predict(self._config, data, self._out_len_ref, self._out_ptr) != 0:
             raise lgb.basic.LightGBMError(_LIB.LGBM_GetLastError().decode("utf-8"))
         out = self.out
         i = int(out.argmax())

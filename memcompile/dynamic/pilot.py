@@ -42,20 +42,21 @@ seeded: the same rows give the same model) and swaps the models in when done; :m
 it (tests and benchmarks, for a deterministic swap point). A prediction whose probability is
 below ``threshold``, or made before any model exists, is the Markov predictor's (markov.py),
 unless the rule covers it. Predictions go through LightGBM's C single-row fast path
-(fastpredict.py), and only for the horizons the rule does not cover: the feature row is written
-once into a buffer every horizon's booster reads, and the boosters' answers are kept per feature
-row for the models that gave them (a row seen again is answered without running them; identical
-rows give identical answers, so predictions do not change; ``PilotStats.reuse_rate``).
+(fastpredict.py), and only for the horizons the rule does not cover: the feature row is packed
+once into bytes (``struct.pack``) that every horizon's booster reads in place, and the boosters'
+answers are kept per packed row for the models that gave them (a row seen again is answered
+without running them; identical rows give identical answers, so predictions do not change;
+``PilotStats.reuse_rate``).
 :meth:`save` writes the rule's votes into ``meta.json`` and :meth:`load` restores them.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import logging
 import os
+import struct
 import threading
 import time
 import warnings
@@ -162,32 +163,27 @@ class PilotStats:
 
 
 class _Horizon:
-    """The model for one horizon: a booster over the classes seen, or a constant.
+    """The model for one horizon: a booster over the classes seen, or a constant."""
 
-    ``row``: the pilot's feature buffer, shared by every horizon's booster (written once per
-    prediction, not once per horizon).
-    """
-
-    def __init__(
-        self, classes: np.ndarray, booster: lgb.Booster | None, row: np.ndarray | None = None
-    ) -> None:
+    def __init__(self, classes: np.ndarray, booster: lgb.Booster | None) -> None:
         self.classes = classes  # class index -> block id
         self.booster = booster
-        self.fast = FastBooster(booster, row=row) if booster is not None else None
-        self._labels = [int(c) for c in classes]
+        self.fast = FastBooster(booster) if booster is not None else None
+        self.labels = [int(c) for c in classes]  # class index -> block id, as ints
+        self.constant = self.labels[0]  # the block, when there is no booster
 
-    def best(self) -> tuple[int, float]:
-        """The most probable block for the row in the shared buffer, and its probability."""
+    def best_of(self, key: bytes) -> tuple[int, float]:
+        """The most probable block for the feature row packed in ``key`` (the pilot's
+        ``struct.pack`` of it: the booster reads those bytes), and its probability.
+        (:meth:`Pilot.predict` inlines this.)"""
         if self.fast is None:
-            return self._labels[0], 1.0
-        i, p = self.fast.best()
-        return self._labels[i], p
+            return self.constant, 1.0
+        i, p = self.fast.best_of(key)
+        return self.labels[i], p
 
     def predict(self, row: Sequence[float]) -> tuple[int, float]:
-        """The most probable block for ``row`` (copied into the buffer), and its probability."""
-        if self.fast is not None:
-            self.fast.row[:] = row
-        return self.best()
+        """The most probable block for ``row``, and its probability."""
+        return self.best_of(struct.pack(f"{len(row)}d", *row))
 
 
 def _train(
@@ -197,7 +193,6 @@ def _train(
     params: dict[str, Any],
     rounds: int,
     rule_at: int,
-    row: np.ndarray | None = None,
 ) -> tuple[_Horizon, ...]:
     models = []
     for j in range(y.shape[1]):
@@ -216,7 +211,7 @@ def _train(
             xj, labels, categorical_feature=categorical, params={"verbose": -1}, free_raw_data=True
         )
         booster = lgb.train({**params, "num_class": len(classes)}, data, num_boost_round=rounds)
-        models.append(_Horizon(classes, booster, row))
+        models.append(_Horizon(classes, booster))
     return tuple(models)
 
 
@@ -292,6 +287,8 @@ class Pilot:
             "verbose": -1,
         }
         self._labels: list[str] = []
+        # label of each block id, then None: ``_names[UNKNOWN]`` (-1) is no prediction
+        self._names: list[str | None] = [None]
         self._ids: dict[str, int] = {}
         self.markov = MarkovPredictor(horizon)
         self.rule = RoutingRule() if rule else None
@@ -316,17 +313,15 @@ class Pilot:
         self._made: deque[tuple[int, Sequence[int]]] = deque()
         self._hits = [0] * horizon
         self._scored = [0] * horizon
-        self._fallbacks = 0
-        self._rule_predictions = 0
-        self._horizon_predictions = 0
-        self._model_predictions = 0
+        # predictions per (a model existed, their sources): one dict update per prediction,
+        # the rates are derived in stats()
+        self._source_counts: dict[tuple[bool, tuple[str, ...]], int] = {}
         self._latency_ns: deque[int] = deque(maxlen=10_000)
-        # prediction: the feature buffer every booster reads, and the boosters' answers per
-        # feature row (rows repeat: a static stretch of the network; identical rows give
+        # prediction: the feature row packed into bytes, which every booster reads (ctypes
+        # passes the bytes' buffer: no copy into an array) and which keys the answers
+        # per feature row (rows repeat: a static stretch of the network; identical rows give
         # identical answers), for the models they came from
-        # (a ctypes array: a list is copied into it faster than into numpy; numpy view on it)
-        self._cx = (ctypes.c_double * len(self.features))(*([_NAN] * len(self.features)))
-        self._x = np.frombuffer(memoryview(self._cx), dtype=np.float64)  # type: ignore[arg-type]
+        self._pack = struct.Struct(f"{len(self.features)}d").pack
         self._answers: dict[bytes, list[tuple[int, float] | None]] = {}
         self._answers_for: tuple[_Horizon, ...] | None = None
         self._answer_hits = 0
@@ -345,6 +340,7 @@ class Pilot:
         if i is None:
             i = self._ids[label] = len(self._labels)
             self._labels.append(label)
+            self._names.insert(-1, label)
         return i
 
     def observe(
@@ -483,11 +479,12 @@ class Pilot:
 
     def predict(self) -> Prediction:
         """The next ``horizon`` blocks after the last observed one."""
+        # The hot path (once per forward block; budget 10 µs, of which the boosters' C calls
+        # take ~1.6 µs each): no per-horizon helper calls beyond the rule's and the boosters'.
         start = time.perf_counter_ns()
-        markov = self.markov.predict()
+        ids = list(self.markov.predict())  # Markov's until something better is found
         models, row, rule = self._models, self._row, self.rule
         h = self.horizon
-        ids = list(markov)
         sources = ["markov"] * h
         conf = [_NAN] * h
         answers: list[tuple[int, float] | None] | None = None
@@ -501,40 +498,38 @@ class Pilot:
                     continue
             if models is not None and row is not None:
                 if answers is None:
-                    answers = self._answers_of(models, row)
+                    key = self._pack(*row)  # the boosters read these bytes
+                    answers = self._answers_of(models, key)
                 a = answers[j]
                 if a is None:
-                    a = answers[j] = models[j].best()
+                    m = models[j]
+                    fast = m.fast
+                    if fast is None:
+                        a = answers[j] = (m.constant, 1.0)
+                    else:
+                        i, q = fast.best_of(key)
+                        a = answers[j] = (m.labels[i], q)
                 b, p = a
-                if p >= self.threshold or markov[j] == UNKNOWN:
+                if p >= self.threshold or ids[j] == UNKNOWN:
                     ids[j] = b
                     sources[j] = "lightgbm"
                     conf[j] = p
         self._latency_ns.append(time.perf_counter_ns() - start)
-        if models is not None:
-            self._model_predictions += 1
-            self._fallbacks += "markov" in sources
-        self._horizon_predictions += h
-        self._rule_predictions += sources.count("rule")
+        srcs = tuple(sources)
+        counts, counted = self._source_counts, (models is not None, srcs)
+        counts[counted] = counts.get(counted, 0) + 1
         self._made.append((self._t - 1, ids))
-        labels = self._labels
-        return Prediction(
-            blocks=tuple([labels[i] if i >= 0 else None for i in ids]),
-            sources=tuple(sources),
-            confidence=tuple(conf),
-        )
+        return Prediction(tuple(map(self._names.__getitem__, ids)), srcs, tuple(conf))
 
     def _answers_of(
-        self, models: tuple[_Horizon, ...], row: list[float]
+        self, models: tuple[_Horizon, ...], key: bytes
     ) -> list[tuple[int, float] | None]:
-        """The boosters' answers for ``row`` (per horizon, ``None`` until asked), after writing
-        it into the buffer they read; kept per row for these models."""
-        self._cx[:] = row  # type: ignore[assignment]
+        """The boosters' answers for the packed row ``key`` (per horizon, ``None`` until
+        asked), kept per row for these models."""
         if models is not self._answers_for:
             self._answers.clear()
             self._answers_for = models
         self._answer_lookups += 1
-        key = self._x.tobytes()
         answers = self._answers.get(key)
         if answers is None:
             if len(self._answers) >= _MAX_ANSWERS:
@@ -565,9 +560,7 @@ class Pilot:
 
     def _train_job(self, x: np.ndarray, y: np.ndarray) -> None:
         try:
-            models = _train(
-                x, y, self._categorical, self._params, self.rounds, self._rule_at, self._x
-            )
+            models = _train(x, y, self._categorical, self._params, self.rounds, self._rule_at)
         except Exception as e:  # a failed training keeps the previous model
             log.warning("memcompile pilot: training failed (%s); keeping the previous model", e)
             return
@@ -592,21 +585,20 @@ class Pilot:
             return self._hits[j] / self._scored[j] if self._scored[j] else None
 
         lat = sorted(self._latency_ns)
+        counts = sorted(self._source_counts.items())
+        model_predictions = sum(n for (model, _), n in counts if model)
+        fallbacks = sum(n for (model, srcs), n in counts if model and "markov" in srcs)
+        horizon_predictions = sum(n * len(srcs) for (_, srcs), n in counts)
+        rule_predictions = sum(n * srcs.count("rule") for (_, srcs), n in counts)
         return PilotStats(
             accuracy=acc(0),
             k_ahead_accuracy=acc(self.horizon - 1),
             predictions=self._scored[self.horizon - 1],
             predict_us_p50=lat[len(lat) // 2] / 1000 if lat else None,
             active=self.active,
-            fallback_rate=(
-                self._fallbacks / self._model_predictions if self._model_predictions else None
-            ),
+            fallback_rate=fallbacks / model_predictions if model_predictions else None,
             models_trained=self.models_trained,
-            rule_rate=(
-                self._rule_predictions / self._horizon_predictions
-                if self._horizon_predictions
-                else None
-            ),
+            rule_rate=rule_predictions / horizon_predictions if horizon_predictions else None,
             reuse_rate=(self._answer_hits / self._answer_lookups if self._answer_lookups else None),
         )
 
@@ -686,7 +678,7 @@ class Pilot:
             booster = lgb.Booster(model_str=text)
             if booster.num_feature() != len(self.features):
                 raise ValueError(f"h{j}.txt has {booster.num_feature()} features")
-            models.append(_Horizon(ids, booster, self._x))
+            models.append(_Horizon(ids, booster))
         if len(models) != self.horizon:
             raise ValueError(f"{len(models)} horizons saved, expected {self.horizon}")
         rules = meta.get("rules", [])

@@ -340,6 +340,9 @@ class Prefetcher:
         self._own: set[int] = set()
         self._placement: PilotPrefetchPlan | None = None
         self._wanted: _Wanted | None = None
+        #: The small integer values the running call's graph showed the predictor (None: no
+        #: in-graph prediction in this call); the compiler takes them after the call.
+        self.in_graph_small_ints: tuple[tuple[int, ...], ...] | None = None
         #: fragment index -> where its forward graph predicts (the compiler's decisions)
         self.placements: dict[int, PilotPrefetchPlan] = {}
         self._sim_profile: str | None = None
@@ -447,7 +450,10 @@ class Prefetcher:
             return
         self._pending = None
         self.in_graph_predictions += 1
-        self._wanted = wanted = self._predict(small_int_outputs(list(observed)))
+        # The graph's observed values are the outputs the tail would read, in the same order
+        # (passes/pilot_prefetch.py): kept for the compiler's block observers (read once).
+        self.in_graph_small_ints = small_int_outputs(list(observed))
+        self._wanted = wanted = self._predict(self.in_graph_small_ints)
         plan = self._placement
         issue = self.cache.sim_clock + (plan.issue_seconds if plan is not None else 0.0)
         # The running block's own copies stay: its graph may fetch them after this point. A
@@ -460,11 +466,14 @@ class Prefetcher:
             later, limit, keep=own | {PrefetchCache.key(t) for _, t, _ in wanted}, issue_s=issue
         )
 
-    def after(self, outputs: Any = None) -> None:
+    def after(
+        self, outputs: Any = None, *, small_ints: tuple[tuple[int, ...], ...] | None = None
+    ) -> None:
         """Tail of a forward call: after :meth:`in_graph`, free what its prediction does not
         name and copy what did not fit the fragment's reserve; else show the predictor the
         call's small integer outputs (a router's counts: which experts run next, see
-        rules.py), predict, free mispredicted copies, prefetch."""
+        rules.py), predict, free mispredicted copies, prefetch. ``small_ints``: those values,
+        when the compiler read them already for its block observers (read once per call)."""
         self._pending = None
         plan = self._placement
         cache = self.cache
@@ -475,7 +484,9 @@ class Prefetcher:
             self._copy(wanted, self.capacity, issue_s=cache.sim_clock)
             return
         self.tail_predictions += 1
-        wanted = self._predict(small_int_outputs(outputs) if outputs is not None else None)
+        if small_ints is None and outputs is not None:
+            small_ints = small_int_outputs(outputs)
+        wanted = self._predict(small_ints)
         self._copy(wanted, self.capacity, issue_s=cache.sim_clock)
 
     def _predict(self, outputs: tuple[tuple[int, ...], ...] | None) -> _Wanted:

@@ -402,12 +402,22 @@ class TraceRecorder:
             )
         )
 
-    def on_block_end(self, step: int, index: int, kind: str, block: int, outputs: Any) -> None:
+    def on_block_end(
+        self,
+        step: int,
+        index: int,
+        kind: str,
+        block: int,
+        outputs: Any,
+        small_ints: tuple[tuple[int, ...], ...] | None = None,
+    ) -> None:
         """Fragment ``index``'s call (the last :meth:`on_block`) returned ``outputs``: keep the
-        values of its small integer CPU outputs (:func:`small_int_outputs`) on its event."""
+        values of its small integer CPU outputs (:func:`small_int_outputs`) on its event.
+        ``small_ints``: those values, when the caller read them already (the compiler reads them
+        once per call for every observer and the prefetcher)."""
         if kind == "backward" or step != self._step or not self._events:
             return
-        found = small_int_outputs(outputs)
+        found = small_ints if small_ints is not None else small_int_outputs(outputs)
         if not found:
             return
         last = self._events[-1]
