@@ -179,6 +179,8 @@ class _FragmentBuild:
         self.hosted_inputs: tuple[int, ...] = ()
         # block key -> parameter storages (address -> bytes) of the calls with that key
         self.blocks: dict[int, dict[int, int]] = {}
+        # block key -> storage address of each parameter/buffer input, by position
+        self.block_inputs: dict[int, dict[int, int]] = {}
         # Bytes this fragment's plan leaves to the pilot's prefetch cache (dynamic/prefetch.py).
         self.prefetch_reserve = 0
         self._bw_gm: fx.GraphModule | None = None
@@ -527,7 +529,7 @@ class _FragmentBuild:
         # Forward inputs start with the graph's parameters; the backward's block is its forward's.
         static = self.static_inputs if kind != "backward" else ()
         key_pos = static[0] if static else -1
-        blocks = self.blocks
+        blocks, block_inputs = self.blocks, self.block_inputs
         guard = self._resident_guard() if kind == "forward" else None
         hosted = self.hosted_inputs if kind == "forward" else ()
         compiler = self.compiler
@@ -556,6 +558,11 @@ class _FragmentBuild:
                 if block and any(blocks):  # a second parameter set (key 0: none)
                     compiler.note_dynamic(f"F{index} serves several parameter sets")
                 blocks[block] = storage_sizes((args[i] for i in static), keep_host=True)
+                block_inputs[block] = {
+                    i: args[i].untyped_storage().data_ptr()
+                    for i in static
+                    if isinstance(args[i], torch.Tensor)
+                }
             on_call(index, kind, block, args, build.size_key(args) if sized else ())
             tail = prefetcher is not None and prefetcher.before(
                 compiler.steps_observed, index, kind, block, args, hosted, build.prefetch_reserve
@@ -846,6 +853,7 @@ class MemCompiler:
             inner=self.config.inner,
             stats=build.stats,
             blocks=build.blocks,
+            block_inputs=build.block_inputs,
             profile_at=build.profile_at if build.size_slots else None,
         )
         return compiled, record
@@ -1126,8 +1134,18 @@ class MemCompiler:
             at[i](k) if i in at else profiles.get(i)
             for (i, _, _), k in zip(seq, sizes, strict=True)
         ]
+        # Which parameter storages each call reads: fragments sharing parameters (a tree
+        # cell's graphs per child count) add to one gradient each.
+        inputs = {r.index: r.block_inputs for r in records}
+        call_storages = [inputs.get(i, {}).get(b) for i, _, b in seq]
         prediction = (
-            simulate_step(profiles, seq, resident_bytes=resident, call_profiles=call_profiles)
+            simulate_step(
+                profiles,
+                seq,
+                resident_bytes=resident,
+                call_profiles=call_profiles,
+                call_storages=call_storages,
+            )
             if seq
             else None
         )

@@ -33,7 +33,26 @@ from memcompile.passes.analysis import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FragmentProfile", "accumulate_clone_bytes", "profile_fragment"]
+__all__ = ["FragmentProfile", "ParamGrad", "accumulate_clone_bytes", "profile_fragment"]
+
+_OFFLOAD = torch.ops.memcompile.offload.default
+
+
+@dataclass(frozen=True)
+class ParamGrad:
+    """The gradient one backward call produces for one parameter (or buffer).
+
+    Attributes:
+        position: the parameter's position among the forward inputs.
+        nbytes: bytes of the gradient's storage (0 for a second input sharing it).
+        host: the gradient leaves the graph in the host tier (a host-placed parameter's,
+            ``passes/params.py``): it costs the device nothing until autograd sums it with
+            another contribution (see ``passes/step.py``).
+    """
+
+    position: int
+    nbytes: int
+    host: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,6 +72,8 @@ class FragmentProfile:
         saved_input_bytes: activation inputs (not parameters or buffers) the backward reads:
             autograd keeps them alive until then, whether or not the caller does (in a
             multi-fragment step, a fragment's input is often the last one's output, dropped).
+        param_grads: each parameter's gradient, by input position, device and host ones; a
+            step with several calls that read one parameter sums them (``passes/step.py``).
     """
 
     forward: GraphProfile
@@ -64,6 +85,7 @@ class FragmentProfile:
     grad_bytes: int
     clone_bytes: int
     saved_input_bytes: int = 0
+    param_grads: tuple[ParamGrad, ...] = ()
 
     @property
     def training(self) -> bool:
@@ -235,11 +257,23 @@ def profile_fragment(
 
     # Backward outputs line up with the forward inputs (None where no gradient flows).
     grads = _output_vals(bw_gm)
+    grad_nodes = bw_gm.graph.find_nodes(op="output")[0].args[0]
     static_set = set(static_input_indices)
     grad_sids: dict[int, None] = {}
+    param_grads: list[ParamGrad] = []
+    counted: set[int] = set()
     for i, g in enumerate(grads[: len(in_vals)]):
-        if i in static_set and isinstance(g, torch.Tensor):
-            grad_sids.update(dict.fromkeys(ids.ids_of(g)))
+        if i not in static_set or not isinstance(g, torch.Tensor):
+            continue
+        # Gradients of host-placed parameters leave through memcompile::offload
+        # (passes/params.py): they are host-tier memory, never part of the device's grads.
+        node = grad_nodes[i]
+        host = isinstance(node, fx.Node) and node.target is _OFFLOAD
+        sids = [s for s in ids.ids_of(g) if s not in counted]
+        counted.update(sids)
+        param_grads.append(ParamGrad(i, sum(ids.nbytes(s) for s in sids), host))
+        if not host:
+            grad_sids.update(dict.fromkeys(sids))
     clone = accumulate_clone_bytes(grads, in_vals, static_set, clone_workspace)
     grad_bytes = sum(ids.nbytes(s) for s in grad_sids)
     log.debug(
@@ -261,4 +295,5 @@ def profile_fragment(
         grad_bytes,
         clone,
         saved_input_bytes=saved_input_bytes,
+        param_grads=tuple(param_grads),
     )
