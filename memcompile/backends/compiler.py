@@ -78,6 +78,8 @@ __all__ = ["BlockObserver", "MemCompiler", "StepEvent"]
 StepEvent = tuple[int, str, int]
 #: The values of a fragment's size symbols at one call (empty: static sizes).
 SizeKey = tuple[int, ...]
+#: Storages (address -> bytes) a forward call's backward reads through views of them.
+ViewStorages = Mapping[int, int]
 
 
 class BlockObserver(Protocol):
@@ -127,6 +129,17 @@ def _apply_dynamo_settings() -> None:
     if not torch._dynamo.config.allow_empty_graphs:
         log.debug("setting torch._dynamo.config.allow_empty_graphs = True")
         torch._dynamo.config.allow_empty_graphs = True
+
+
+def _view_storages(args: Sequence[Any], positions: Sequence[int]) -> dict[int, int]:
+    """:data:`ViewStorages` of one call: the storages of its inputs at ``positions``."""
+    out: dict[int, int] = {}
+    for i in positions:
+        t = args[i] if i < len(args) else None
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            out[storage.data_ptr()] = storage.nbytes()
+    return out
 
 
 def _frame_location(frame: Any) -> str:
@@ -530,6 +543,9 @@ class _FragmentBuild:
         static = self.static_inputs if kind != "backward" else ()
         key_pos = static[0] if static else -1
         blocks, block_inputs = self.blocks, self.block_inputs
+        if kind == "forward" and self.profile is not None and self.profile.saved_view_inputs:
+            # Which storages this call's backward keeps through views: read per call.
+            self.compiler._saved_views[self.index] = self.profile.saved_view_inputs
         guard = self._resident_guard() if kind == "forward" else None
         hosted = self.hosted_inputs if kind == "forward" else ()
         compiler = self.compiler
@@ -666,10 +682,15 @@ class MemCompiler:
         self.last_step: tuple[StepEvent, ...] = ()
         #: Each call's size-symbol values (``_FragmentBuild.size_key``), parallel to the steps.
         self.last_step_sizes: tuple[SizeKey, ...] = ()
+        #: Each call's :data:`ViewStorages` (empty but for forwards saving views of inputs).
+        self.last_step_views: tuple[ViewStorages, ...] = ()
         self.steps_observed = 0
         self._lock = threading.Lock()
         self._step: list[StepEvent] = []
         self._step_sizes: list[SizeKey] = []
+        self._step_views: list[ViewStorages] = []
+        #: Fragment index -> positions of inputs its backward reads as views (its profile's).
+        self._saved_views: dict[int, tuple[int, ...]] = {}
         self._step_trains = False
         self._last_kind = ""
         self._open_blocks: dict[int, list[tuple[int, SizeKey]]] = {}
@@ -879,8 +900,11 @@ class MemCompiler:
             self.fallbacks.clear()
             self.last_step = ()
             self.last_step_sizes = ()
+            self.last_step_views = ()
             self._step = []
             self._step_sizes = []
+            self._step_views = []
+            self._saved_views.clear()
             self._step_trains = False
             self._last_kind = ""
             self._open_blocks.clear()
@@ -1053,9 +1077,11 @@ class MemCompiler:
         ):
             self.last_step = tuple(step)
             self.last_step_sizes = tuple(self._step_sizes)
+            self.last_step_views = tuple(self._step_views)
             self.steps_observed += 1
             self._step = step = []
             self._step_sizes = []
+            self._step_views = []
             self._step_trains = False
             self._open_blocks.clear()
             self._check_step_budget()
@@ -1068,6 +1094,8 @@ class MemCompiler:
             block, sizes = opened.pop() if opened else (0, ())
         step.append((index, kind, block))
         self._step_sizes.append(sizes)
+        views = self._saved_views.get(index) if kind == "forward" else None
+        self._step_views.append(_view_storages(args, views) if views else {})
         self._step_trains |= kind == "forward"
         self._last_kind = kind
         for observer in self.block_observers:
@@ -1091,9 +1119,18 @@ class MemCompiler:
 
     def _sequence_and_sizes(self) -> tuple[tuple[StepEvent, ...], tuple[SizeKey, ...]]:
         """:meth:`step_sequence` and each call's size key."""
-        seq, sizes = self._current_step()
+        seq, sizes, _ = self._sequence_sizes_views()
+        return seq, sizes
+
+    def _sequence_sizes_views(
+        self,
+    ) -> tuple[tuple[StepEvent, ...], tuple[SizeKey, ...], tuple[ViewStorages, ...]]:
+        """:meth:`step_sequence`, each call's size key and :data:`ViewStorages`."""
+        seq, sizes, views = self._current_step()
         if len(sizes) != len(seq):  # not recorded (calls made before sizes were): the hints
             sizes = ((),) * len(seq)
+        if len(views) != len(seq):
+            views = ({},) * len(seq)
         if seq and not any(kind == "backward" for _, kind, _ in seq):
             training = {
                 r.index for r in self.records() if r.profile is not None and r.profile.training
@@ -1105,7 +1142,8 @@ class MemCompiler:
             ]
             seq = seq + tuple((i, "backward", b) for (i, _, b), _ in back)
             sizes = sizes + tuple(k for _, k in back)
-        return seq, sizes
+            views = views + ({},) * len(back)
+        return seq, sizes, views
 
     def predict_step(
         self, extra_resident: Iterable[torch.Tensor] = ()
@@ -1125,7 +1163,7 @@ class MemCompiler:
             static.update(storage_sizes([*model.parameters(), *model.buffers()]))
         static.update(storage_sizes(extra_resident))
         resident = sum(static.values()) + (self.device_other_bytes or 0)
-        seq, sizes = self._sequence_and_sizes()
+        seq, sizes, views = self._sequence_sizes_views()
         profiles = {r.index: r.profile for r in records}
         # A graph compiled for dynamic sizes (an expert's token count) is profiled at each
         # call's own sizes: its example's would under- or overstate the other calls.
@@ -1145,6 +1183,7 @@ class MemCompiler:
                 resident_bytes=resident,
                 call_profiles=call_profiles,
                 call_storages=call_storages,
+                call_views=[{a: n for a, n in v.items() if a not in static} for v in views],
             )
             if seq
             else None
@@ -1195,12 +1234,14 @@ class MemCompiler:
         last complete one before that), else the calls seen so far."""
         return self._current_step()[0]
 
-    def _current_step(self) -> tuple[tuple[StepEvent, ...], tuple[SizeKey, ...]]:
-        """:meth:`current_step` and each call's size key."""
+    def _current_step(
+        self,
+    ) -> tuple[tuple[StepEvent, ...], tuple[SizeKey, ...], tuple[ViewStorages, ...]]:
+        """:meth:`current_step`, each call's size key and :data:`ViewStorages`."""
         step = self._step
         if step and (step[-1][1] == "backward" or not self.last_step):
-            return tuple(step), tuple(self._step_sizes)
-        return self.last_step, self.last_step_sizes
+            return tuple(step), tuple(self._step_sizes), tuple(self._step_views)
+        return self.last_step, self.last_step_sizes, self.last_step_views
 
     def records(self) -> list[FragmentRecord]:
         """A snapshot of the compiled fragments, in compile order."""

@@ -74,6 +74,9 @@ class FragmentProfile:
             multi-fragment step, a fragment's input is often the last one's output, dropped).
         param_grads: each parameter's gradient, by input position, device and host ones; a
             step with several calls that read one parameter sums them (``passes/step.py``).
+        saved_view_inputs: positions of activation inputs the backward reads that are views
+            into a larger storage (not in ``saved_input_bytes``): autograd keeps that whole
+            storage alive, which the step's replay counts once per storage (by address).
     """
 
     forward: GraphProfile
@@ -86,6 +89,7 @@ class FragmentProfile:
     clone_bytes: int
     saved_input_bytes: int = 0
     param_grads: tuple[ParamGrad, ...] = ()
+    saved_view_inputs: tuple[int, ...] = ()
 
     @property
     def training(self) -> bool:
@@ -246,19 +250,29 @@ def profile_fragment(
     saved_bytes = sum(ids.nbytes(s) for s in saved)
     static_ids = {sid for v in static for sid in ids.ids_of(v)}
     # Only inputs that are their whole storage: a view into a larger one (a row of an
-    # embedding table's output, read by every call of a tree cell) is held by whoever made it,
-    # and counting its storage once per call would count it many times over.
+    # embedding table's output, read by every call of a tree cell) keeps that storage alive,
+    # but counting it once per call would count it many times over: such inputs are listed
+    # (saved_view_inputs) for the step's replay, which counts each storage once by address.
     activation_ids = {
         sid for v in in_vals if covers_storage(v) for sid in ids.ids_of(v)
     } - static_ids
     saved_inputs = dict.fromkeys(s for s in bw_in_ids if s in activation_ids)
     saved_input_bytes = sum(ids.nbytes(s) for s in saved_inputs)
+    static_set = set(static_input_indices)
+    bw_in_set = set(bw_in_ids)
+    saved_views = tuple(
+        i
+        for i, v in enumerate(in_vals)
+        if i not in static_set
+        and isinstance(v, torch.Tensor)
+        and not covers_storage(v)
+        and any(s in bw_in_set for s in ids.ids_of(v))
+    )
     held = sum(ids.nbytes(s) for s in dict.fromkeys(tracked_user) if s not in saved)
 
     # Backward outputs line up with the forward inputs (None where no gradient flows).
     grads = _output_vals(bw_gm)
     grad_nodes = bw_gm.graph.find_nodes(op="output")[0].args[0]
-    static_set = set(static_input_indices)
     grad_sids: dict[int, None] = {}
     param_grads: list[ParamGrad] = []
     counted: set[int] = set()
@@ -296,4 +310,5 @@ def profile_fragment(
         clone,
         saved_input_bytes=saved_input_bytes,
         param_grads=tuple(param_grads),
+        saved_view_inputs=saved_views,
     )

@@ -86,6 +86,7 @@ def simulate_step(
     resident_bytes: int,
     call_profiles: Sequence[FragmentProfile | None] | None = None,
     call_storages: Sequence[Mapping[int, int] | None] | None = None,
+    call_views: Sequence[Mapping[int, int]] | None = None,
 ) -> StepPrediction:
     """Replay ``sequence`` (fragment index, kind, block key) over ``profiles``.
 
@@ -100,8 +101,16 @@ def simulate_step(
         call_storages: each call's parameters, input position -> storage address: calls that
             read one storage add to one gradient. ``None`` (or a position missing): calls
             with the same (index, block key) use the same parameters, others different ones.
+        call_views: each forward call's storages (address -> bytes) that its backward reads
+            through views (``FragmentProfile.saved_view_inputs``): each is counted once, from
+            the first forward that keeps it to the last backward that releases it; those of
+            the first forward are the caller's (in ``resident_bytes`` with its inputs).
     """
-    for name, per_call in (("call_profiles", call_profiles), ("call_storages", call_storages)):
+    for name, per_call in (
+        ("call_profiles", call_profiles),
+        ("call_storages", call_storages),
+        ("call_views", call_views),
+    ):
         if per_call is not None and len(per_call) != len(sequence):
             raise ValueError(f"{name} has {len(per_call)} entries for {len(sequence)} calls")
 
@@ -131,12 +140,17 @@ def simulate_step(
     contributions: dict[Hashable, int] = {}
     on_device: dict[Hashable, int] = {}
     # A forward saves its call's bytes; its backward releases exactly those.
-    open_saved: dict[int, list[tuple[int, int]]] = {}
+    open_saved: dict[int, list[tuple[int, int, Mapping[int, int]]]] = {}
+    # Storages kept through views -> how many open forwards keep them, and their bytes in all
+    # (the first forward's are the caller's: in base).
+    view_refs: dict[int, int] = {}
+    callers: set[int] = set()
+    viewed = 0
     first_call = -1
     for i, (index, kind, _) in enumerate(sequence):
         prof = profile(i)
         if prof is None:
-            call_peaks.append(base + saved + grads)
+            call_peaks.append(base + saved + viewed + grads)
             continue
         activations = prof.input_bytes - prof.static_input_bytes
         if kind in ("forward", "inference"):
@@ -145,22 +159,31 @@ def simulate_step(
                 activations = 0
                 first_forward = False
                 first_call = i
-            p = base + saved + grads + activations + prof.forward.peak_bytes
+            views = call_views[i] if kind == "forward" and call_views is not None else {}
+            # Storages kept through views that this call reads are among its activations.
+            mine = sum(n for a, n in views.items() if view_refs.get(a) and a not in callers)
+            p = base + saved + viewed - mine + grads + activations + prof.forward.peak_bytes
             if kind == "forward":
                 # The first forward's inputs are the caller's (in base): only later ones, which
                 # Python may drop while autograd keeps them, add to what is saved. An input two
                 # fragments both save counts twice (an overestimate: sizes are not storages).
                 inputs = 0 if i == first_call else prof.saved_input_bytes
+                if i == first_call:
+                    callers.update(views)
+                for address, nbytes in views.items():
+                    if address not in callers and not view_refs.get(address):
+                        viewed += nbytes
+                    view_refs[address] = view_refs.get(address, 0) + 1
                 saved += prof.saved_bytes + inputs
-                open_saved.setdefault(index, []).append((prof.saved_bytes, inputs))
+                open_saved.setdefault(index, []).append((prof.saved_bytes, inputs, views))
             held = prof.held_output_bytes
         else:  # backward
             bw = prof.backward
             if bw is None:
-                call_peaks.append(base + saved + grads)
+                call_peaks.append(base + saved + viewed + grads)
                 continue
             opened = open_saved.get(index)
-            outputs, inputs = opened.pop() if opened else (prof.saved_bytes, 0)
+            outputs, inputs, views = opened.pop() if opened else (prof.saved_bytes, 0, {})
             others = max(saved - outputs - inputs, 0)
             # The call's gradients against those of earlier calls (see the module docstring).
             summed = 0  # the largest out-of-place sum of a first and a second gradient
@@ -185,10 +208,15 @@ def simulate_step(
                 + held
                 + others
                 + inputs
+                + viewed
                 + grads
                 + max(bw.peak_bytes, bw.end_bytes + accumulate)
             )
             saved = others
+            for address, nbytes in views.items():  # the last reader's backward frees it
+                view_refs[address] -= 1
+                if not view_refs[address] and address not in callers:
+                    viewed -= nbytes
             grads += added + to_device
             for key, g in grads_of(i):
                 if last_use[key] == i and g.host and on_device[key]:
