@@ -91,6 +91,8 @@ __all__ = ["BlockObserver", "MemCompiler", "StepEvent"]
 StepEvent = tuple[int, str, int]
 #: The values of a fragment's size symbols at one call (empty: static sizes).
 SizeKey = tuple[int, ...]
+#: Storages (address -> bytes) a forward call's backward reads through views of them.
+ViewStorages = Mapping[int, int]
 
 
 class BlockObserver(Protocol):
@@ -147,6 +149,17 @@ def _apply_dynamo_settings() -> None:
     if not torch._dynamo.config.allow_empty_graphs:
         log.debug("setting torch._dynamo.config.allow_empty_graphs = True")
         torch._dynamo.config.allow_empty_graphs = True
+
+
+def _view_storages(args: Sequence[Any], positions: Sequence[int]) -> dict[int, int]:
+    """:data:`ViewStorages` of one call: the storages of its inputs at ``positions``."""
+    out: dict[int, int] = {}
+    for i in positions:
+        t = args[i] if i < len(args) else None
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            out[storage.data_ptr()] = storage.nbytes()
+    return out
 
 
 def _frame_location(frame: Any) -> str:
@@ -209,6 +222,8 @@ class _FragmentBuild:
         self.hosted_inputs: tuple[int, ...] = ()
         # block key -> parameter storages (address -> bytes) of the calls with that key
         self.blocks: dict[int, dict[int, int]] = {}
+        # block key -> storage address of each parameter/buffer input, by position
+        self.block_inputs: dict[int, dict[int, int]] = {}
         # Bytes this fragment's plan leaves to the pilot's prefetch cache (dynamic/prefetch.py).
         self.prefetch_reserve = 0
         self._bw_gm: fx.GraphModule | None = None
@@ -603,7 +618,10 @@ class _FragmentBuild:
         # Forward inputs start with the graph's parameters; the backward's block is its forward's.
         static = self.static_inputs if kind != "backward" else ()
         key_pos = static[0] if static else -1
-        blocks = self.blocks
+        blocks, block_inputs = self.blocks, self.block_inputs
+        if kind == "forward" and self.profile is not None and self.profile.saved_view_inputs:
+            # Which storages this call's backward keeps through views: read per call.
+            self.compiler._saved_views[self.index] = self.profile.saved_view_inputs
         guard = self._resident_guard() if kind == "forward" else None
         hosted = self.hosted_inputs if kind == "forward" else ()
         compiler = self.compiler
@@ -632,6 +650,11 @@ class _FragmentBuild:
                 if block and any(blocks):  # a second parameter set (key 0: none)
                     compiler.note_dynamic(f"F{index} serves several parameter sets")
                 blocks[block] = storage_sizes((args[i] for i in static), keep_host=True)
+                block_inputs[block] = {
+                    i: args[i].untyped_storage().data_ptr()
+                    for i in static
+                    if isinstance(args[i], torch.Tensor)
+                }
             on_call(index, kind, block, args, build.size_key(args) if sized else ())
             tail = prefetcher is not None and prefetcher.before(
                 compiler.steps_observed, index, kind, block, args, hosted, build.prefetch_reserve
@@ -741,10 +764,15 @@ class MemCompiler:
         self.last_step: tuple[StepEvent, ...] = ()
         #: Each call's size-symbol values (``_FragmentBuild.size_key``), parallel to the steps.
         self.last_step_sizes: tuple[SizeKey, ...] = ()
+        #: Each call's :data:`ViewStorages` (empty but for forwards saving views of inputs).
+        self.last_step_views: tuple[ViewStorages, ...] = ()
         self.steps_observed = 0
         self._lock = threading.Lock()
         self._step: list[StepEvent] = []
         self._step_sizes: list[SizeKey] = []
+        self._step_views: list[ViewStorages] = []
+        #: Fragment index -> positions of inputs its backward reads as views (its profile's).
+        self._saved_views: dict[int, tuple[int, ...]] = {}
         self._step_trains = False
         self._last_kind = ""
         self._open_blocks: dict[int, list[tuple[int, SizeKey]]] = {}
@@ -971,6 +999,7 @@ class MemCompiler:
             inner=self.config.inner,
             stats=build.stats,
             blocks=build.blocks,
+            block_inputs=build.block_inputs,
             profile_at=build.profile_at if build.size_slots else None,
         )
         return compiled, record
@@ -996,8 +1025,11 @@ class MemCompiler:
             self.fallbacks.clear()
             self.last_step = ()
             self.last_step_sizes = ()
+            self.last_step_views = ()
             self._step = []
             self._step_sizes = []
+            self._step_views = []
+            self._saved_views.clear()
             self._step_trains = False
             self._last_kind = ""
             self._open_blocks.clear()
@@ -1226,6 +1258,8 @@ class MemCompiler:
             block, sizes = opened.pop() if opened else (0, ())
         step.append((index, kind, block))
         self._step_sizes.append(sizes)
+        views = self._saved_views.get(index) if kind == "forward" else None
+        self._step_views.append(_view_storages(args, views) if views else {})
         self._step_trains |= kind == "forward"
         self._last_kind = kind
         for observer in self.block_observers:
@@ -1234,9 +1268,11 @@ class MemCompiler:
     def _end_step(self) -> None:
         self.last_step = tuple(self._step)
         self.last_step_sizes = tuple(self._step_sizes)
+        self.last_step_views = tuple(self._step_views)
         self.steps_observed += 1
         self._step = []
         self._step_sizes = []
+        self._step_views = []
         self._step_trains = False
         self._open_blocks.clear()
         self._check_step_budget()
@@ -1272,9 +1308,18 @@ class MemCompiler:
 
     def _sequence_and_sizes(self) -> tuple[tuple[StepEvent, ...], tuple[SizeKey, ...]]:
         """:meth:`step_sequence` and each call's size key."""
-        seq, sizes = self._current_step()
+        seq, sizes, _ = self._sequence_sizes_views()
+        return seq, sizes
+
+    def _sequence_sizes_views(
+        self,
+    ) -> tuple[tuple[StepEvent, ...], tuple[SizeKey, ...], tuple[ViewStorages, ...]]:
+        """:meth:`step_sequence`, each call's size key and :data:`ViewStorages`."""
+        seq, sizes, views = self._current_step()
         if len(sizes) != len(seq):  # not recorded (calls made before sizes were): the hints
             sizes = ((),) * len(seq)
+        if len(views) != len(seq):
+            views = ({},) * len(seq)
         if seq and not any(kind == "backward" for _, kind, _ in seq):
             training = {
                 r.index for r in self.records() if r.profile is not None and r.profile.training
@@ -1286,7 +1331,8 @@ class MemCompiler:
             ]
             seq = seq + tuple((i, "backward", b) for (i, _, b), _ in back)
             sizes = sizes + tuple(k for _, k in back)
-        return seq, sizes
+            views = views + ({},) * len(back)
+        return seq, sizes, views
 
     def predict_step(
         self, extra_resident: Iterable[torch.Tensor] = ()
@@ -1312,7 +1358,7 @@ class MemCompiler:
             static.update(storage_sizes([*model.parameters(), *model.buffers()]))
         static.update(storage_sizes(extra_resident))
         resident = sum(static.values()) + (self.device_other_bytes or 0)
-        seq, sizes = self._sequence_and_sizes()
+        seq, sizes, views = self._sequence_sizes_views()
         profiles = {r.index: r.profile for r in records}
         # A graph compiled for dynamic sizes (an expert's token count) is profiled at each
         # call's own sizes: its example's would under- or overstate the other calls.
@@ -1321,8 +1367,19 @@ class MemCompiler:
             at[i](k) if i in at else profiles.get(i)
             for (i, _, _), k in zip(seq, sizes, strict=True)
         ]
+        # Which parameter storages each call reads: fragments sharing parameters (a tree
+        # cell's graphs per child count) add to one gradient each.
+        inputs = {r.index: r.block_inputs for r in records}
+        call_storages = [inputs.get(i, {}).get(b) for i, _, b in seq]
         prediction = (
-            simulate_step(profiles, seq, resident_bytes=resident, call_profiles=call_profiles)
+            simulate_step(
+                profiles,
+                seq,
+                resident_bytes=resident,
+                call_profiles=call_profiles,
+                call_storages=call_storages,
+                call_views=[{a: n for a, n in v.items() if a not in static} for v in views],
+            )
             if seq
             else None
         )
@@ -1483,12 +1540,14 @@ class MemCompiler:
         last complete one before that), else the calls seen so far."""
         return self._current_step()[0]
 
-    def _current_step(self) -> tuple[tuple[StepEvent, ...], tuple[SizeKey, ...]]:
-        """:meth:`current_step` and each call's size key."""
+    def _current_step(
+        self,
+    ) -> tuple[tuple[StepEvent, ...], tuple[SizeKey, ...], tuple[ViewStorages, ...]]:
+        """:meth:`current_step`, each call's size key and :data:`ViewStorages`."""
         step = self._step
         if step and (step[-1][1] == "backward" or not self.last_step):
-            return tuple(step), tuple(self._step_sizes)
-        return self.last_step, self.last_step_sizes
+            return tuple(step), tuple(self._step_sizes), tuple(self._step_views)
+        return self.last_step, self.last_step_sizes, self.last_step_views
 
     def records(self) -> list[FragmentRecord]:
         """A snapshot of the compiled fragments, in compile order."""

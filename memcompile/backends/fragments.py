@@ -86,6 +86,8 @@ class FragmentRecord:
         stats: call counters.
         blocks: parameter storages (address -> bytes) per block key seen at run time (one compiled
             graph serves many parameter sets, e.g. experts).
+        block_inputs: per block key, the storage address of each parameter or buffer input (by
+            position): which gradients the calls of different fragments share.
         profile_at: for a graph with dynamic sizes, its profile at one call's size-symbol values
             (``None`` when its sizes are static).
     """
@@ -103,6 +105,7 @@ class FragmentRecord:
     inner: str
     stats: FragmentStats = field(default_factory=FragmentStats, compare=False)
     blocks: dict[int, dict[int, int]] = field(default_factory=dict, compare=False)
+    block_inputs: dict[int, dict[int, int]] = field(default_factory=dict, compare=False)
     #: The profile at a call's size key (graphs compiled for dynamic sizes), else ``None``.
     profile_at: Callable[[tuple[int, ...]], FragmentProfile | None] | None = field(
         default=None, compare=False, repr=False

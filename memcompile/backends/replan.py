@@ -7,7 +7,8 @@ saved activations), and later ones count the earlier ones only as an upper bound
 this module decides which fragments to plan again and with what they must leave room for:
 
     prediction = simulate_step(...)                 call_peaks[c]: absolute peak during call c
-    own[c]     = F's graph peak in call c           forward peak, or backward peak (+ clones)
+    own[c]     = F's graph peak in call c           StepPrediction.own_peaks (the forward's, or
+                                                    the backward's with its accumulation)
     others[F]  = max over F's calls (call_peaks[c] - own[c])
                                                     what the rest of the step holds at F's worst
                                                     call: parameters, gradients, saved sets of
@@ -39,7 +40,7 @@ from memcompile.passes.step import StepPrediction
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_REPLANS", "MAX_ROUNDS", "Replan", "ReplanDecision", "decide_replan", "own_peak"]
+__all__ = ["MAX_REPLANS", "MAX_ROUNDS", "Replan", "ReplanDecision", "decide_replan"]
 
 #: Re-planning rounds for one step composition (the calls and their sizes).
 MAX_ROUNDS = 2
@@ -97,17 +98,6 @@ class ReplanDecision:
     stuck: tuple[int, ...]
 
 
-def own_peak(profile: FragmentProfile, kind: str) -> int | None:
-    """The fragment graph's own peak in a call of ``kind``, as ``simulate_step`` adds it to what
-    the step holds (``None``: the call runs no graph of it)."""
-    if kind != "backward":
-        return profile.forward.peak_bytes
-    bw = profile.backward
-    if bw is None:
-        return None
-    return max(bw.peak_bytes, bw.end_bytes + profile.clone_bytes)
-
-
 def decide_replan(
     prediction: StepPrediction,
     sequence: Sequence[tuple[int, str, int]],
@@ -139,10 +129,10 @@ def decide_replan(
     # Saved bytes of each fragment's open forward calls (as simulate_step keeps them).
     held: dict[int, int] = {}
     opened: dict[int, list[int]] = {}
-    for (index, kind, _), prof, peak in zip(
-        sequence, call_profiles, prediction.call_peaks, strict=True
+    own_peaks = prediction.own_peaks or (None,) * len(sequence)
+    for (index, kind, _), prof, peak, own in zip(
+        sequence, call_profiles, prediction.call_peaks, own_peaks, strict=True
     ):
-        own = own_peak(prof, kind) if prof is not None else None
         if prof is None or own is None:
             continue
         if kind == "backward" and opened.get(index):

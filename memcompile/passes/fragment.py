@@ -33,7 +33,26 @@ from memcompile.passes.analysis import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FragmentProfile", "accumulate_clone_bytes", "profile_fragment"]
+__all__ = ["FragmentProfile", "ParamGrad", "accumulate_clone_bytes", "profile_fragment"]
+
+_OFFLOAD = torch.ops.memcompile.offload.default
+
+
+@dataclass(frozen=True)
+class ParamGrad:
+    """The gradient one backward call produces for one parameter (or buffer).
+
+    Attributes:
+        position: the parameter's position among the forward inputs.
+        nbytes: bytes of the gradient's storage (0 for a second input sharing it).
+        host: the gradient leaves the graph in the host tier (a host-placed parameter's,
+            ``passes/params.py``): it costs the device nothing until autograd sums it with
+            another contribution (see ``passes/step.py``).
+    """
+
+    position: int
+    nbytes: int
+    host: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,6 +72,11 @@ class FragmentProfile:
         saved_input_bytes: activation inputs (not parameters or buffers) the backward reads:
             autograd keeps them alive until then, whether or not the caller does (in a
             multi-fragment step, a fragment's input is often the last one's output, dropped).
+        param_grads: each parameter's gradient, by input position, device and host ones; a
+            step with several calls that read one parameter sums them (``passes/step.py``).
+        saved_view_inputs: positions of activation inputs the backward reads that are views
+            into a larger storage (not in ``saved_input_bytes``): autograd keeps that whole
+            storage alive, which the step's replay counts once per storage (by address).
     """
 
     forward: GraphProfile
@@ -64,6 +88,8 @@ class FragmentProfile:
     grad_bytes: int
     clone_bytes: int
     saved_input_bytes: int = 0
+    param_grads: tuple[ParamGrad, ...] = ()
+    saved_view_inputs: tuple[int, ...] = ()
 
     @property
     def training(self) -> bool:
@@ -224,22 +250,44 @@ def profile_fragment(
     saved_bytes = sum(ids.nbytes(s) for s in saved)
     static_ids = {sid for v in static for sid in ids.ids_of(v)}
     # Only inputs that are their whole storage: a view into a larger one (a row of an
-    # embedding table's output, read by every call of a tree cell) is held by whoever made it,
-    # and counting its storage once per call would count it many times over.
+    # embedding table's output, read by every call of a tree cell) keeps that storage alive,
+    # but counting it once per call would count it many times over: such inputs are listed
+    # (saved_view_inputs) for the step's replay, which counts each storage once by address.
     activation_ids = {
         sid for v in in_vals if covers_storage(v) for sid in ids.ids_of(v)
     } - static_ids
     saved_inputs = dict.fromkeys(s for s in bw_in_ids if s in activation_ids)
     saved_input_bytes = sum(ids.nbytes(s) for s in saved_inputs)
+    static_set = set(static_input_indices)
+    bw_in_set = set(bw_in_ids)
+    saved_views = tuple(
+        i
+        for i, v in enumerate(in_vals)
+        if i not in static_set
+        and isinstance(v, torch.Tensor)
+        and not covers_storage(v)
+        and any(s in bw_in_set for s in ids.ids_of(v))
+    )
     held = sum(ids.nbytes(s) for s in dict.fromkeys(tracked_user) if s not in saved)
 
     # Backward outputs line up with the forward inputs (None where no gradient flows).
     grads = _output_vals(bw_gm)
-    static_set = set(static_input_indices)
+    grad_nodes = bw_gm.graph.find_nodes(op="output")[0].args[0]
     grad_sids: dict[int, None] = {}
+    param_grads: list[ParamGrad] = []
+    counted: set[int] = set()
     for i, g in enumerate(grads[: len(in_vals)]):
-        if i in static_set and isinstance(g, torch.Tensor):
-            grad_sids.update(dict.fromkeys(ids.ids_of(g)))
+        if i not in static_set or not isinstance(g, torch.Tensor):
+            continue
+        # Gradients of host-placed parameters leave through memcompile::offload
+        # (passes/params.py): they are host-tier memory, never part of the device's grads.
+        node = grad_nodes[i]
+        host = isinstance(node, fx.Node) and node.target is _OFFLOAD
+        sids = [s for s in ids.ids_of(g) if s not in counted]
+        counted.update(sids)
+        param_grads.append(ParamGrad(i, sum(ids.nbytes(s) for s in sids), host))
+        if not host:
+            grad_sids.update(dict.fromkeys(sids))
     clone = accumulate_clone_bytes(grads, in_vals, static_set, clone_workspace)
     grad_bytes = sum(ids.nbytes(s) for s in grad_sids)
     log.debug(
@@ -261,4 +309,6 @@ def profile_fragment(
         grad_bytes,
         clone,
         saved_input_bytes=saved_input_bytes,
+        param_grads=tuple(param_grads),
+        saved_view_inputs=saved_views,
     )

@@ -39,6 +39,7 @@ __all__ = ["JointEval", "JointModel"]
 
 _PRIMAL, _TANGENT, _FW, _BW, _OTHER = range(5)
 _OFFLOAD = torch.ops.memcompile.offload.default
+_RELOAD = torch.ops.memcompile.reload.default
 
 
 class _WithCopies:
@@ -260,6 +261,20 @@ class JointModel:
             if k == _FW and any(self.kind[u] != _FW for u in self.users[i]):
                 out.update(s for s in self.storages[i] if s not in self.persistent)
         return frozenset(out)
+
+    def fetched_copies(self) -> frozenset[int]:
+        """Storages of device copies of host-placed parameters (``passes/params.py``'s fetches
+        of a graph input): fetched again for the backward by default, as ZeRO-Offload does,
+        rather than kept from the forward (a recurrent cell would keep one per time step)."""
+        return frozenset(
+            s
+            for i, n in enumerate(self.nodes)
+            if self.kind[i] == _FW
+            and n.target is _RELOAD
+            and isinstance(n.args[0], fx.Node)
+            and n.args[0].op == "placeholder"
+            for s in self.storages[i]
+        )
 
     def must_save(self) -> frozenset[int]:
         """Storages of forward values that cannot be recomputed (random, mutating, impure); every

@@ -16,9 +16,11 @@ is produced:
                                                  g_host = memcompile.offload(g, store, host)
       return (..., g, ...)                       return (..., g_host, ...)
 
-Nothing else changes: each fetched copy is an ordinary activation to the planner, which keeps it
-for the backward or (mostly) fetches it again there, as it would recompute any cheap value, and
-the schedule pass places each fetch next to its reader. One fetch per reader, not one per
+Nothing else changes: each fetched copy is an ordinary activation to the planner, except that
+its baseline never keeps one for the backward but fetches it again there (as it would recompute
+a cheap value; ZeRO-Offload's schedule): a recurrent cell called once per time step would
+otherwise keep one copy of its weights per step, more than the parameters on the device cost.
+The schedule pass places each fetch next to its reader. One fetch per reader, not one per
 parameter: a tied weight read by the embedding and by the output head would otherwise stay on
 the device for the whole forward. The gradient's host copy is what autograd accumulates into
 ``w.grad``, so the optimizer steps the host-placed parameter with host-placed gradients

@@ -51,7 +51,8 @@ class FragmentPlan:
             the budget besides this fragment's own.
         predicted_peak: absolute device peak of a step under this plan (estimate of the planner's
             joint model; the report shows the exact profile of the built graphs).
-        baseline_peak: the same without a plan (eager's saved set).
+        baseline_peak: the same without a plan (eager's saved set; host-placed parameters
+            fetched again for the backward).
         recompute_time: predicted seconds the backward spends recomputing.
         swap_time: predicted seconds of the swaps' copies (out and back, not overlapped).
         feasible: the plan meets ``target``.

@@ -3,7 +3,8 @@
 Greedy on the joint model (``joint.py``), by bytes saved per second of recompute or copy, then
 an undo pass:
 
-    S = eager's saved set;  W = {} (swaps);  e = evaluate(S, W)       # torch's orders
+    S = eager's saved set, less the device copies of host-placed parameters (fetched again in
+        the backward);  W = {} (swaps);  e = evaluate(S, W)            # torch's orders
     while e.peak > target:
         moves = for each storage s in S live at the peak moment:
                     recompute s      (cost: what the backward would newly recompute, through
@@ -56,7 +57,8 @@ class SearchResult:
 
     Attributes:
         final: the plan's evaluation (in the orders the plan runs).
-        baseline: eager's saved set, in torch's orders.
+        baseline: eager's saved set (device copies of host-placed parameters fetched again),
+            in torch's orders.
         evaluations: joint-model evaluations the search spent (the planner's cost).
         moves: moves the plan keeps after the undo pass.
     """
@@ -352,7 +354,10 @@ def search_saved_set(
             another graph's plan carried over to this one (``dropout.saved_after``); the better
             of the two ends is kept (fits at less time, else peaks lower).
     """
-    baseline = model.evaluate(model.default_saved() | model.must_save())
+    # Eager's saved set, except the device copies of host-placed parameters: the backward
+    # fetches those again (ZeRO-Offload's schedule), or a recurrent cell would keep one copy of
+    # its weights per time step; no move of the search keeps one.
+    baseline = model.evaluate((model.default_saved() - model.fetched_copies()) | model.must_save())
     best = model.evaluate(baseline.saved, schedule=True) if reorder else baseline
     if target is None or best.peak <= target:
         return SearchResult(best, baseline, 1 + reorder)
@@ -477,9 +482,11 @@ def plan_fragment(
             return "recompute"
         return swapped.get(s, "keep")  # type: ignore[return-value]
 
+    # Fetched parameter copies eager would keep are listed as what they are: fetched again.
+    refetched = model.default_saved() & model.fetched_copies()
     decisions = tuple(
         TensorDecision(tensor=model.describe(s), nbytes=model.nbytes[s], action=action(s))
-        for s in sorted(baseline.saved | final.saved)
+        for s in sorted(baseline.saved | final.saved | refetched)
     )
     return FragmentPlan(
         fragment="",

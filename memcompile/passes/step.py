@@ -6,8 +6,21 @@ Replays the observed call sequence of one step (``F0.fw F1.fw … F1.bw F0.bw``)
     live = resident (parameters, buffers, the first fragment's inputs)
     F.fw        peak = live + saved(earlier fragments) + F's activation inputs + F.forward peak
                 saved += F.saved + F.saved inputs (autograd keeps the inputs its backward reads)
-    F.bw        peak = live + held loss + saved(others) + grads so far + F.backward peak
-                saved -= F.saved; grads += F.grads   (once per block: accumulating is in place)
+    F.bw        peak = live + held loss + saved(others) + grads so far
+                       + max(F.backward peak, F.backward end + accumulate)
+                saved -= F.saved; grads += F's gradients of parameters without one yet
+
+Gradients are keyed by parameter storage, so fragments that share parameters (a tree cell's
+leaf, one-child and n-children graphs; an RNN cell called per time step) hold one gradient
+each. What autograd does with a second contribution to a parameter within one backward is
+what ``accumulate`` prices: the engine sums the two out of place, so the sum (the parameter's
+size) exists next to the old sum and the new gradient (the call's outputs stay alive until all
+are summed) before the old one is freed; the largest such sum of the call is its transient
+(or the largest AccumulateGrad layout copy, whichever is larger). A host-placed parameter's
+gradient arrives in the host tier (``passes/params.py``), but autograd's sum of two host
+gradients is a new device tensor: from the second contribution on, that parameter's gradient
+is device memory until its last contribution, when AccumulateGrad's hook sends it back to the
+host.
 
 For a single-fragment step this is exactly :meth:`FragmentProfile.step_peak`. With several
 fragments it is an estimate: activations that Python code between fragments allocates or holds
@@ -16,10 +29,10 @@ are not visible to memcompile.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
-from memcompile.passes.fragment import FragmentProfile
+from memcompile.passes.fragment import FragmentProfile, ParamGrad
 
 __all__ = ["StepPrediction", "simulate_step"]
 
@@ -33,12 +46,16 @@ class StepPrediction:
         call_peaks: predicted absolute peak during each call of the sequence.
         peak_call: index into the sequence of the call holding the peak (-1: before any call).
         exact: the step is one fragment called once forward and once backward (the model is exact).
+        own_peaks: each call's own graph peak within its call peak (the forward's, or the
+            backward's with its gradient accumulation); ``None`` where the call runs no graph.
+            The rest of ``call_peaks`` is what the step holds around it (backends/replan.py).
     """
 
     peak: int
     call_peaks: tuple[int, ...]
     peak_call: int
     exact: bool
+    own_peaks: tuple[int | None, ...] = ()
 
     def fragment_peaks(self, sequence: Sequence[tuple[int, str, int]]) -> dict[int, int]:
         """Largest predicted peak during any call of each fragment."""
@@ -48,44 +65,98 @@ class StepPrediction:
         return out
 
 
+def _grad_key(
+    index: int, block: int, grad: ParamGrad, storages: Mapping[int, int] | None
+) -> Hashable:
+    # The parameter's storage when the call's inputs are known; else one parameter set per
+    # (fragment, block), as if no two fragments shared parameters.
+    if storages is not None and grad.position in storages:
+        return storages[grad.position]
+    return (index, block, grad.position)
+
+
+def _call_grads(
+    prof: FragmentProfile, index: int, block: int, storages: Mapping[int, int] | None
+) -> list[tuple[Hashable, ParamGrad]]:
+    if not prof.param_grads and prof.grad_bytes:  # a profile made by hand: one lump
+        return [((index, block, -1), ParamGrad(-1, prof.grad_bytes))]
+    return [(_grad_key(index, block, g, storages), g) for g in prof.param_grads]
+
+
 def simulate_step(
     profiles: Mapping[int, FragmentProfile | None],
     sequence: Sequence[tuple[int, str, int]],
     *,
     resident_bytes: int,
     call_profiles: Sequence[FragmentProfile | None] | None = None,
+    call_storages: Sequence[Mapping[int, int] | None] | None = None,
+    call_views: Sequence[Mapping[int, int]] | None = None,
 ) -> StepPrediction:
     """Replay ``sequence`` (fragment index, kind, block key) over ``profiles``.
 
     Args:
         profiles: fragment index -> profile (``None`` for empty fragments, which allocate nothing).
-        sequence: the calls of one step, kinds ``forward``/``backward``/``inference``; calls with
-            the same (index, block key) use the same parameters, so their gradients count once.
+        sequence: the calls of one step, kinds ``forward``/``backward``/``inference``.
         resident_bytes: parameters and buffers resident for the whole step (the first fragment's
             activation inputs are added here, they are held by the caller).
         call_profiles: each call's own profile, where it differs from its fragment's (a graph
             compiled for dynamic sizes, profiled at the sizes of that call); a backward call's
             is its forward's.
+        call_storages: each call's parameters, input position -> storage address: calls that
+            read one storage add to one gradient. ``None`` (or a position missing): calls
+            with the same (index, block key) use the same parameters, others different ones.
+        call_views: each forward call's storages (address -> bytes) that its backward reads
+            through views (``FragmentProfile.saved_view_inputs``): each is counted once, from
+            the first forward that keeps it to the last backward that releases it; those of
+            the first forward are the caller's (in ``resident_bytes`` with its inputs).
     """
-    if call_profiles is not None and len(call_profiles) != len(sequence):
-        raise ValueError(
-            f"call_profiles has {len(call_profiles)} entries for {len(sequence)} calls"
-        )
+    for name, per_call in (
+        ("call_profiles", call_profiles),
+        ("call_storages", call_storages),
+        ("call_views", call_views),
+    ):
+        if per_call is not None and len(per_call) != len(sequence):
+            raise ValueError(f"{name} has {len(per_call)} entries for {len(sequence)} calls")
+
+    def profile(i: int) -> FragmentProfile | None:
+        return call_profiles[i] if call_profiles is not None else profiles.get(sequence[i][0])
+
+    def grads_of(i: int) -> list[tuple[Hashable, ParamGrad]]:
+        prof = profile(i)
+        index, kind, block = sequence[i]
+        if kind != "backward" or prof is None or prof.backward is None:
+            return []
+        return _call_grads(prof, index, block, call_storages[i] if call_storages else None)
+
+    # The last backward call contributing to each gradient: AccumulateGrad runs after it.
+    last_use: dict[Hashable, int] = {}
+    for i in range(len(sequence)):
+        for key, _ in grads_of(i):
+            last_use[key] = i
     base = resident_bytes
     peak = base
     peak_call = -1
     call_peaks: list[int] = []
+    own_peaks: list[int | None] = []
     saved = grads = 0
     held = 0
     first_forward = True
-    with_grads: set[tuple[int, int]] = set()
+    # Parameter -> contributions to its gradient so far, and that gradient's device bytes.
+    contributions: dict[Hashable, int] = {}
+    on_device: dict[Hashable, int] = {}
     # A forward saves its call's bytes; its backward releases exactly those.
-    open_saved: dict[int, list[tuple[int, int]]] = {}
+    open_saved: dict[int, list[tuple[int, int, Mapping[int, int]]]] = {}
+    # Storages kept through views -> how many open forwards keep them, and their bytes in all
+    # (the first forward's are the caller's: in base).
+    view_refs: dict[int, int] = {}
+    callers: set[int] = set()
+    viewed = 0
     first_call = -1
-    for i, (index, kind, block) in enumerate(sequence):
-        prof = call_profiles[i] if call_profiles is not None else profiles.get(index)
+    for i, (index, kind, _) in enumerate(sequence):
+        prof = profile(i)
         if prof is None:
-            call_peaks.append(base + saved + grads)
+            call_peaks.append(base + saved + viewed + grads)
+            own_peaks.append(None)
             continue
         activations = prof.input_bytes - prof.static_input_bytes
         if kind in ("forward", "inference"):
@@ -94,38 +165,66 @@ def simulate_step(
                 activations = 0
                 first_forward = False
                 first_call = i
-            p = base + saved + grads + activations + prof.forward.peak_bytes
+            views = call_views[i] if kind == "forward" and call_views is not None else {}
+            # Storages kept through views that this call reads are among its activations.
+            mine = sum(n for a, n in views.items() if view_refs.get(a) and a not in callers)
+            own = prof.forward.peak_bytes
+            p = base + saved + viewed - mine + grads + activations + own
             if kind == "forward":
                 # The first forward's inputs are the caller's (in base): only later ones, which
                 # Python may drop while autograd keeps them, add to what is saved. An input two
                 # fragments both save counts twice (an overestimate: sizes are not storages).
                 inputs = 0 if i == first_call else prof.saved_input_bytes
+                if i == first_call:
+                    callers.update(views)
+                for address, nbytes in views.items():
+                    if address not in callers and not view_refs.get(address):
+                        viewed += nbytes
+                    view_refs[address] = view_refs.get(address, 0) + 1
                 saved += prof.saved_bytes + inputs
-                open_saved.setdefault(index, []).append((prof.saved_bytes, inputs))
+                open_saved.setdefault(index, []).append((prof.saved_bytes, inputs, views))
             held = prof.held_output_bytes
         else:  # backward
             bw = prof.backward
             if bw is None:
-                call_peaks.append(base + saved + grads)
+                call_peaks.append(base + saved + viewed + grads)
+                own_peaks.append(None)
                 continue
             opened = open_saved.get(index)
-            outputs, inputs = opened.pop() if opened else (prof.saved_bytes, 0)
+            outputs, inputs, views = opened.pop() if opened else (prof.saved_bytes, 0, {})
             others = max(saved - outputs - inputs, 0)
+            # The call's gradients against those of earlier calls (see the module docstring).
+            summed = 0  # the largest out-of-place sum of a first and a second gradient
+            to_device = 0  # host gradients whose sum is now a device tensor
+            added = 0
+            for key, g in grads_of(i):
+                count = contributions.get(key, 0)
+                contributions[key] = count + 1
+                if count == 0:  # the first: autograd keeps this very tensor
+                    on_device[key] = 0 if g.host else g.nbytes
+                    added += on_device[key]
+                elif count == 1 and g.host and not on_device[key]:
+                    to_device += g.nbytes
+                    on_device[key] = g.nbytes
+                elif count == 1:
+                    summed = max(summed, g.nbytes)
+            accumulate = to_device + max(summed, prof.clone_bytes)
             # Its saved inputs stay until the call ends (the graph's profile treats every
             # forward input as the caller's).
-            p = (
-                base
-                + held
-                + others
-                + inputs
-                + grads
-                + max(bw.peak_bytes, bw.end_bytes + prof.clone_bytes)
-            )
+            own = max(bw.peak_bytes, bw.end_bytes + accumulate)
+            p = base + held + others + inputs + viewed + grads + own
             saved = others
-            if (index, block) not in with_grads:
-                with_grads.add((index, block))
-                grads += prof.grad_bytes
+            for address, nbytes in views.items():  # the last reader's backward frees it
+                view_refs[address] -= 1
+                if not view_refs[address] and address not in callers:
+                    viewed -= nbytes
+            grads += added + to_device
+            for key, g in grads_of(i):
+                if last_use[key] == i and g.host and on_device[key]:
+                    grads -= on_device[key]  # summed on the device, now back to the host
+                    on_device[key] = 0
         call_peaks.append(p)
+        own_peaks.append(own)
         if p > peak:
             peak, peak_call = p, i
     kinds = [k for _, k, _ in sequence]
@@ -133,4 +232,4 @@ def simulate_step(
         ["forward", "backward"],
         ["inference"],
     )
-    return StepPrediction(peak, tuple(call_peaks), peak_call, exact)
+    return StepPrediction(peak, tuple(call_peaks), peak_call, exact, tuple(own_peaks))
