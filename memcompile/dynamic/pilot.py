@@ -151,7 +151,8 @@ class PilotStats:
         accuracy: fraction of next-block predictions that were right (``None``: none scored).
         k_ahead_accuracy: the same ``horizon`` blocks ahead.
         predictions: predictions scored at ``horizon``.
-        predict_us_p50: median :meth:`Pilot.predict` time, microseconds (features included).
+        predict_us_p50: median :meth:`Pilot.predict` time, microseconds (features built in
+            observe; one call in 8 timed).
         active: ``"lightgbm"`` once a model is trained or loaded, else ``"markov"``.
         fallback_rate: of the predictions made once a model existed, the fraction in which at
             least one horizon fell back to Markov (``None``: no model yet).
