@@ -14,7 +14,7 @@ import pytest
 
 from memcompile.dynamic.fastpredict import FastBooster
 from memcompile.dynamic.markov import UNKNOWN, MarkovPredictor
-from memcompile.dynamic.pilot import Pilot, PilotStats
+from memcompile.dynamic.pilot import Pilot, PilotStats, Prediction
 from memcompile.dynamic.rules import RoutingRule
 from memcompile.errors import PilotWarning
 
@@ -408,3 +408,89 @@ def test_rule_accuracy_counts_follow_the_window() -> None:
     for ok in (True, True, False, True, False, False):
         r.append(ok)
     assert list(r) == [False, True, False, False] and r.right == 1 and r.accuracy() == 0.25
+
+
+def _reference_prediction(pilot: Pilot) -> tuple[tuple, tuple, tuple]:
+    """What predict() must answer, computed the obvious way: the rule where its plan covers a
+    horizon, else the booster's most probable class through LightGBM's Python API (no fast
+    path, no stored answers) when its probability reaches the threshold or Markov knows
+    nothing, else Markov."""
+    ids = list(pilot.markov.predict())
+    sources, conf = ["markov"] * pilot.horizon, [float("nan")] * pilot.horizon
+    row = np.array(pilot._row, dtype=np.float64)[None]
+    for j in range(pilot.horizon):
+        r = pilot.rule.ahead(j + 1)
+        if r != UNKNOWN:
+            ids[j], sources[j], conf[j] = r, "rule", 1.0
+            continue
+        m = pilot._models[j] if pilot._models is not None else None
+        if m is None:
+            continue
+        if m.booster is None:
+            b, p = m.labels[0], 1.0
+        else:
+            probs = m.booster.predict(row, num_threads=1)[0]
+            b, p = m.labels[int(probs.argmax())], float(probs.max())
+        if p >= pilot.threshold or ids[j] == UNKNOWN:
+            ids[j], sources[j], conf[j] = b, "lightgbm", p
+    names = tuple(pilot._labels[i] if i != UNKNOWN else None for i in ids)
+    return names, tuple(sources), tuple(conf)
+
+
+def test_the_hot_path_answers_as_the_obvious_computation() -> None:
+    """predict() (inlined C calls, stored answers, source codes, a named tuple) gives exactly
+    the blocks, sources and probabilities of the obvious computation, for every source and
+    mix of them, and counts its sources as they were."""
+    pilot = Pilot(horizon=2, warmup_steps=5, retrain_every=5, background=False)
+    rng = np.random.default_rng(3)
+    seen: dict[tuple[str, ...], int] = {}
+    for _ in range(30):
+        for block, fragment, outs in _router_step(rng):
+            pilot.observe(block, fragment, (8,), outputs=outs)
+            expected = _reference_prediction(pilot)
+            p = pilot.predict()
+            assert isinstance(p, Prediction) and p.blocks == expected[0], (p, expected)
+            assert p.sources == expected[1]
+            # bit-identical probabilities (nan where Markov predicted)
+            assert struct.pack("2d", *p.confidence) == struct.pack("2d", *expected[2])
+            seen[p.sources] = seen.get(p.sources, 0) + 1
+        pilot.end_step()
+    # the rule alone, LightGBM after it, LightGBM and Markov mixed: all exercised
+    assert {("rule", "rule"), ("rule", "lightgbm"), ("lightgbm", "markov")} <= set(seen), seen
+    predictions = sum(seen.values())
+    assert pilot.stats().rule_rate == pytest.approx(
+        sum(n * s.count("rule") for s, n in seen.items()) / (2 * predictions)
+    )
+    assert pilot.stats().predict_us_p50 > 0  # one call in 8 timed
+    # a Prediction is immutable, and equal to the tuple of its fields
+    with pytest.raises(AttributeError):
+        p.blocks = ()  # type: ignore[misc]
+    assert p == (p.blocks, p.sources, p.confidence)
+
+
+def test_markov_successors_and_rule_plan_prefix_match_their_per_horizon_answers() -> None:
+    """The hot path reads Markov's prediction as a fresh list and the rule's plan as one
+    prefix: the same values as predict() and ahead(j) one horizon at a time."""
+    m = MarkovPredictor(horizon=3)
+    assert m.successors() == [UNKNOWN] * 3
+    for b in (0, 1, 2, 3, 0):
+        m.observe(b)
+    got = m.successors()
+    assert got == list(m.predict()) == [1, 2, 3]
+    got[0] = 9  # the caller's own list
+    assert m.predict() == (1, 2, 3)
+    rule = RoutingRule(min_checks=1)
+    for _ in range(3):
+        rule.observe(0)
+        rule.emitted(0, ((0, 2, 1),))  # positions 1 and 2 run next
+        rule.observe(1)
+        rule.observe(2)
+        rule.observe(7)
+        rule.end_step()
+    rule.observe(0)
+    rule.emitted(0, ((0, 2, 1),))
+    plan = rule.plan_ahead(3)
+    assert len(plan) >= 2 and plan == tuple(rule.ahead(j) for j in range(1, len(plan) + 1))
+    assert all(rule.ahead(j) == UNKNOWN for j in range(len(plan) + 1, 4))
+    rule.observe(plan[0])
+    assert rule.plan_ahead(3) == plan[1:]

@@ -50,6 +50,16 @@ class MarkovPredictor:
             successors[j - 1] = block
         recent.append(block)
 
+    def successors(self) -> list[int]:
+        """:meth:`predict` as a new list, for a caller that overwrites some of it (the pilot's
+        own predictions replace Markov's where it has better ones)."""
+        recent = self._recent
+        if recent:
+            successors = self._next.get(recent[-1])
+            if successors is not None:
+                return successors[:]
+        return [UNKNOWN] * self.horizon
+
     def predict(self) -> tuple[int, ...]:
         """The next ``horizon`` blocks after the last one observed (:data:`UNKNOWN` if unseen)."""
         if not self._recent:

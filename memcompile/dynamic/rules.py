@@ -278,6 +278,13 @@ class RoutingRule:
         plan = self._plan
         return plan[i] if i < len(plan) else UNKNOWN
 
+    def plan_ahead(self, k: int) -> tuple[int, ...]:
+        """The blocks ``1..k`` calls ahead that the current plan covers, in one call: the
+        :meth:`ahead` values before the first :data:`UNKNOWN` (a plan holds no unknown block,
+        so it covers a prefix of the horizons)."""
+        done = self._done
+        return self._plan[done : done + k]
+
     @property
     def left(self) -> int:
         """Blocks of the current plan still to come (0: no plan)."""
