@@ -205,8 +205,14 @@ class MemReport:
                 if r.peak_after is None
                 else f"{format_bytes(r.peak_after)}" + ("" if r.fits else ", still over budget")
             )
+            # A fragment with a cap on what it holds for its backward shows it.
+            caps = r.saved_cap or (None,) * len(r.fragments)
+            names = ", ".join(
+                f if c is None else f"{f} (saved <= {format_bytes(c)})"
+                for f, c in zip(r.fragments, caps, strict=True)
+            )
             lines.append(
-                f"  re-planned {', '.join(r.fragments)} (round {r.round}, {r.calls}-call step): "
+                f"  re-planned {names} (round {r.round}, {r.calls}-call step): "
                 f"predicted {format_bytes(r.predicted_peak)} -> {after}"
             )
         for fb in self.fallbacks:

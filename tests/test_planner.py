@@ -13,10 +13,17 @@ from memcompile import MemoryBudgetError, MemoryBudgetWarning, zoo
 from memcompile.passes.context import PassContext
 from memcompile.passes.joint import JointModel
 from memcompile.passes.partition import partition_pass, reorder_pass
-from memcompile.passes.plan import MemoryPlan
+from memcompile.passes.plan import FragmentPlan, MemoryPlan
 from memcompile.passes.planner import plan_fragment
 
-from helpers import built_phase_peaks, capture_joint, plan_for, predicted_peak, train_under_budget
+from helpers import (
+    built_phase_peaks,
+    capture_joint,
+    capture_module,
+    plan_for,
+    predicted_peak,
+    train_under_budget,
+)
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -211,3 +218,61 @@ def test_a_larger_target_is_never_infeasible_where_a_smaller_one_fits(name: str)
         plan = plan_fragment(model, target=target, resident_bytes=0)
         assert plan.feasible, (k, target, plan.predicted_peak, least)
         assert plan.predicted_peak <= target
+
+
+class _DropoutMLP(torch.nn.Module):
+    """fc1 -> GELU -> dropout -> fc2 -> tanh -> fc3: the dropout's output and mask must be
+    saved (recomputing them would draw new numbers), the rest can be recomputed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(32, 64)
+        self.fc2 = torch.nn.Linear(64, 64)
+        self.fc3 = torch.nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.dropout(torch.nn.functional.gelu(self.fc1(x)), 0.5)
+        return self.fc3(torch.tanh(self.fc2(h))).square().mean()
+
+
+def test_saved_cap_bounds_the_held_saved_set_and_is_infeasible_below_what_must_be_saved() -> None:
+    torch.manual_seed(0)
+    model: JointModel = capture_module(_DropoutMLP(), torch.randn(16, 32))["model"]
+    eager = plan_fragment(model, target=None, resident_bytes=0)
+    # Held from forward to backward: the kept tensors and the input x (fc1's weight gradient).
+    assert eager.saved_input_bytes == 16 * 32 * 4 and eager.saved_cap is None
+    assert eager.held_bytes == eager.saved_bytes + eager.saved_input_bytes
+    floor = sum(model.nbytes[s] for s in model.must_save()) + eager.saved_input_bytes
+    assert floor < eager.held_bytes
+    # No budget, only a cap: the plan gives up saved tensors (recomputes them) to meet it.
+    cap = (floor + eager.held_bytes) // 2
+    capped = plan_fragment(model, target=None, resident_bytes=0, saved_cap=cap)
+    assert capped.feasible and capped.saved_cap == cap
+    assert capped.held_bytes <= cap < eager.held_bytes and capped.recomputed
+    # With a peak target too, both hold.
+    both = plan_fragment(model, target=eager.predicted_peak, resident_bytes=0, saved_cap=cap)
+    assert both.feasible and both.held_bytes <= cap and both.predicted_peak <= eager.predicted_peak
+    # Below the dropout's outputs and the input nothing fits: infeasible, at the floor.
+    short = plan_fragment(model, target=None, resident_bytes=0, saved_cap=floor - 1)
+    assert not short.feasible and short.held_bytes == floor
+    # Swapped tensors leave the device: with a tier, the dropout's output can go there.
+    swapped = plan_fragment(
+        model, target=None, resident_bytes=0, saved_cap=floor - 1, swap_tier="host"
+    )
+    assert swapped.feasible and swapped.swapped and swapped.held_bytes <= floor - 1
+    again = MemoryPlan.from_json(MemoryPlan(None, "h100", (capped,)).to_json()).fragments[0]
+    assert again == capped
+
+
+def test_saved_cap_rejects_negative_bytes() -> None:
+    model: JointModel = capture_module(_DropoutMLP(), torch.randn(4, 32))["model"]
+    with pytest.raises(ValueError, match="saved_cap must be >= 0 bytes, got -1"):
+        plan_fragment(model, target=None, resident_bytes=0, saved_cap=-1)
+
+
+def test_plans_saved_before_saved_caps_still_load() -> None:
+    model: JointModel = capture_module(_DropoutMLP(), torch.randn(4, 32))["model"]
+    data = plan_fragment(model, target=None, resident_bytes=0).to_dict()
+    del data["saved_cap"], data["saved_input_bytes"]
+    old = FragmentPlan.from_dict(data)
+    assert old.saved_cap is None and old.saved_input_bytes == 0

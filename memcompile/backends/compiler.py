@@ -201,6 +201,11 @@ def _size_slots(gm: fx.GraphModule) -> tuple[tuple[int, int, Any], ...]:
     return tuple(slots)
 
 
+def _cap_note(cap: int | None) -> str:
+    """``", saved <= 12.00 KiB"`` for a re-plan's saved-set cap, ``""`` without one."""
+    return "" if cap is None else f", saved <= {format_bytes(cap)}"
+
+
 class _FragmentBuild:
     """Closure state shared by one fragment's partition_fn and compilers (bw compiles lazily)."""
 
@@ -230,6 +235,9 @@ class _FragmentBuild:
         #: A re-plan (backends/replan.py): what the rest of the step holds at this fragment's
         #: worst call, from the step's prediction; ``None``: planned as a new fragment.
         self.replan_resident: int | None = None
+        #: A re-plan's cap on the bytes the plan holds from forward to backward (saved sets held
+        #: while other fragments run); ``None``: no cap.
+        self.replan_saved_cap: int | None = None
 
     # -- AOTAutograd hooks -------------------------------------------------------------------
     def partition(
@@ -410,13 +418,16 @@ class _FragmentBuild:
             fw, bw = swap_pass(fw, bw, ctx, swaps=swaps, store=compiler.store_key)
         self.plan = plan
         log.info(
-            "F%d planned: recompute %d, swap %d of %d saved tensors, predicted peak %s (budget %s)",
+            "F%d planned: recompute %d, swap %d of %d saved tensors, predicted peak %s (budget "
+            "%s), holds %s for the backward%s",
             self.index,
             len(plan.recomputed),
             len(plan.swapped),
             len(plan.decisions),
             format_bytes(plan.predicted_peak),
             "none" if config.budget is None else format_bytes(config.budget),
+            format_bytes(plan.held_bytes),
+            "" if plan.saved_cap is None else f" (cap {format_bytes(plan.saved_cap)})",
         )
         return fw, bw
 
@@ -457,6 +468,7 @@ class _FragmentBuild:
             swap_tier=config.offload_to if config.swap else None,
             reorder=config.reorder,
             start=start,
+            saved_cap=self.replan_saved_cap,
         )
         return model, plan
 
@@ -789,9 +801,9 @@ class MemCompiler:
         self._replanned: set[int] = set()
         # Step calls (without sizes) -> position in ``replans`` of its latest round.
         self._replan_rounds: dict[tuple[tuple[int, str], ...], int] = {}
-        # Identity -> (record, resident) of fragments whose code was dropped: the next compile
-        # of the same graph takes the record's index and plans with that resident.
-        self._awaiting: dict[str, list[tuple[FragmentRecord, int | None]]] = {}
+        # Identity -> (record, resident, saved cap) of fragments whose code was dropped: the
+        # next compile of the same graph takes the record's index and plans with those.
+        self._awaiting: dict[str, list[tuple[FragmentRecord, int | None, int | None]]] = {}
         # Codes to drop before the model's next call (between two calls nothing of them runs).
         self._pending_codes: list[CodeType] = []
         self._hooked = False
@@ -923,7 +935,7 @@ class MemCompiler:
             self.attach(ctx)
         identity = fragment_identity(gm, example_inputs)
         awaiting = self._awaiting.get(identity.id)
-        old, resident = awaiting.pop(0) if awaiting else (None, None)
+        old, resident, saved_cap = awaiting.pop(0) if awaiting else (None, None, None)
         # Dynamo compiles under its own global lock, so the next index cannot be taken meanwhile.
         # A re-planned fragment keeps its index (and call counts): it replaces its record.
         index = old.index if old is not None else self._next_index()
@@ -931,6 +943,7 @@ class MemCompiler:
         if old is not None:
             build.stats = old.stats
             build.replan_resident = resident
+            build.replan_saved_cap = saved_cap
         self.note_dynamic_fragment(build.index, gm)
         compiled, record = self._compile_fragment(build, gm, example_inputs, identity)
         code = _compiling_code()
@@ -1155,12 +1168,17 @@ class MemCompiler:
         if build.replan_resident is not None:
             # A re-plan runs its smallest plan: the next step's prediction tells whether the
             # step fits with every re-planned fragment, and warns if not (_check_step_budget).
+            cap = plan.saved_cap
             log.info(
                 "memcompile: re-planned F%d cannot meet its share of budget=%s (smallest peak "
-                "%s); running its smallest plan: %s",
+                "%s%s); running its smallest plan: %s",
                 build.index,
                 format_bytes(budget),
                 format_bytes(plan.predicted_peak),
+                ""
+                if cap is None
+                else f", holding {format_bytes(plan.held_bytes)} for the backward, cap "
+                f"{format_bytes(cap)}",
                 hint,
             )
             return
@@ -1443,11 +1461,17 @@ class MemCompiler:
                 budget=budget,
                 assumed=assumed,
                 replans=self._replan_counts,
+                held={i: r.plan.held_bytes for i, r in records.items() if r.plan is not None},
             )
             stuck = decision.stuck
             chosen = {i: b for i, b in decision.resident.items() if self._code_of(i) is not None}
             if chosen:
-                self._request_replan(chosen, records)
+                # A re-plan without a new cap keeps the one its plan had (caps only tighten).
+                caps: dict[int, int | None] = {}
+                for i in chosen:
+                    old = records[i].plan
+                    caps[i] = decision.saved_cap.get(i, old.saved_cap if old else None)
+                self._request_replan(chosen, records, caps)
                 self.replans.append(
                     Replan(
                         round=rounds + 1,
@@ -1456,6 +1480,7 @@ class MemCompiler:
                         predicted_peak=prediction.peak,
                         fragments=tuple(f"F{i}" for i in chosen),
                         resident=tuple(chosen.values()),
+                        saved_cap=tuple(caps.values()),
                     )
                 )
                 self._replan_rounds[calls] = len(self.replans) - 1
@@ -1466,7 +1491,9 @@ class MemCompiler:
                     len(seq),
                     format_bytes(prediction.peak),
                     format_bytes(budget),
-                    ", ".join(f"F{i} ({format_bytes(b)})" for i, b in chosen.items()),
+                    ", ".join(
+                        f"F{i} ({format_bytes(b)}{_cap_note(caps[i])})" for i, b in chosen.items()
+                    ),
                     rounds + 1,
                 )
                 return
@@ -1509,11 +1536,15 @@ class MemCompiler:
         return ref() if ref is not None else None
 
     def _request_replan(
-        self, chosen: Mapping[int, int], records: Mapping[int, FragmentRecord]
+        self,
+        chosen: Mapping[int, int],
+        records: Mapping[int, FragmentRecord],
+        caps: Mapping[int, int | None],
     ) -> None:
-        """Drop the code of the fragments in ``chosen`` (index -> resident bytes to plan with)
-        before the model's next call. Every fragment of a dropped code compiles again: those not
-        chosen with the resident bytes their plan assumed (the same target)."""
+        """Drop the code of the fragments in ``chosen`` (index -> resident bytes to plan with;
+        ``caps``: index -> saved-set cap) before the model's next call. Every fragment of a
+        dropped code compiles again: those not chosen with the resident bytes and cap their
+        plan assumed (the same target)."""
         codes: dict[int, CodeType] = {}
         for i in chosen:
             code = self._code_of(i)
@@ -1524,15 +1555,16 @@ class MemCompiler:
             if code is None or id(code) not in codes:
                 continue
             resident: int | None
+            cap = r.plan.saved_cap if r.plan is not None else None
             if index in chosen:
-                resident = chosen[index]
+                resident, cap = chosen[index], caps.get(index, cap)
                 self._replan_counts[index] = self._replan_counts.get(index, 0) + 1
                 self._replanned.add(index)
             elif r.plan is not None:
                 resident = r.plan.resident_bytes - self._reserves.get(index, 0)
             else:
                 resident = None
-            self._awaiting.setdefault(r.identity.id, []).append((r, resident))
+            self._awaiting.setdefault(r.identity.id, []).append((r, resident, cap))
         self._pending_codes.extend(codes.values())
 
     def current_step(self) -> tuple[StepEvent, ...]:

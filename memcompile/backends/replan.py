@@ -13,12 +13,19 @@ this module decides which fragments to plan again and with what they must leave 
                                                     what the rest of the step holds at F's worst
                                                     call: parameters, gradients, saved sets of
                                                     the open calls, F's own inputs
-    share[F]   = largest share of any over-budget call's excess, split between the running
-                 graph's peak and the open calls' saved sets in proportion to their bytes
-                                                    (saved sets held across later calls are
-                                                    what the rest of the step cannot shrink)
-    re-plan F  with resident = max(others[F], budget - own peak of F + share[F]) when that is
-               more than its plan assumed (a re-plan only tightens)
+    excess of an over-budget call c, split in proportion to bytes between
+               the running graph's peak          -> share[F] (F runs at c)
+               each fragment's held saved sets   -> ratio[G] = part / held[G] at c
+                                                    (G's open calls' saved tensors and saved
+                                                    inputs: held while others run, where G's
+                                                    own peak does not show them)
+    cap[G]     = G's plan's held bytes * (1 - max ratio[G])   its saved set must shrink by
+                                                    its share of the worst call's excess
+    others'[F] = max over F's calls (others at c - what the capped fragments' held sets at c
+                 give up)
+    re-plan F  with resident = max(others'[F], budget - own peak of F + share[F]) and its cap
+               (if any): when it has a cap, or when that resident is more than its plan
+               assumed (without a cap a re-plan only tightens)
 
 The compiler then drops the Dynamo code of those fragments (``torch._dynamo.reset_code``) between
 two calls of the model, Dynamo compiles them again at the next call, and the backend plans each
@@ -33,7 +40,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from memcompile.passes.fragment import FragmentProfile
 from memcompile.passes.step import StepPrediction
@@ -63,6 +70,8 @@ class Replan:
             step holds besides its graph at its worst call).
         peak_after: the same composition's predicted peak once re-planned (``None``: not
             observed yet).
+        saved_cap: per fragment, the bytes its new plan may hold from forward to backward
+            (``None``: no cap); empty in rounds recorded before caps existed.
     """
 
     round: int
@@ -72,6 +81,7 @@ class Replan:
     fragments: tuple[str, ...]
     resident: tuple[int, ...]
     peak_after: int | None = None
+    saved_cap: tuple[int | None, ...] = ()
 
     @property
     def fits(self) -> bool | None:
@@ -91,11 +101,15 @@ class ReplanDecision:
         stuck: indices of fragments sharing an over-budget call's excess that re-planning
             cannot tighten (their plan already assumed as much, or they were re-planned
             ``MAX_REPLANS`` times).
+        saved_cap: fragment index -> bytes its new plan may hold from forward to backward
+            (among the fragments to re-plan: those whose held saved sets share an over-budget
+            call's excess).
     """
 
     resident: Mapping[int, int]
     others: Mapping[int, int]
     stuck: tuple[int, ...]
+    saved_cap: Mapping[int, int] = field(default_factory=dict)
 
 
 def decide_replan(
@@ -106,8 +120,10 @@ def decide_replan(
     budget: int,
     assumed: Mapping[int, int],
     replans: Mapping[int, int],
+    held: Mapping[int, int] | None = None,
 ) -> ReplanDecision:
-    """Which fragments of a step over ``budget`` to re-plan, and with what resident bytes.
+    """Which fragments of a step over ``budget`` to re-plan, with what resident bytes and
+    saved-set caps.
 
     Args:
         prediction: ``simulate_step`` of ``sequence`` with ``call_profiles``.
@@ -117,18 +133,25 @@ def decide_replan(
         assumed: fragment index -> resident bytes its current plan assumed (fragments without a
             plan are absent: nothing to re-plan).
         replans: fragment index -> times it was re-planned already.
+        held: fragment index -> bytes its current plan holds from forward to backward
+            (``FragmentPlan.held_bytes``, at the sizes it was planned for): the base of its
+            saved-set cap. Fragments absent (or ``None``): no cap, as before caps existed.
     """
     if len(call_profiles) != len(sequence) or len(prediction.call_peaks) != len(sequence):
         raise ValueError(
             f"{len(sequence)} calls, {len(call_profiles)} call profiles and "
             f"{len(prediction.call_peaks)} call peaks"
         )
-    others: dict[int, int] = {}
+    held = held or {}
     own_max: dict[int, int] = {}
     share: dict[int, int] = {}
+    # Of the held saved sets, the largest fraction any over-budget call asks each to give up.
+    ratio: dict[int, float] = {}
     # Saved bytes of each fragment's open forward calls (as simulate_step keeps them).
-    held: dict[int, int] = {}
+    open_bytes: dict[int, int] = {}
     opened: dict[int, list[int]] = {}
+    # Each call's running fragment, what the rest of the step holds then, and the open bytes.
+    calls: list[tuple[int, int, dict[int, int]]] = []
     own_peaks = prediction.own_peaks or (None,) * len(sequence)
     for (index, kind, _), prof, peak, own in zip(
         sequence, call_profiles, prediction.call_peaks, own_peaks, strict=True
@@ -136,32 +159,57 @@ def decide_replan(
         if prof is None or own is None:
             continue
         if kind == "backward" and opened.get(index):
-            held[index] -= opened[index].pop()
-        others[index] = max(others.get(index, 0), peak - own)
+            open_bytes[index] -= opened[index].pop()
+        parts = {f: b for f, b in open_bytes.items() if b > 0}
+        calls.append((index, peak - own, parts))
         own_max[index] = max(own_max.get(index, 0), own)
         if peak > budget:
             # The excess is shared by what the plans control at this call: the running graph's
             # peak and the saved sets of the open calls, in proportion to their bytes.
-            parts = {f: b for f, b in held.items() if b > 0}
-            parts[index] = parts.get(index, 0) + own
-            total = sum(parts.values())
-            for f, b in parts.items():
-                part = -(-(peak - budget) * b // total)  # rounded up
-                share[f] = max(share.get(f, 0), part)
+            # Each part gives up the same fraction of its bytes.
+            total = sum(parts.values()) + own
+            excess = peak - budget
+            share[index] = max(share.get(index, 0), -(-excess * own // total))  # rounded up
+            for f in parts:
+                ratio[f] = max(ratio.get(f, 0.0), min(1.0, excess / total))
         if kind == "forward":
             saved = prof.saved_bytes + prof.saved_input_bytes
             opened.setdefault(index, []).append(saved)
-            held[index] = held.get(index, 0) + saved
+            open_bytes[index] = open_bytes.get(index, 0) + saved
+    can = {i for i in assumed if replans.get(i, 0) < MAX_REPLANS}
+    caps = {
+        f: max(0, int(held[f] * (1.0 - r)))
+        for f, r in sorted(ratio.items())
+        if f in can and held.get(f) is not None and r > 0
+    }
+    # What the rest of the step holds at each fragment's worst call, once the capped
+    # fragments' held sets have given up their shares (rounded up: never promise more room).
+    others: dict[int, int] = {}
+    after: dict[int, int] = {}
+    for index, rest, parts in calls:
+        others[index] = max(others.get(index, 0), rest)
+        gives = sum(int(b * ratio[f]) for f, b in parts.items() if f in caps)
+        after[index] = max(after.get(index, 0), rest - gives)
     resident: dict[int, int] = {}
     stuck: list[int] = []
-    for index in sorted(share):
+    for index in sorted(share.keys() | ratio.keys()):
         if index not in assumed or index not in others:
             continue
         # Room for the rest of the step at its worst call, and its share of the excess.
-        need = max(others[index], budget - own_max[index] + share[index])
-        if need > assumed[index] and replans.get(index, 0) < MAX_REPLANS:
+        need = max(after[index], budget - own_max[index] + share.get(index, 0))
+        if index in caps or (need > assumed[index] and index in can):
             resident[index] = need
         else:
             stuck.append(index)
-    log.debug("re-plan: others %s, shares %s, re-plan %s, stuck %s", others, share, resident, stuck)
-    return ReplanDecision(resident=resident, others=others, stuck=tuple(stuck))
+    log.debug(
+        "re-plan: others %s (after caps %s), shares %s, held-set ratios %s, re-plan %s, "
+        "caps %s, stuck %s",
+        others,
+        after,
+        share,
+        {f: round(r, 4) for f, r in ratio.items()},
+        resident,
+        caps,
+        stuck,
+    )
+    return ReplanDecision(resident=resident, others=others, stuck=tuple(stuck), saved_cap=caps)

@@ -74,6 +74,9 @@ class JointEval:
         backward_order: joint indices of the backward graph's nodes, in execution order.
         forward_order: joint indices of the forward graph's nodes, in execution order.
         infeasible: storages that must be saved (not recomputable) but are not in the set.
+        saved_inputs: activation inputs (graph inputs that are not parameters or buffers,
+            each its whole storage) the backward reads: autograd holds them from forward to
+            backward as it holds the saved set (``FragmentProfile.saved_input_bytes``).
     """
 
     saved: frozenset[int]
@@ -91,6 +94,7 @@ class JointEval:
     swap_time: float = 0.0
     swappable: frozenset[int] = frozenset()
     forward_order: tuple[int, ...] = ()
+    saved_inputs: frozenset[int] = frozenset()
 
     @property
     def time(self) -> float:
@@ -184,6 +188,16 @@ class JointModel:
             if k == _FW and not self.recomputable[i]
             for s in self.storages[i]
             if s not in self.persistent
+        )
+        # Activation inputs (the primals that are not parameters or buffers), whole storages
+        # only, as FragmentProfile counts them: the backward reading one makes autograd hold it.
+        primals = [i for i, n in enumerate(nodes) if n.op == "placeholder" and kinds[i] != _TANGENT]
+        static = set(self.static_input_indices)
+        self.activation_inputs: frozenset[int] = frozenset(
+            s
+            for pos, i in enumerate(primals)
+            if pos not in static and covers_storage(nodes[i].meta.get("val"))
+            for s in self.storages[i]
         )
         self.profile = profile
         self.cost = [self._op_time(n, profile) for n in nodes]
@@ -535,11 +549,22 @@ class JointModel:
             swapped=tuple(sorted(swaps.items())),
             swappable=eligible,
             forward_order=tuple(fw_order),
+            saved_inputs=frozenset(
+                s for i in bw_inputs for s in self.storages[i] if s in self.activation_inputs
+            ),
             swap_time=sum(
                 2 * (self.profile.launch_overhead + self.profile.copy_time(self.nbytes[s], t))
                 for s, t in swaps.items()
             ),
         )
+
+    def held_bytes(self, e: JointEval) -> int:
+        """Device bytes ``e`` holds from the forward to the backward: its saved storages that
+        stay on the device (not swapped) and the activation inputs its backward reads (what a
+        multi-fragment step keeps of this graph while other fragments run)."""
+        swapped = dict(e.swapped)
+        kept = [s for s in e.saved if s not in swapped]
+        return sum(self.nbytes[s] for s in (*kept, *e.saved_inputs))
 
     def recompute_walk(
         self,

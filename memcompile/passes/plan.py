@@ -62,6 +62,12 @@ class FragmentPlan:
             prefetched (two-stream timeline, ``timeline.py``); ``None`` without swaps.
         host_params: joint-graph input names of the parameters kept in the host tier and
             fetched before each use (``offload_params``, ``passes/params.py``).
+        saved_cap: bytes the plan was asked to hold at most from forward to backward (its
+            kept tensors and ``saved_input_bytes``), ``None``: no cap. A re-plan of a step over
+            budget sets it for fragments whose saved sets are held while others run
+            (``backends/replan.py``); ``feasible`` requires it too.
+        saved_input_bytes: activation inputs the backward reads (autograd holds them as it
+            holds the kept tensors).
     """
 
     fragment: str
@@ -78,6 +84,8 @@ class FragmentPlan:
     prefetch: tuple[tuple[str, str], ...] = ()
     swap_stall: float | None = None
     host_params: tuple[str, ...] = ()
+    saved_cap: int | None = None
+    saved_input_bytes: int = 0
 
     @property
     def recomputed(self) -> tuple[str, ...]:
@@ -91,6 +99,12 @@ class FragmentPlan:
     @property
     def saved_bytes(self) -> int:
         return sum(d.nbytes for d in self.decisions if d.action == "keep")
+
+    @property
+    def held_bytes(self) -> int:
+        """Device bytes held from forward to backward: the kept tensors and the activation
+        inputs the backward reads (what ``saved_cap`` bounds)."""
+        return self.saved_bytes + self.saved_input_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

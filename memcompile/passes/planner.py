@@ -5,21 +5,25 @@ an undo pass:
 
     S = eager's saved set, less the device copies of host-placed parameters (fetched again in
         the backward);  W = {} (swaps);  e = evaluate(S, W)            # torch's orders
-    while e.peak > target:
-        moves = for each storage s in S live at the peak moment:
+    while e.peak > target or held(e) > saved_cap:      # held: S - W and the activation inputs
+                                                       # the backward reads (cap: optional)
+        moves = for each storage s in S live at the peak moment (every s in S - W while held
+                is over the cap):
                     recompute s      (cost: what the backward would newly recompute, through
                                       the views it reads)
                     recompute s and its saved siblings (outputs of one multi-output op: dropping
                                       layer norm's mean alone just recomputes a copy of it)
                     swap s           (cost: copy out + copy back)      if a tier is allowed
-        ranked by bytes per second:
+        ranked by bytes per second (bytes live at the peak, plus bytes off the held set
+        while it is over the cap):
             try the best independent moves together (none drops what another's recomputation
             reads), as many as cover e.peak - target: one evaluation for what is hundreds of
             single steps on a deep network
             else price the first 16 alone exactly and take the one removing the most excess
             per second
-            a trial counts only if its phase peaks *over the target* (largest first) are lower:
-            lowering a phase that already fits is no progress
+            a trial counts only if its excesses (phase peaks over the target, held bytes over
+            the cap; largest first) are lower: lowering a phase that already fits is no
+            progress
         nothing helps: take back one accepted move (the latest first, at most 32 tried) if
             that lowers the phase ranking (a batch can carry a move that, once its neighbours
             went too, only adds its recomputation's memory where the peak now is), go on
@@ -34,6 +38,11 @@ saved set. On random graphs of <= 60 nodes it is within 5 % of the exact MILP (`
 ``tests/test_milp.py``, ``benchmarks/planner_gap.py``). The result is a :class:`FragmentPlan`;
 an infeasible target still yields the smallest plan found (``feasible=False``), which the
 caller turns into ``MemoryBudgetError`` or, with ``on_infeasible="best_effort"``, a warning.
+
+The cap is for fragments of a multi-fragment step whose saved sets are held while *other*
+fragments run (an MoE expert called eight times, a tree cell called per node): their own graph
+peak does not show those bytes, so a target alone never makes them give any up
+(``backends/replan.py`` sets the cap when it re-plans a step predicted over budget).
 """
 
 from __future__ import annotations
@@ -75,10 +84,11 @@ class _Move:
 
     kind: Literal["recompute", "swap"]
     storages: tuple[int, ...]
-    nbytes: int  # of those live at the peak moment it was chosen at
+    nbytes: int  # of those live at the peak moment it was chosen at (peak over the target)
     cost: float  # predicted seconds it adds to a step
     tier: str = ""
     reads: frozenset[int] = frozenset()  # saved storages its recomputation reads
+    held: int = 0  # bytes it takes off the held saved set (while that is over its cap)
 
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
@@ -86,7 +96,7 @@ class _Move:
 
     @property
     def ratio(self) -> float:
-        return self.nbytes / max(self.cost, 1e-12)
+        return (self.nbytes + self.held) / max(self.cost, 1e-12)
 
 
 #: Single moves priced exactly per step (the rest only when none of those helps).
@@ -98,30 +108,51 @@ _UNDO_MISSES = 8
 _REPAIR = 32
 
 
-def _rank(e: JointEval, target: int) -> tuple[int, ...]:
-    # Phase peaks over the target, largest first: a phase that fits is not what binds, so
-    # lowering it is no progress (and raising it up to the target costs nothing).
-    return tuple(
-        sorted(
-            (max(p, target) for p in (e.forward_peak, e.backward_peak, e.accumulate_peak)),
-            reverse=True,
-        )
-    )
+#: The peak target of a search with a saved-set cap and no budget (``target=None``).
+_UNBOUNDED = 1 << 62
 
 
 class _Search:
     """State of one greedy search: the saved set, the swaps and the moves that made them."""
 
     def __init__(
-        self, model: JointModel, target: int, recompute: bool, swap_tier: str | None
+        self,
+        model: JointModel,
+        target: int,
+        recompute: bool,
+        swap_tier: str | None,
+        saved_cap: int | None = None,
     ) -> None:
         self.model = model
         self.target = target
+        self.saved_cap = saved_cap
         self.recompute = recompute
         self.swap_tier = swap_tier
         self.must = model.must_save()
         self.evaluations = 0
         self.rejected: set[tuple[str, tuple[int, ...]]] = set()
+
+    def saved_excess(self, e: JointEval) -> int:
+        """Bytes by which ``e``'s held saved set exceeds the cap (0: within it, or no cap)."""
+        if self.saved_cap is None:
+            return 0
+        return max(0, self.model.held_bytes(e) - self.saved_cap)
+
+    def excess(self, e: JointEval) -> int:
+        """Bytes over the limits: the peak over the target, plus the saved set over its cap."""
+        return max(0, e.peak - self.target) + self.saved_excess(e)
+
+    def fits(self, e: JointEval) -> bool:
+        return e.feasible and e.peak <= self.target and not self.saved_excess(e)
+
+    def rank(self, e: JointEval) -> tuple[int, ...]:
+        """Phase peaks over the target and the saved set over its cap, largest first: a phase
+        that fits is not what binds, so lowering it is no progress (and raising it up to the
+        target costs nothing); a move trading a phase's excess for less saved-set excess is
+        progress when what is left over is smaller."""
+        phases = (e.forward_peak, e.backward_peak, e.accumulate_peak)
+        over = [max(0, p - self.target) for p in phases] + [self.saved_excess(e)]
+        return tuple(sorted(over, reverse=True))
 
     def evaluate(
         self, saved: frozenset[int], swapped: dict[int, str], *, schedule: bool = False
@@ -130,10 +161,18 @@ class _Search:
         return self.model.evaluate(saved, swapped, schedule=schedule)
 
     def moves(self, current: JointEval) -> list[_Move]:
-        """Candidate moves at ``current``'s peak, best bytes per second first."""
+        """Candidate moves at ``current``'s peak (and, while the held saved set is over its cap,
+        every saved storage), best bytes per second first: bytes of the peak live at the peak
+        moment, plus bytes taken off the saved set while that is over the cap."""
         model, swapped = self.model, dict(current.swapped)
-        live = current.live_at_peak
-        candidates = sorted(live & current.saved - swapped.keys())
+        live = current.live_at_peak if current.peak > self.target else frozenset()
+        over_cap = self.saved_excess(current) > 0
+        pool = current.saved if over_cap else live & current.saved
+        candidates = sorted(pool - swapped.keys())
+
+        def held(group: tuple[int, ...]) -> int:
+            return sum(model.nbytes[t] for t in group) if over_cap else 0
+
         out: dict[tuple[str, tuple[int, ...]], _Move] = {}
         if self.recompute:
             _, _, bw_inputs = model.backward_nodes(current.saved)
@@ -157,7 +196,7 @@ class _Search:
                     if cost < float("inf"):
                         nbytes = sum(model.nbytes[t] for t in group if t in live)
                         out["recompute", group] = _Move(
-                            "recompute", group, nbytes, cost, reads=reads
+                            "recompute", group, nbytes, cost, reads=reads, held=held(group)
                         )
         if self.swap_tier is not None:
             profile = model.profile
@@ -168,11 +207,16 @@ class _Search:
                         model.nbytes[s], self.swap_tier
                     )
                     out["swap", (s,)] = _Move(
-                        "swap", (s,), model.nbytes[s], 2 * copy, self.swap_tier
+                        "swap",
+                        (s,),
+                        model.nbytes[s] if s in live else 0,
+                        2 * copy,
+                        self.swap_tier,
+                        held=held((s,)),
                     )
         moves = [m for m in out.values() if m.key not in self.rejected]
         # Ties: larger first, then the storage ids (deterministic).
-        moves.sort(key=lambda m: (-m.ratio, -m.nbytes, m.kind, m.storages))
+        moves.sort(key=lambda m: (-m.ratio, -(m.nbytes + m.held), m.kind, m.storages))
         return moves
 
     @staticmethod
@@ -190,13 +234,15 @@ class _Search:
     def step(self, current: JointEval) -> tuple[JointEval, list[_Move]] | None:
         """One accepted step from ``current`` (its evaluation and moves), or ``None``."""
         moves = self.moves(current)
-        rank = _rank(current, self.target)
+        rank = self.rank(current)
         # The best moves, as many as would cover the excess if each freed its bytes at the
-        # peak: one evaluation instead of one per move (hundreds on a deep network).
+        # peak (and took them off the saved set): one evaluation instead of one per move
+        # (hundreds on a deep network).
         # Only independent moves: none drops what another's recomputation reads (dropping two
         # neighbouring layers recomputes a chain, priced as one layer each).
         batch: list[_Move] = []
-        freed, dropped, read = 0, set[int](), set[int]()
+        freed, taken, dropped, read = 0, 0, set[int](), set[int]()
+        over_peak, over_cap = current.peak - self.target, self.saved_excess(current)
         for m in moves:
             if dropped.isdisjoint(m.storages) and read.isdisjoint(m.storages):
                 if not dropped.isdisjoint(m.reads):
@@ -205,24 +251,27 @@ class _Search:
                 dropped.update(m.storages)
                 read.update(m.reads)
                 freed += m.nbytes
-                if freed >= current.peak - self.target:
+                taken += m.held
+                if freed >= over_peak and taken >= over_cap:
                     break
         if len(batch) > 1:
             trial = self.trial(current, batch)
-            if trial.feasible and _rank(trial, self.target) < rank:
+            if trial.feasible and self.rank(trial) < rank:
                 return trial, batch
         # One move at a time: the first few priced exactly (the estimate misses copies of
         # multi-output ops, moments the storage is not live at, views), the best kept: most
-        # bytes of excess removed per second added.
+        # bytes of excess (peak over the target, saved set over its cap) removed per second
+        # added.
         best: tuple[float, JointEval, _Move] | None = None
+        excess = self.excess(current)
         for n, m in enumerate(moves):
             if n >= _EXACT and best is not None:
                 break
             trial = self.trial(current, [m])
-            if not trial.feasible or _rank(trial, self.target) >= rank:
+            if not trial.feasible or self.rank(trial) >= rank:
                 self.rejected.add(m.key)
                 continue
-            gain = current.peak - max(trial.peak, self.target)
+            gain = excess - self.excess(trial)
             score = gain / max(trial.time - current.time, 1e-12)
             if best is None or score > best[0]:
                 best = (score, trial, m)
@@ -235,9 +284,9 @@ class _Search:
         return self.evaluate(saved, swapped)
 
     def greedy(self, start: JointEval) -> tuple[JointEval, list[_Move]]:
-        """Moves until ``start``'s orders fit the target (or nothing more helps)."""
+        """Moves until ``start``'s orders fit the target and the cap (or nothing more helps)."""
         current, applied = start, []
-        while current.peak > self.target:
+        while current.peak > self.target or self.saved_excess(current):
             found = self.step(current)
             if found is not None:
                 current, moves = found
@@ -258,7 +307,7 @@ class _Search:
         one too) where that lowers the phase ranking, or ``None``. The latest moves first (a
         batch's cheapest-per-byte tail is the likeliest to be useless), at most
         ``_REPAIR`` trials: only reached when the search would otherwise stop infeasible."""
-        rank = _rank(current, self.target)
+        rank = self.rank(current)
         trials = 0
         for m in reversed(applied):
             parts = [m.storages] + ([(s,) for s in m.storages] if len(m.storages) > 1 else [])
@@ -278,7 +327,7 @@ class _Search:
                     return None
                 trials += 1
                 trial = self.evaluate(saved, swapped)
-                if trial.feasible and _rank(trial, self.target) < rank:
+                if trial.feasible and self.rank(trial) < rank:
                     # Not to be made again: from here it only raises the peak.
                     self.rejected.add((m.kind, storages))
                     return trial
@@ -312,11 +361,13 @@ class _Search:
                 for s in m.storages:
                     del swapped[s]
             # Everything saved and not swapped is live when the backward starts: a move whose
-            # bytes do not fit there cannot be undone (saves an evaluation per move at scale).
-            if sum(model.nbytes[s] for s in saved if s not in swapped) > self.target:
+            # bytes do not fit there (or over the cap) cannot be undone (saves an evaluation
+            # per move at scale).
+            kept = sum(model.nbytes[s] for s in saved if s not in swapped)
+            if kept > self.target or (self.saved_cap is not None and kept > self.saved_cap):
                 continue
             trial = self.evaluate(saved, swapped, schedule=schedule)
-            if trial.feasible and trial.peak <= self.target and trial.time < current.time:
+            if self.fits(trial) and trial.time < current.time:
                 current, misses = trial, 0
             else:
                 misses += 1
@@ -341,75 +392,92 @@ def search_saved_set(
     swap_tier: str | None = None,
     reorder: bool = True,
     start: Collection[str] = (),
+    saved_cap: int | None = None,
 ) -> SearchResult:
-    """Greedy search for a saved set (and swaps) whose tracked peak is at most ``target``.
+    """Greedy search for a saved set (and swaps) whose tracked peak is at most ``target`` and
+    whose held bytes are at most ``saved_cap``.
 
     Args:
         model: the fragment's joint model.
-        target: tracked bytes; ``None`` keeps eager's saved set.
+        target: tracked bytes; ``None`` keeps eager's saved set (unless ``saved_cap`` asks
+            for less).
         recompute: recomputing saved tensors is allowed.
         swap_tier: swap saved tensors to this tier (``host``/``disk``), or never (``None``).
         reorder: try the memory-aware order of each graph (free: same ops, another order).
         start: names (:meth:`JointModel.describe`) of a saved set to search from as well, e.g.
             another graph's plan carried over to this one (``dropout.saved_after``); the better
             of the two ends is kept (fits at less time, else peaks lower).
+        saved_cap: bytes the forward may leave held for the backward
+            (:meth:`JointModel.held_bytes`: saved storages not swapped, activation inputs the
+            backward reads), ``None``: no cap. In a multi-fragment step those bytes are held
+            while other fragments run, where this graph's own peak does not show them
+            (``backends/replan.py``).
+
+    Raises:
+        ValueError: ``saved_cap`` is negative.
     """
+    if saved_cap is not None and saved_cap < 0:
+        raise ValueError(f"saved_cap must be >= 0 bytes, got {saved_cap}")
     # Eager's saved set, except the device copies of host-placed parameters: the backward
     # fetches those again (ZeRO-Offload's schedule), or a recurrent cell would keep one copy of
     # its weights per time step; no move of the search keeps one.
     baseline = model.evaluate((model.default_saved() - model.fetched_copies()) | model.must_save())
     best = model.evaluate(baseline.saved, schedule=True) if reorder else baseline
-    if target is None or best.peak <= target:
+    limit = _UNBOUNDED if target is None else target
+    search = _Search(model, limit, recompute, swap_tier, saved_cap)
+    if (target is None and saved_cap is None) or search.fits(best):
         return SearchResult(best, baseline, 1 + reorder)
-    search = _Search(model, target, recompute, swap_tier)
     # The moves are priced in torch's orders (one cheap evaluation each), and so is a first
     # undo pass; the memory-aware orders (a schedule per evaluation: several times dearer)
     # only come in at the end, where a second undo pass takes back what they make unnecessary.
     current, applied = search.greedy(baseline)
-    if current.peak <= target:
+    if search.fits(current):
         current = search.undo(current, applied, schedule=False)
     if reorder:
         ordered = search.evaluate(current.saved, dict(current.swapped), schedule=True)
         # Only where the memory-aware orders lower the plan's peak can they make a move
-        # unnecessary that torch's orders still needed.
-        if ordered.peak < current.peak and ordered.peak <= target:
+        # unnecessary that torch's orders still needed (the order leaves the saved set as is).
+        if ordered.peak < current.peak and search.fits(ordered):
             current = search.undo(ordered, applied, schedule=True)
         elif ordered.peak <= current.peak:
             current = ordered
     evaluations = search.evaluations + 1 + reorder
-    if current.peak > target > 0:
+    if not search.fits(current) and target is not None and target > 0:
         # Stuck above the target. The greedy ranks moves by how they close the gap to the
         # target, so a search for a lower target can end lower than this one did (seen: 991 KiB
-        # for a 910 KiB target, 1.22 MiB for 1 MiB). Search for the smallest peak instead; what
-        # it finds either fits (then take back the moves the target does not need) or is a
-        # truthful smallest peak for the error message.
-        least = _Search(model, 0, recompute, swap_tier)
+        # for a 910 KiB target, 1.22 MiB for 1 MiB). Search for the smallest peak instead
+        # (within the cap); what it finds either fits (then take back the moves the target
+        # does not need) or is a truthful smallest peak for the error message.
+        least = _Search(model, 0, recompute, swap_tier, saved_cap)
         low, low_applied = least.greedy(baseline)
         if reorder:
             ordered = least.evaluate(low.saved, dict(low.swapped), schedule=True)
             low = ordered if ordered.peak <= low.peak else low
         evaluations += least.evaluations
-        if low.peak < current.peak:
-            log.debug("planner: the least-peak search ends at %d B (target %d B)", low.peak, target)
+        if _better(low, current, search):
+            log.debug("planner: the least-peak search ends at %d B (target %d B)", low.peak, limit)
             current, applied = low, low_applied
-            if current.peak <= target:
+            if search.fits(current):
                 current = search.undo(current, applied, schedule=reorder)
                 evaluations += search.evaluations
     if start and recompute:
-        warm, warm_applied, n = _search_from(model, target, start, recompute, swap_tier, reorder)
+        warm, warm_applied, n = _search_from(model, search, start, reorder)
         evaluations += n
-        if _better(warm, current, target):
+        if _better(warm, current, search):
             log.debug("planner: the search from the given start ends better: %d B", warm.peak)
             current, applied = warm, warm_applied
     log.debug(
-        "planner: %d evaluations, %d moves (%d kept), peak %d -> %d B (target %d B), "
-        "recompute %.3f ms, swap %.3f ms",
+        "planner: %d evaluations, %d moves (%d kept), peak %d -> %d B (target %s B), held "
+        "%d -> %d B (cap %s B), recompute %.3f ms, swap %.3f ms",
         evaluations,
         len(applied),
         search.kept(current, applied),
         baseline.peak,
         current.peak,
         target,
+        model.held_bytes(baseline),
+        model.held_bytes(current),
+        saved_cap,
         current.recompute_time * 1e3,
         current.swap_time * 1e3,
     )
@@ -417,24 +485,20 @@ def search_saved_set(
 
 
 def _search_from(
-    model: JointModel,
-    target: int,
-    start: Collection[str],
-    recompute: bool,
-    swap_tier: str | None,
-    reorder: bool,
+    model: JointModel, limits: _Search, start: Collection[str], reorder: bool
 ) -> tuple[JointEval, list[_Move], int]:
-    """The greedy search started from the saved set named ``start`` (names this graph lacks are
-    skipped): its end, its moves and its evaluations."""
+    """The greedy search (with ``limits``' target, cap and techniques) started from the saved
+    set named ``start`` (names this graph lacks are skipped): its end, its moves and its
+    evaluations."""
     saved = set(model.must_save())
     for name in sorted(start):
         try:
             saved.add(model.storage_named(name))
         except (KeyError, ValueError):  # not in this graph, or not one storage
             log.debug("planner: start tensor %s skipped", name)
-    search = _Search(model, target, recompute, swap_tier)
+    search = _Search(model, limits.target, limits.recompute, limits.swap_tier, limits.saved_cap)
     current, applied = search.greedy(model.evaluate(frozenset(saved)))
-    if current.peak <= target:
+    if search.fits(current):
         current = search.undo(current, applied, schedule=False)
     if reorder:
         ordered = search.evaluate(current.saved, dict(current.swapped), schedule=True)
@@ -442,13 +506,18 @@ def _search_from(
     return current, applied, search.evaluations + 1 + reorder
 
 
-def _better(a: JointEval, b: JointEval, target: int) -> bool:
-    """``a`` is the better plan: it fits and ``b`` does not, both fit and ``a`` is faster, or
-    neither fits and ``a`` peaks lower."""
-    fits_a, fits_b = a.feasible and a.peak <= target, b.feasible and b.peak <= target
+def _better(a: JointEval, b: JointEval, limits: _Search) -> bool:
+    """``a`` is the better plan within ``limits`` (target and cap): it fits and ``b`` does
+    not, both fit and ``a`` is faster, or neither fits and ``a`` is less over them (without
+    a cap: peaks lower)."""
+    fits_a, fits_b = limits.fits(a), limits.fits(b)
     if fits_a != fits_b:
         return fits_a
-    return a.time < b.time if fits_a else a.peak < b.peak
+    if fits_a:
+        return a.time < b.time
+    if a.feasible != b.feasible:
+        return a.feasible
+    return (limits.excess(a), a.peak) < (limits.excess(b), b.peak)
 
 
 def plan_fragment(
@@ -460,6 +529,7 @@ def plan_fragment(
     swap_tier: str | None = None,
     reorder: bool = True,
     start: Collection[str] = (),
+    saved_cap: int | None = None,
 ) -> FragmentPlan:
     """Plan one fragment: the decisions, backward order and predictions for ``target``.
 
@@ -470,12 +540,21 @@ def plan_fragment(
             added to the predicted peaks to make them absolute.
         recompute, swap_tier, reorder: the techniques allowed (see :func:`search_saved_set`).
         start: a saved set to search from as well (see :func:`search_saved_set`).
+        saved_cap: bytes the plan may hold from forward to backward (see
+            :func:`search_saved_set`); the plan is feasible only within it too.
     """
     result = search_saved_set(
-        model, target, recompute=recompute, swap_tier=swap_tier, reorder=reorder, start=start
+        model,
+        target,
+        recompute=recompute,
+        swap_tier=swap_tier,
+        reorder=reorder,
+        start=start,
+        saved_cap=saved_cap,
     )
     final, baseline = result.final, result.baseline
     swapped = dict(final.swapped)
+    held = model.held_bytes(final)
 
     def action(s: int) -> Action:
         if s not in final.saved:
@@ -499,5 +578,9 @@ def plan_fragment(
         baseline_peak=resident_bytes + baseline.peak,
         recompute_time=final.recompute_time,
         swap_time=final.swap_time,
-        feasible=target is None or final.peak <= target,
+        feasible=final.feasible
+        and (target is None or final.peak <= target)
+        and (saved_cap is None or held <= saved_cap),
+        saved_cap=saved_cap,
+        saved_input_bytes=sum(model.nbytes[s] for s in final.saved_inputs),
     )
