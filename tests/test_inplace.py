@@ -258,3 +258,22 @@ def test_zoo_gpt_trains_bit_identically_with_the_pass(monkeypatch):
     compiled, _wl, measured = train_under_budget("gpt", "adam", 10**9)
     assert seen and all(k > 0 for k in seen)
     assert memcompile.report(compiled).predicted_peak == measured
+
+
+def test_dynamic_sizes_stay_dynamic(monkeypatch):
+    # The pass reads symbolic sizes without guarding on them (an int() of the batch size
+    # specialized the graph: a recompile for every new size, as seen on the zoo's MoE).
+    seen: list[int] = []
+
+    def spy(gm, ctx):
+        out = in_place_pass(gm, ctx)
+        seen.append(len(out.meta.get("memcompile_in_place", ())))
+        return out
+
+    monkeypatch.setattr(compiler_mod, "in_place_pass", spy)
+    torch._dynamo.reset()
+    model = _Mlp()
+    compiled = memcompile.compile(model, budget=10**9)
+    for n in (8, 9, 10, 11):
+        compiled(torch.randn(n, 32)).backward()
+    assert len(seen) == 2 and all(k > 0 for k in seen)  # static first, then one dynamic graph

@@ -54,7 +54,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from memcompile.passes.analysis import covers_storage, tensor_vals
+from memcompile.passes.analysis import covers_storage, sym_to_int, tensor_vals
 from memcompile.passes.context import PassContext
 
 log = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ def find_in_place(
                 node=n.name,
                 op=str(n.target),
                 destination=dest.name,
-                nbytes=int(val.untyped_storage().nbytes()),
+                nbytes=sym_to_int(val.untyped_storage().nbytes())[0],  # int() would guard
             )
         )
     return tuple(found)
