@@ -69,12 +69,13 @@ def test_pass_rewrites_every_gpt_dropout_and_keeps_the_joint() -> None:
 def test_gpt_under_a_budget_recomputes_dropout_outputs() -> None:
     # The tiny GPT: at this budget the plan without the rewrite peaks over it (the residual
     # stream after each dropout must be saved); with it the plan fits. The budget is a fraction
-    # of the unplanned predicted peak (1.92 MB with torch 2.13): without the rewrite no plan
-    # fits 0.735x (smallest found 0.750x), with it 0.733x. (On the small GPT it no longer
+    # of the unplanned predicted peak (1.90 MB with torch 2.13 and the backward's elementwise
+    # ops in place): without the rewrite no plan fits 0.748x (smallest found 0.760x), with it
+    # 0.741x. (On the small GPT it no longer
     # helps: with attention recomputable and the loss head in place the forward binds there,
     # and the rewrite adds a forward transient.)
     base = predicted_peak("gpt", size="tiny")
-    budget = int(base * 0.738)
+    budget = int(base * 0.748)
     torch._dynamo.reset()
     compiled, _, measured = train_under_budget(
         "gpt", "adam", budget, size="tiny", swap=False, offload_params=False
