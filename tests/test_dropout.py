@@ -240,14 +240,14 @@ def test_replayed_masks_stay_bit_identical_and_are_recomputed(monkeypatch) -> No
 
 
 def test_gpt_with_replayed_masks_fits_and_is_predicted(monkeypatch) -> None:
-    # The tiny GPT at 0.74x its unplanned peak (the plan without rewrites needs 0.750x): with
+    # The tiny GPT at 0.745x its unplanned peak (the plan without rewrites needs 0.760x): with
     # masks replayed it fits, bit-identical over 3 Adam steps (train_under_budget), and the
     # allocator agrees with the prediction.
     from memcompile.backends import compiler as compiler_module
     from memcompile.passes.dropout import MASK_PREFIX
 
     monkeypatch.setattr(compiler_module, "DROPOUT_REWRITE", "replay")
-    budget = int(predicted_peak("gpt", size="tiny") * 0.74)
+    budget = int(predicted_peak("gpt", size="tiny") * 0.745)
     torch._dynamo.reset()
     compiled, _, measured = train_under_budget(
         "gpt", "adam", budget, size="tiny", swap=False, offload_params=False
