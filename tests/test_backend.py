@@ -231,9 +231,14 @@ def test_dynamo_reset_forgets_fragments() -> None:
     assert len(memcompile.report(compiled).fragments) == 1
 
 
-def test_step_peak_equals_eager_peak_when_nothing_is_planned() -> None:
+def test_step_peak_equals_eager_peak_when_nothing_is_planned(monkeypatch) -> None:
     # No budget: memcompile saves what eager autograd saves, so the peaks agree; a broken boxed
     # calling convention (saved activations kept alive through the backward) would show here.
+    # (With the GELU gradient in place memcompile's peak is lower than eager's: compared
+    # without it.)
+    import memcompile.backends.compiler as compiler_mod
+
+    monkeypatch.setattr(compiler_mod, "ELEMENTWISE_IN_PLACE", False)
     torch.manual_seed(0)
     model = MLP(256)
     x = torch.randn(512, 256)

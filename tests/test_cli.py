@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,17 @@ def assert_one_line_error(code: int, err: str, *needles: str) -> None:
     assert "Traceback" not in err
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _out_of_place() -> Iterator[None]:
+    # The expectations below (one recompute at 90 %, gelu in the decision table) were set with
+    # the backward's elementwise ops out of place; in place, the MLP fits 85 % with no plan.
+    import memcompile.backends.compiler as compiler_mod
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compiler_mod, "ELEMENTWISE_IN_PLACE", False)
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -69,12 +69,13 @@ def test_pass_rewrites_every_gpt_dropout_and_keeps_the_joint() -> None:
 def test_gpt_under_a_budget_recomputes_dropout_outputs() -> None:
     # The tiny GPT: at this budget the plan without the rewrite peaks over it (the residual
     # stream after each dropout must be saved); with it the plan fits. The budget is a fraction
-    # of the unplanned predicted peak (1.92 MB with torch 2.13): without the rewrite no plan
-    # fits 0.735x (smallest found 0.750x), with it 0.733x. (On the small GPT it no longer
+    # of the unplanned predicted peak (1.90 MB with torch 2.13 and the backward's elementwise
+    # ops in place): without the rewrite no plan fits 0.748x (smallest found 0.760x), with it
+    # 0.741x. (On the small GPT it no longer
     # helps: with attention recomputable and the loss head in place the forward binds there,
     # and the rewrite adds a forward transient.)
     base = predicted_peak("gpt", size="tiny")
-    budget = int(base * 0.738)
+    budget = int(base * 0.748)
     torch._dynamo.reset()
     compiled, _, measured = train_under_budget(
         "gpt", "adam", budget, size="tiny", swap=False, offload_params=False
@@ -239,14 +240,14 @@ def test_replayed_masks_stay_bit_identical_and_are_recomputed(monkeypatch) -> No
 
 
 def test_gpt_with_replayed_masks_fits_and_is_predicted(monkeypatch) -> None:
-    # The tiny GPT at 0.74x its unplanned peak (the plan without rewrites needs 0.750x): with
+    # The tiny GPT at 0.745x its unplanned peak (the plan without rewrites needs 0.760x): with
     # masks replayed it fits, bit-identical over 3 Adam steps (train_under_budget), and the
     # allocator agrees with the prediction.
     from memcompile.backends import compiler as compiler_module
     from memcompile.passes.dropout import MASK_PREFIX
 
     monkeypatch.setattr(compiler_module, "DROPOUT_REWRITE", "replay")
-    budget = int(predicted_peak("gpt", size="tiny") * 0.74)
+    budget = int(predicted_peak("gpt", size="tiny") * 0.745)
     torch._dynamo.reset()
     compiled, _, measured = train_under_budget(
         "gpt", "adam", budget, size="tiny", swap=False, offload_params=False

@@ -32,7 +32,8 @@ needs_dot = pytest.mark.skipif(
 def swapped() -> mv.Inspection:
     """The MLP planned with swaps only: one tensor to the host, its reload prefetched."""
     wl = resolve_target("cli_targets:mlp")
-    return mv.collect(wl, budget="90%", measure=False, recompute=False)
+    # 80 %: the backward's elementwise ops in place alone bring it to 82 % (no swap needed).
+    return mv.collect(wl, budget="80%", measure=False, recompute=False)
 
 
 def test_inspection_survives_its_json_round_trip(swapped: mv.Inspection, tmp_path: Path) -> None:

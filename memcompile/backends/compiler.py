@@ -54,6 +54,7 @@ from memcompile.passes.context import PassContext
 from memcompile.passes.costmodel import DeviceProfile, device_profile, resolve_profile_name
 from memcompile.passes.dropout import dropout_pass, saved_after
 from memcompile.passes.fragment import FragmentProfile, accumulate_clone_bytes, profile_fragment
+from memcompile.passes.inplace import in_place_pass
 from memcompile.passes.joint import JointModel
 from memcompile.passes.losshead import loss_head_pass
 from memcompile.passes.params import param_fetch_pass
@@ -123,6 +124,11 @@ DROPOUT_REWRITE: Literal["auto", "always", "replay", "never"] = "auto"
 #: Planned fragments compute cross-entropy heads in place (passes/losshead.py); ``False`` is for
 #: tests and benchmarks that compare against the aten ops.
 LOSS_HEAD_IN_PLACE = True
+
+#: Planned fragments compute dying gradients' elementwise ops in place (passes/inplace.py), with
+#: the eager inner compiler (Inductor reuses such buffers itself); ``False`` is for tests and
+#: benchmarks that compare against the out-of-place ops.
+ELEMENTWISE_IN_PLACE = True
 
 #: The pilot predicts and prefetches inside each forward graph (passes/pilot_prefetch.py);
 #: ``False`` leaves the prediction at the fragment's tail, for tests and benchmarks that compare.
@@ -310,6 +316,8 @@ class _FragmentBuild:
         if LOSS_HEAD_IN_PLACE:
             # Costs no time (the same kernels, a block of rows at a time): always.
             joint = loss_head_pass(joint, ctx)
+        if ELEMENTWISE_IN_PLACE and config.inner == "eager":
+            joint = in_place_pass(joint, ctx)  # the same kernels, writing into dying gradients
         # Host placement needs the joint graph's primals to be the fragment's inputs, in order
         # (AOTAutograd may rewrite them, e.g. for mutated inputs that alias each other).
         aligned = len(
