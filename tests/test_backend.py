@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -270,6 +271,43 @@ def test_inductor_inner_compiler_trains_within_inductor_tolerance() -> None:
     rep = memcompile.report(compiled)
     assert rep.config.inner == "inductor" and not rep.exact
     assert rep.fragments[0].backward_calls == 2
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.relu(self.fc1(x)))).pow(2).mean()
+
+
+@pytest.mark.slow
+def test_inductor_inner_compiler_trains_a_dropout_model_under_a_budget() -> None:
+    # memcompile partitions the joint graph itself, so Inductor's joint-graph passes (which
+    # turn decomposed dropout's ``rand`` into Inductor's seeded random ops) never run: the
+    # random ops must be lowered as aten calls, else Inductor's lowering fails.
+    torch.manual_seed(0)
+    model = DropoutMLP()
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    eager_peak = memcompile.measure_peak(lambda: model(x).backward())
+    model.zero_grad(set_to_none=True)
+    compiled = memcompile.compile(
+        model, inner="inductor", budget=int(eager_peak * 0.8), on_infeasible="best_effort"
+    )
+    losses = []
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", memcompile.MemoryBudgetWarning)
+            loss = compiled(x)
+            loss.backward()
+        losses.append(loss.detach())
+    assert all(torch.isfinite(v) for v in losses)
+    assert not torch.equal(losses[0], losses[1])  # dropout drew new masks (same weights, input)
+    assert all(p.grad is not None for p in model.parameters())
+    rep = memcompile.report(compiled)
+    assert rep.config.inner == "inductor" and rep.fragments[0].backward_calls == 2
 
 
 class TransposedUse(nn.Module):

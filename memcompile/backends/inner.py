@@ -92,15 +92,21 @@ def compile_inner(
     if inner == "eager":
         return _compile_eager(gm)
     if inner == "inductor":
+        from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx_inner
 
-        compiled = compile_fx_inner(
-            gm,
-            list(example_inputs),
-            static_input_idxs=tuple(static_input_indices),
-            is_backward=role == "backward",
-            is_inference=role == "inference",
-        )
+        # Random ops (dropout's ``rand``, decomposed) reach Inductor's lowering as they are:
+        # Inductor rewrites them into its own seeded ops in its joint-graph passes
+        # (replace_random.py), which memcompile's own partition does not run. Lower them as
+        # calls of the aten op instead (they draw from the global generator, as in eager).
+        with inductor_config.patch(fallback_random=True):
+            compiled = compile_fx_inner(
+                gm,
+                list(example_inputs),
+                static_input_idxs=tuple(static_input_indices),
+                is_backward=role == "backward",
+                is_inference=role == "inference",
+            )
         if not getattr(compiled, "_boxed_call", False):  # defensive: Inductor's are boxed
             raise AssertionError("compile_fx_inner returned an unboxed callable")
         return compiled  # type: ignore[return-value]
