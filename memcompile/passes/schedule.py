@@ -10,6 +10,20 @@ planner built). Among the nodes whose inputs are ready it runs the one that adds
       g1 = gelu(h1);  ...; g8 = gelu(h8)          h2 = mm(x, w2); g2 = gelu(h2); s2 = sum(g2)
       s1 = sum(g1);   ...; s8 = sum(g8)           ...
 
+Net change alone misleads when the least-delta node allocates a tensor that lives long (a
+gradient) and a recomputation's consumer would free what the recomputation allocates: then
+``pick`` compares the few best ready nodes by the peak and net change of the chain each
+enables (a node and its newly ready users, a few steps deep), and runs first the one that peaks
+lowest followed by the others:
+
+    torch's order (bench GPT, last MLP)         picked
+      mm_2 = grad @ W2        # lives on          gelu_3 = gelu(x); mm_3 = grad^T @ gelu_3
+      gelu_3 = gelu(x)                            mm_2 = grad @ W2   # gelu_3 is gone
+      mm_3 = grad^T @ gelu_3  # 3 x 8 MiB live
+
+With a ``window`` the scheduler only reorders locally: a node waits until it is within a few
+positions of the first node not yet run, which keeps the given order's global shape.
+
 It changes no op, only the order, so it costs no time. Random ops (dropout) and ops with side
 effects keep their relative order: each draws from or changes state the next one sees, so
 swapping two dropouts would swap their masks. The joint model replays both this order
