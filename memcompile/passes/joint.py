@@ -40,6 +40,10 @@ __all__ = ["JointEval", "JointModel"]
 _PRIMAL, _TANGENT, _FW, _BW, _OTHER = range(5)
 _OFFLOAD = torch.ops.memcompile.offload.default
 _RELOAD = torch.ops.memcompile.reload.default
+# The memory-aware orders ``evaluate(..., schedule=True)`` tries besides torch's: the free list
+# schedule (finishes parallel branches one by one), and a local reordering of torch's order
+# (moves a recomputation and its consumer ahead of a neighbour allocating a long-lived gradient).
+_SCHEDULE_WINDOWS: tuple[int | None, ...] = (None, 16)
 
 
 class _WithCopies:
@@ -504,10 +508,11 @@ class JointModel:
         fw_order = self.forward_order
         fw_peak, _, _, fw_live = self._replay(fw_order, (), fw_keep)
         if schedule:
-            alt = schedule_nodes(self, fw_order, keep=fw_keep)
-            alt_peak, _, _, alt_live = self._replay(alt, (), fw_keep)
-            if alt_peak < fw_peak:
-                fw_order, fw_peak, fw_live = alt, alt_peak, alt_live
+            for window in _SCHEDULE_WINDOWS:
+                alt = schedule_nodes(self, fw_order, keep=fw_keep, window=window)
+                alt_peak, _, _, alt_live = self._replay(alt, (), fw_keep)
+                if alt_peak < fw_peak:
+                    fw_order, fw_peak, fw_live = alt, alt_peak, alt_live
         tangents = [i for i in bw_inputs if self.kind[i] == _TANGENT]
         held = self.held_outputs - used_saved
         held_bytes = sum(self.nbytes[s] for s in held)
@@ -519,15 +524,22 @@ class JointModel:
         )
         if schedule:
             held_storages = {s for i in tangents for s in self.storages[i]}
-            alt = schedule_nodes(
-                self, order, entry=bw_entry, keep=bw_keep | held_storages, late=swaps.keys()
-            )
-            alt_result = self._replay(
-                alt, bw_entry, bw_keep, held_nodes=tangents, late=swaps.keys()
-            )
-            if alt_result[0] < bw_peak:
-                order = alt
-                bw_peak, bw_end, _, bw_live = alt_result
+            torch_order = order
+            for window in _SCHEDULE_WINDOWS:
+                alt = schedule_nodes(
+                    self,
+                    torch_order,
+                    entry=bw_entry,
+                    keep=bw_keep | held_storages,
+                    late=swaps.keys(),
+                    window=window,
+                )
+                alt_result = self._replay(
+                    alt, bw_entry, bw_keep, held_nodes=tangents, late=swaps.keys()
+                )
+                if alt_result[0] < bw_peak:
+                    order = alt
+                    bw_peak, bw_end, _, bw_live = alt_result
         phases = {
             "forward": (fw_peak, fw_live),
             "backward": (held_bytes + bw_peak, bw_live | held),

@@ -10,6 +10,20 @@ planner built). Among the nodes whose inputs are ready it runs the one that adds
       g1 = gelu(h1);  ...; g8 = gelu(h8)          h2 = mm(x, w2); g2 = gelu(h2); s2 = sum(g2)
       s1 = sum(g1);   ...; s8 = sum(g8)           ...
 
+Net change alone misleads when the least-delta node allocates a tensor that lives long (a
+gradient) and a recomputation's consumer would free what the recomputation allocates: then
+``pick`` compares the few best ready nodes by the peak and net change of the chain each
+enables (a node and its newly ready users, a few steps deep), and runs first the one that peaks
+lowest followed by the others:
+
+    torch's order (bench GPT, last MLP)         picked
+      mm_2 = grad @ W2        # lives on          gelu_3 = gelu(x); mm_3 = grad^T @ gelu_3
+      gelu_3 = gelu(x)                            mm_2 = grad @ W2   # gelu_3 is gone
+      mm_3 = grad^T @ gelu_3  # 3 x 8 MiB live
+
+With a ``window`` the scheduler only reorders locally: a node waits until it is within a few
+positions of the first node not yet run, which keeps the given order's global shape.
+
 It changes no op, only the order, so it costs no time. Random ops (dropout) and ops with side
 effects keep their relative order: each draws from or changes state the next one sees, so
 swapping two dropouts would swap their masks. The joint model replays both this order
@@ -29,6 +43,11 @@ if TYPE_CHECKING:
     from memcompile.passes.joint import JointModel
 
 __all__ = ["draws_random", "has_effect", "schedule"]
+
+# Chains scored ahead: at most this many users followed from each node.
+_BRANCH = 4
+# Ready nodes compared by pick() when the least-delta one allocates.
+_CANDIDATES = 4
 
 
 def draws_random(node: fx.Node) -> bool:
@@ -73,6 +92,8 @@ def schedule(
     entry: Iterable[int] = (),
     keep: Collection[int] = (),
     late: Collection[int] = (),
+    lookahead: int = 3,
+    window: int | None = None,
 ) -> list[int]:
     """A low-peak topological order of ``nodes`` (joint-graph indices, given in a valid order).
 
@@ -82,6 +103,12 @@ def schedule(
         entry: storages live before the first node (never counted as allocated by a node).
         keep: storages that survive the whole sequence (outputs, saved tensors).
         late: storages that come into being just before their first use (swapped in).
+        lookahead: longest chain (a node and users it enables) that :func:`pick` scores; 1
+            compares single nodes by their net change only.
+        window: with a window, a ready node waits until it is fewer than ``window`` positions
+            (in ``nodes``) after the first node not yet run: a local reordering of the given
+            order, which keeps its global shape (torch's order, where recomputations sit next
+            to their consumers) and only moves work past a few neighbours.
     """
     members = set(nodes)
     position = {i: p for p, i in enumerate(nodes)}
@@ -118,13 +145,142 @@ def schedule(
         }
         return sum(model.nbytes[s] for s in allocated) - sum(model.nbytes[s] for s in dying)
 
+    def job(head: int) -> tuple[int, int]:
+        """(transient peak, net change) of the best chain head -> u1 -> u2 ... (each node
+        enabled by the chain so far, at most ``lookahead`` long): the prefix of lowest net
+        change, relative to the memory live now."""
+        extra: set[int] = set()
+        gone: set[int] = set()
+        used: dict[int, int] = {}
+        arrived: dict[int, int] = {}
+
+        def is_live(s: int) -> bool:
+            return (s in live or s in extra) and s not in gone
+
+        def run(j: int) -> list[tuple[str, int]]:
+            undo: list[tuple[str, int]] = []
+            for s in inputs_storages(j):
+                used[s] = used.get(s, 0) + 1
+                undo.append(("u", s))
+                if s in late and s not in extra:
+                    extra.add(s)
+                    undo.append(("e", s))
+            for s in model.storages[j]:
+                if s not in model.persistent and s not in extra:
+                    extra.add(s)
+                    undo.append(("e", s))
+            for s in [*inputs_storages(j), *model.storages[j]]:
+                if pending.get(s, 0) - used.get(s, 0) <= 0 and s not in keep and s not in gone:
+                    gone.add(s)
+                    undo.append(("g", s))
+            for u in users[j]:
+                arrived[u] = arrived.get(u, 0) + 1
+                undo.append(("a", u))
+            return undo
+
+        def revert(undo: list[tuple[str, int]]) -> None:
+            for kind, x in reversed(undo):
+                if kind == "u":
+                    used[x] -= 1
+                elif kind == "e":
+                    extra.discard(x)
+                elif kind == "g":
+                    gone.discard(x)
+                else:
+                    arrived[x] -= 1
+
+        def step(j: int) -> tuple[int, int]:
+            # (bytes allocated, bytes freed) by j on the overlay; outputs exist before
+            # the inputs dying here are freed.
+            ins = inputs_storages(j)
+            allocated = {
+                s for s in model.storages[j] if not is_live(s) and s not in model.persistent
+            }
+            allocated |= {s for s in ins if s in late and not is_live(s)}
+            dying = {
+                s
+                for s in ins | set(model.storages[j])
+                if pending.get(s, 0) - used.get(s, 0) <= (1 if s in ins else 0)
+                and s not in keep
+                and s not in model.persistent
+                and s not in gone
+            }
+            return sum(model.nbytes[s] for s in allocated), sum(model.nbytes[s] for s in dying)
+
+        def visit(j: int, net: int, peak: int, depth: int) -> tuple[int, int]:
+            alloc, freed = step(j)
+            peak = max(peak, net + alloc)
+            net += alloc - freed
+            best = (net, peak)
+            if depth >= lookahead:
+                return best
+            undo = run(j)
+            taken = 0
+            for u in users[j]:
+                if waiting[u] - arrived.get(u, 0) != 0:
+                    continue
+                best = min(best, visit(u, net, peak, depth + 1))
+                taken += 1
+                if taken >= _BRANCH:
+                    break
+            revert(undo)
+            return best
+
+        net, peak = visit(head, 0, 0, 1)
+        return peak, net
+
+    def pick(top: int) -> int:
+        """The node to run instead of ``top`` (the least-delta ready node), if any.
+
+        Greedy on the net change alone starts a tensor that lives long (a gradient) before
+        a chain that would free what it allocates (a recompute and its consumer), so the
+        chain's peak lands on top of the long-lived tensor. Of the few best ready nodes,
+        run first the one whose chain, followed by the others' worst peak, peaks lowest:
+        A before B when max(peak A, net A + peak B) < max(peak B, net B + peak A)."""
+        others: list[tuple[int, int, int, int]] = []
+        while ready and len(others) < _CANDIDATES - 1:
+            _, neg_t, _, j = heapq.heappop(ready)
+            others.append((delta(j), neg_t, position[j], j))
+        jobs = {entry[3]: job(entry[3]) for entry in others}
+        jobs[top] = job(top)
+        worst = max(p for p, _ in jobs.values())
+        second = sorted((p for p, _ in jobs.values()), reverse=True)[1] if len(jobs) > 1 else 0
+
+        def cost(j: int) -> int:
+            p, n = jobs[j]
+            rest = second if p == worst else worst
+            return max(p, n + rest)
+
+        best = top
+        for entry in others:
+            if cost(entry[3]) < cost(best):
+                best = entry[3]
+        if best != top:
+            others = [e for e in others if e[3] != best]
+            others.append((delta(top), enabled_neg[top], position[top], top))
+        for entry in others:
+            heapq.heappush(ready, entry)
+        return best
+
     clock = 0
     ready: list[tuple[int, int, int, int]] = []  # (delta, -enabled at, position, node)
     enabled: dict[int, int] = {}
+    enabled_neg: dict[int, int] = {}  # -enabled at, of a node pick() may push back
+    parked: list[tuple[int, int]] = []  # (position, node): ready but outside the window
+    scheduled = [False] * len(nodes)
+    frontier = 0  # position of the first node not yet run
+
+    def enable(u: int, neg_t: int) -> None:
+        if window is not None and position[u] >= frontier + window:
+            heapq.heappush(parked, (position[u], u))
+            enabled_neg[u] = neg_t
+        else:
+            heapq.heappush(ready, (delta(u), neg_t, position[u], u))
+
     for i in nodes:
         if waiting[i] == 0:
             enabled[i] = clock
-            heapq.heappush(ready, (delta(i), 0, position[i], i))
+            enable(i, 0)
     order: list[int] = []
     # Only storages a node touches can die when it runs; entry storages nobody reads go after
     # the first node (checking the whole live set at every step is quadratic on big graphs).
@@ -136,6 +292,9 @@ def schedule(
         if ready and fresh > ready[0]:
             heapq.heappush(ready, fresh)
             continue
+        if fresh[0] > 0 and ready and lookahead > 1:
+            enabled_neg[i] = neg_t
+            i = pick(i)
         order.append(i)
         clock += 1
         for s in inputs_storages(i):
@@ -147,11 +306,17 @@ def schedule(
             if pending.get(s, 0) <= 0 and s not in keep:
                 live.discard(s)
         unread_entry = []
+        scheduled[position[i]] = True
+        while frontier < len(nodes) and scheduled[frontier]:
+            frontier += 1
         for u in users[i]:
             waiting[u] -= 1
             if waiting[u] == 0:
                 enabled[u] = clock
-                heapq.heappush(ready, (delta(u), -clock, position[u], u))
+                enable(u, -clock)
+        while parked and (window is None or parked[0][0] < frontier + window):
+            _, u = heapq.heappop(parked)
+            heapq.heappush(ready, (delta(u), enabled_neg[u], position[u], u))
     if len(order) != len(nodes):
         raise AssertionError("schedule: the nodes do not form a DAG closed under their inputs")
     return order
