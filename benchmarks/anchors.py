@@ -68,6 +68,7 @@ CONFIGS: dict[str, str] = {
     "mc_h25": "memcompile, budget 0.25, recompute + host tier",
     "mc_h15": "memcompile, budget 0.15, recompute + host tier",
     "mc_h10": "memcompile, budget 0.10, recompute + host tier",
+    "mc_h05": "memcompile, budget 0.05, recompute + host tier",
     "mc_d15": "memcompile, budget 0.15, recompute + disk tier",
     "mc_s50": "memcompile, budget 0.50, host tier only (no recompute)",
     "mc_s35": "memcompile, budget 0.35, host tier only (no recompute)",
