@@ -66,16 +66,18 @@ def test_pass_rewrites_every_gpt_dropout_and_keeps_the_joint() -> None:
         assert n.meta["val"].dtype == torch.float32 and n.users
 
 
-def test_gpt_under_a_budget_recomputes_dropout_outputs() -> None:
-    # The tiny GPT: at this budget the plan without the rewrite peaks over it (the residual
-    # stream after each dropout must be saved); with it the plan fits. The budget is a fraction
-    # of the unplanned predicted peak (1.90 MB with torch 2.13 and the backward's elementwise
-    # ops in place): without the rewrite no plan fits 0.748x (smallest found 0.760x), with it
-    # 0.741x. (On the small GPT it no longer
-    # helps: with attention recomputable and the loss head in place the forward binds there,
-    # and the rewrite adds a forward transient.)
+def test_gpt_under_a_budget_recomputes_dropout_outputs(monkeypatch) -> None:
+    # The tiny GPT with the saved-mask rewrite forced, at 0.72x its unplanned predicted peak
+    # (1.90 MB with torch 2.13): the plan rebuilds dropout outputs (and may recompute the
+    # residual stream after them), training stays bit-identical and the allocator agrees with
+    # the prediction. ("auto" needs it only in a narrow band here now: with the scheduler's
+    # lookahead the plan without it fits down to ~0.708x, with it ~0.704x; the bench GPT test
+    # below covers the "auto" decision.)
+    from memcompile.backends import compiler as compiler_module
+
+    monkeypatch.setattr(compiler_module, "DROPOUT_REWRITE", "always")
     base = predicted_peak("gpt", size="tiny")
-    budget = int(base * 0.748)
+    budget = int(base * 0.72)
     torch._dynamo.reset()
     compiled, _, measured = train_under_budget(
         "gpt", "adam", budget, size="tiny", swap=False, offload_params=False
@@ -83,8 +85,7 @@ def test_gpt_under_a_budget_recomputes_dropout_outputs() -> None:
     rep = memcompile.report(compiled)
     (plan,) = rep.plan.fragments
     assert plan.feasible
-    # The rewrite is tried only when the plan without it does not fit: that it was kept shows
-    # the budget needed it (the plan's forward computes the rebuilt dropout outputs).
+    # The plan's forward computes the rebuilt dropout outputs.
     rebuilt = [n for n in plan.forward_order if n.startswith(SCALED_PREFIX)]
     assert rebuilt, plan.forward_order
     assert measured <= budget * 1.02, (measured, budget)
@@ -240,14 +241,14 @@ def test_replayed_masks_stay_bit_identical_and_are_recomputed(monkeypatch) -> No
 
 
 def test_gpt_with_replayed_masks_fits_and_is_predicted(monkeypatch) -> None:
-    # The tiny GPT at 0.745x its unplanned peak (the plan without rewrites needs 0.760x): with
-    # masks replayed it fits, bit-identical over 3 Adam steps (train_under_budget), and the
-    # allocator agrees with the prediction.
+    # The tiny GPT at 0.71x its unplanned peak, with masks replayed (forced): it fits,
+    # bit-identical over 3 Adam steps (train_under_budget), masks are replayed in the backward,
+    # and the allocator agrees with the prediction.
     from memcompile.backends import compiler as compiler_module
     from memcompile.passes.dropout import MASK_PREFIX
 
     monkeypatch.setattr(compiler_module, "DROPOUT_REWRITE", "replay")
-    budget = int(predicted_peak("gpt", size="tiny") * 0.745)
+    budget = int(predicted_peak("gpt", size="tiny") * 0.71)
     torch._dynamo.reset()
     compiled, _, measured = train_under_budget(
         "gpt", "adam", budget, size="tiny", swap=False, offload_params=False

@@ -105,10 +105,11 @@ def test_infeasible_even_on_the_host_leaves_parameters_untouched() -> None:
     torch._dynamo.reset()
     wl = zoo.build("gpt", size="tiny")
     before = {k: v.clone() for k, v in wl.model.state_dict().items()}
-    compiled = memcompile.compile(wl.model, budget=400_000)
+    # The tiny GPT's smallest plan with its parameters on the host is ~395 KB (torch 2.13).
+    compiled = memcompile.compile(wl.model, budget=300_000)
     with pytest.raises(MemoryBudgetError, match="with the parameters on the host") as info:
         wl.loss(compiled, 0)
-    assert info.value.min_feasible > 400_000
+    assert info.value.min_feasible > 300_000
     assert _host_state(wl.model)[0] == 0
     after = wl.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
