@@ -688,8 +688,7 @@ class _FragmentBuild:
             # op when it ran (the same values), else by the first observer that wants them.
             small_ints = None
             if tail:
-                small_ints = prefetcher.in_graph_small_ints  # type: ignore[union-attr]
-                prefetcher.in_graph_small_ints = None  # type: ignore[union-attr]
+                small_ints = prefetcher.take_in_graph_small_ints()  # type: ignore[union-attr]
             if kind != "backward":  # observers see the outputs (a router's counts)
                 small_ints = compiler._on_call_end(index, kind, block, out, small_ints)
             if tail:  # the tail of a forward call: predict the next blocks, prefetch them

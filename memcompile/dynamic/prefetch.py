@@ -341,7 +341,7 @@ class Prefetcher:
         self._placement: PilotPrefetchPlan | None = None
         self._wanted: _Wanted | None = None
         #: The small integer values the running call's graph showed the predictor (None: no
-        #: in-graph prediction in this call); the compiler takes them after the call.
+        #: in-graph prediction in this call); see take_in_graph_small_ints.
         self.in_graph_small_ints: tuple[tuple[int, ...], ...] | None = None
         #: fragment index -> where its forward graph predicts (the compiler's decisions)
         self.placements: dict[int, PilotPrefetchPlan] = {}
@@ -465,6 +465,12 @@ class Prefetcher:
         self._copy(
             later, limit, keep=own | {PrefetchCache.key(t) for _, t, _ in wanted}, issue_s=issue
         )
+
+    def take_in_graph_small_ints(self) -> tuple[tuple[int, ...], ...] | None:
+        """The small integer values the running call's graph showed the predictor (``None``: no
+        in-graph prediction in this call), handed over once."""
+        values, self.in_graph_small_ints = self.in_graph_small_ints, None
+        return values
 
     def after(
         self, outputs: Any = None, *, small_ints: tuple[tuple[int, ...], ...] | None = None

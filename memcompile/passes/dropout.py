@@ -67,6 +67,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from memcompile.passes.context import PassContext
+from memcompile.passes.rebuild import rebuilt_module
 from memcompile.runtime.rng import STATE_BYTES
 
 log = logging.getLogger(__name__)
@@ -146,8 +147,8 @@ def _fake_op(op: torch._ops.OpOverload, *args: object) -> torch.Tensor:
         return op(*args)
 
 
-def _rewritable(nd: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, float] | None:
-    """(input, output getitem, mask getitem, scale) of a dropout the pass can rewrite, else
+def _rewritable(nd: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, float, float] | None:
+    """(input, output getitem, mask getitem, scale, p) of a dropout the pass can rewrite, else
     None."""
     named = dict(zip(("input", "p", "train"), nd.args, strict=False)) | dict(nd.kwargs)
     x, p, train = named.get("input"), named.get("p"), named.get("train")
@@ -177,7 +178,7 @@ def _rewritable(nd: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, float] | None:
     )
     if not same:
         return None
-    return x, getitems[0], getitems[1], scale
+    return x, getitems[0], getitems[1], scale, float(p)
 
 
 def _replayable(nd: fx.Node, mask: fx.Node) -> tuple[list[int], list[int]] | None:
@@ -200,7 +201,7 @@ def dropout_pass(gm: fx.GraphModule, ctx: PassContext, *, replay: bool = False) 
     :class:`DropoutRewrite`). ``replay``: where it is supported (CPU, static shapes) the mask is
     drawn again from the generator's saved state instead of kept (module docstring).
     """
-    targets: dict[fx.Node, tuple[fx.Node, fx.Node, fx.Node, float]] = {}
+    targets: dict[fx.Node, tuple[fx.Node, fx.Node, fx.Node, float, float]] = {}
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is aten.native_dropout.default:
             found = _rewritable(n)
@@ -208,10 +209,10 @@ def dropout_pass(gm: fx.GraphModule, ctx: PassContext, *, replay: bool = False) 
                 log.debug("%s: %s left alone (no bit-identical rewrite known)", ctx.fragment, n)
             else:
                 targets[n] = found
-    by_output = {out: (nd, x, mask, scale) for nd, (x, out, mask, scale) in targets.items()}
+    by_output = {out: (nd, x, mask, scale) for nd, (x, out, mask, scale, _) in targets.items()}
     replays = {}
     if replay:
-        for nd, (_, _, mask, _) in targets.items():
+        for nd, (_, _, mask, _, _) in targets.items():
             layout = _replayable(nd, mask)
             if layout is not None:
                 replays[nd] = layout
@@ -261,11 +262,7 @@ def dropout_pass(gm: fx.GraphModule, ctx: PassContext, *, replay: bool = False) 
             )
         )
 
-    out_gm = fx.GraphModule(gm, new)
-    out_gm.meta = dict(getattr(gm, "meta", {}))
-    out_gm.meta["memcompile_dropouts"] = tuple(rewrites)
-    out_gm.graph.lint()
-    out_gm.recompile()
+    out_gm = rebuilt_module(gm, new, "memcompile_dropouts", rewrites)
     log.info(
         "%s: %d of %d dropouts rewritten as x * mask * scale (recomputable; %d masks replayed)",
         ctx.fragment,
@@ -284,16 +281,12 @@ def _draw_and_replay(
     new: fx.Graph,
     env: dict[fx.Node, fx.Node],
     nd: fx.Node,
-    found: tuple[fx.Node, fx.Node, fx.Node, float],
+    found: tuple[fx.Node, fx.Node, fx.Node, float, float],
     layout: tuple[list[int], list[int]],
 ) -> None:
     """Append ``state = dropout_draw(x, p)`` and ``mask = dropout_replay(state, ...)`` in place
     of ``nd``; the mask getitem's readers get the replayed mask."""
-    x, _, mask, _ = found
-    named = dict(zip(("input", "p", "train"), nd.args, strict=False)) | dict(nd.kwargs)
-    p_arg = named["p"]
-    assert isinstance(p_arg, (int, float))  # _rewritable checked it
-    p = float(p_arg)
+    x, _, mask, _, p = found
     size, stride = layout
     state = new.create_node("call_function", _DRAW, (env[x], p), name=STATE_PREFIX)
     replayed = new.create_node("call_function", _REPLAY, (state, size, stride, p), name=MASK_PREFIX)

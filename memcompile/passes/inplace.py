@@ -54,8 +54,9 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from memcompile.passes.analysis import covers_storage, sym_to_int, tensor_vals
+from memcompile.passes.analysis import covers_storage, sym_to_int
 from memcompile.passes.context import PassContext
+from memcompile.passes.rebuild import rebuilt_module, refresh_view, storage_refs
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +96,6 @@ class InPlaceRewrite:
     destination: str
     nbytes: int
     new: str = ""
-
-
-def _storages(val: object) -> set[StorageWeakRef]:
-    return {StorageWeakRef(t.untyped_storage()) for t in tensor_vals(val)}
 
 
 def _same(a: Iterable[object], b: Iterable[object]) -> bool:
@@ -175,7 +172,7 @@ def find_in_place(
     gradients = _from_tangents(gm)
     holders: dict[StorageWeakRef, list[fx.Node]] = {}  # storage -> nodes sharing it
     for n in gm.graph.nodes:
-        for s in _storages(n.meta.get("val")):
+        for s in storage_refs(n.meta.get("val")):
             holders.setdefault(s, []).append(n)
     found = []
     for n in gm.graph.nodes:
@@ -233,22 +230,16 @@ def in_place_pass(
             )
             node.meta = {k: v for k, v in n.meta.items() if k not in ("val", "tensor_meta")}
             node.meta["val"] = dest.meta["val"]  # the result is the destination itself
-            replaced.update(_storages(n.meta.get("val")))
+            replaced.update(storage_refs(n.meta.get("val")))
             env[n] = node
             done.append(InPlaceRewrite(rw.node, rw.op, rw.destination, rw.nbytes, new=node.name))
             continue
         env[n] = new.node_copy(n, lambda a: env[a])
-        if n.op == "call_function" and _storages(n.meta.get("val")) & replaced:
+        if n.op == "call_function" and storage_refs(n.meta.get("val")) & replaced:
             # A view of a rewritten result: a view of the destination now, for the analysis.
-            args, kwargs = fx.node.map_arg((env[n].args, env[n].kwargs), lambda a: a.meta["val"])
-            with fake_mode:
-                env[n].meta["val"] = n.target(*args, **kwargs)
+            refresh_view(env[n], n, fake_mode)
 
-    out = fx.GraphModule(gm, new)
-    out.meta = dict(getattr(gm, "meta", {}))
-    out.meta["memcompile_in_place"] = tuple(done)
-    out.graph.lint()
-    out.recompile()
+    out = rebuilt_module(gm, new, "memcompile_in_place", done)
     log.info(
         "%s: %d elementwise ops in place (%d bytes not allocated)",
         ctx.fragment,

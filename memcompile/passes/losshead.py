@@ -46,8 +46,9 @@ from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import memcompile.runtime.losshead as kernels
-from memcompile.passes.analysis import sym_to_int, tensor_vals
+from memcompile.passes.analysis import sym_to_int
 from memcompile.passes.context import PassContext
+from memcompile.passes.rebuild import rebuilt_module, refresh_view, storage_refs
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +73,9 @@ class LossHeadRewrite:
     backward: str
 
 
-def _storages(val: object) -> set[StorageWeakRef]:
-    return {StorageWeakRef(t.untyped_storage()) for t in tensor_vals(val)}
-
-
 def _alias_set(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
-    mine = _storages(node.meta.get("val"))
-    return [n for n in gm.graph.nodes if mine & _storages(n.meta.get("val"))]
+    mine = storage_refs(node.meta.get("val"))
+    return [n for n in gm.graph.nodes if mine & storage_refs(n.meta.get("val"))]
 
 
 def _rows_ok(val: object) -> bool:
@@ -188,11 +185,6 @@ def loss_head_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     replaced: set[StorageWeakRef] = set()  # storages whose readers need new fake values
     rewrites: dict[fx.Node, list[str]] = {}
 
-    def refresh(n: fx.Node) -> None:
-        args, kwargs = fx.node.map_arg((env[n].args, env[n].kwargs), lambda a: a.meta["val"])
-        with fake_mode:
-            env[n].meta["val"] = n.target(*args, **kwargs)  # type: ignore[operator]
-
     def make(
         n: fx.Node, target: torch._ops.OpOverload, args: tuple[Any, ...], val: object, ws: int
     ) -> None:
@@ -200,7 +192,7 @@ def loss_head_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         node.meta = {k: v for k, v in n.meta.items() if k not in ("val", "tensor_meta")}
         node.meta["val"] = val
         node.meta["memcompile_workspace"] = ws
-        replaced.update(_storages(n.meta.get("val")))
+        replaced.update(storage_refs(n.meta.get("val")))
         env[n] = node
 
     for n in gm.graph.nodes:
@@ -227,17 +219,19 @@ def loss_head_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             rewrites.setdefault(lsm, ["", ""])[1] = env[n].name
             continue
         env[n] = new.node_copy(n, lambda a: env[a])
-        if n.op == "call_function" and _storages(n.meta.get("val")) & replaced:
+        if n.op == "call_function" and storage_refs(n.meta.get("val")) & replaced:
             # A view of a replaced value: a view of the new one (its storage), for the analysis.
-            refresh(n)
+            refresh_view(env[n], n, fake_mode)
 
-    out = fx.GraphModule(gm, new)
-    out.meta = dict(getattr(gm, "meta", {}))
-    out.meta["memcompile_loss_heads"] = tuple(
-        LossHeadRewrite(log_softmax=n.name, forward=f, backward=b) for n, (f, b) in rewrites.items()
+    out = rebuilt_module(
+        gm,
+        new,
+        "memcompile_loss_heads",
+        [
+            LossHeadRewrite(log_softmax=n.name, forward=f, backward=b)
+            for n, (f, b) in rewrites.items()
+        ],
     )
-    out.graph.lint()
-    out.recompile()
     log.info(
         "%s: %d loss heads in place (%d forward, %d backward halves)",
         ctx.fragment,
