@@ -104,7 +104,11 @@ def run(model: str, config: str, reps: int, eager: dict[str, Any] | None) -> dic
         out["loss_equal"] = bool(torch.equal(loss, ref_loss))
         out["grads_equal"] = all(
             (a.grad is None and b.grad is None)
-            or (a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad))
+            or (
+                a.grad is not None
+                and b.grad is not None
+                and torch.equal(a.grad.cpu(), b.grad.cpu())
+            )
             for a, b in zip(wl.model.parameters(), ref.model.parameters(), strict=True)
         )
         wl.model.zero_grad(set_to_none=True)

@@ -123,14 +123,16 @@ def _check_case(program: list[tuple[str, int, int]], fraction: float, batch: int
     return plan
 
 
-@settings(max_examples=200, deadline=None, derandomize=True, database=None,
+# Random graphs x budgets in CI: 140 here, 40 + 30 with dropouts below, 30 with host-placed
+# parameters (test_params.py): 240 examples (the issue asks for at least 200).
+@settings(max_examples=140, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
 @given(program=programs, fraction=st.floats(0.3, 1.0), batch=st.sampled_from([16, 64]))
 def test_random_network_under_random_budget(program, fraction: float, batch: int) -> None:
     _check_case(program, fraction, batch)
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
 @given(
     program=programs.filter(lambda p: any(op == "dropout" for op, _, _ in p)),

@@ -71,6 +71,7 @@ from memcompile.passes.step import StepPrediction, simulate_step
 from memcompile.passes.swap import swap_pass
 from memcompile.passes.workspace import clone_workspace, probe_workspaces
 from memcompile.runtime.measure import storage_sizes
+from memcompile.runtime.pinned import install_hooks as install_pinned_hooks
 from memcompile.runtime.store import (
     TieredStore,
     can_host_place,
@@ -303,7 +304,7 @@ class _FragmentBuild:
             PassContext(fragment=f"F{self.index}", graph="joint"),
             primals=primals,
             num_fwd_outputs=num_fwd_outputs,
-            device=torch.device("cpu"),
+            device=_device_of(self.example_inputs) or torch.device("cpu"),
             store=self.compiler.store_key,
         )
 
@@ -367,12 +368,6 @@ class _FragmentBuild:
         host_peak: int | None = None  # the plan with parameters on the host, when tried
         candidates = self._host_candidates(static) if aligned else []
         device = _device_of(self.example_inputs)
-        if config.offload_params is True and device is not None and device.type != "cpu":
-            raise NotImplementedError(
-                f"memcompile option offload_params=True needs parameters on the host for "
-                f"{device.type} devices, which is not implemented in this version of memcompile "
-                "(only for the CPU device)"
-            )
         wants = config.offload_params is True or (
             config.offload_params == "auto" and config.budget is not None and not plan.feasible
         )
@@ -402,6 +397,7 @@ class _FragmentBuild:
         compiler.planned_reserve(self, tuple(hosted) + tuple(placed))
         if hosted:  # only now: an infeasible plan raised above with the parameters untouched
             with _disable_current_modes():  # partitioning runs under the fake mode
+                compiler.host_params_pinned |= device is not None and device.type == "cuda"
                 moved = sum(place_on_host(self.example_inputs[i]) for i in hosted)
             compiler.host_param_bytes += moved
             log.info(
@@ -732,9 +728,17 @@ class _FragmentBuild:
         return check
 
 
+#: Devices whose parameters can move to the host tier (runtime/store.py place_on_host).
+_HOSTABLE = ("cpu", "cuda")
+
+
 def _device_of(values: Sequence[Any]) -> torch.device | None:
-    """The device of the first tensor among a fragment's inputs (``None``: no tensors)."""
-    return next((t.device for t in values if isinstance(t, torch.Tensor)), None)
+    """The device of a fragment's inputs: the first one not on the CPU (host-placed parameters
+    of a CUDA model are CPU tensors), else the CPU; ``None``: no tensors."""
+    tensors = [t for t in values if isinstance(t, torch.Tensor)]
+    return next((t.device for t in tensors if t.device.type != "cpu"), None) or next(
+        (t.device for t in tensors), None
+    )
 
 
 class _PrimeWorkspaces(torch.autograd.Function):
@@ -817,6 +821,8 @@ class MemCompiler:
         self._warned_steps: set[tuple[tuple[int, str], ...]] = set()
         #: Bytes of parameters this compiler moved to the host tier (``offload_params``).
         self.host_param_bytes = 0
+        #: Whether host-placed parameters are a CUDA model's pinned ones (runtime/pinned.py).
+        self.host_params_pinned = False
         #: CUDA: device bytes allocated at the first plan that belong to none of memcompile's
         #: inputs (other models, optimizer state, cuBLAS workspaces); ``None`` until measured.
         self.device_other_bytes: int | None = None
@@ -856,6 +862,7 @@ class MemCompiler:
                 TraceRecorder(self.config.trace_path, records=self.records, model=self._model)
             )
         _apply_dynamo_settings()
+        install_pinned_hooks()  # before this model's first trace (pinned.py)
         _all_compilers.add(self)
 
     def _model(self) -> torch.nn.Module | None:
@@ -869,8 +876,9 @@ class MemCompiler:
         return pilot in ("markov", "lightgbm") or (pilot == "auto" and bool(self.dynamic))
 
     def _pilot_gate(self) -> bool:
-        # pilot="auto": prefetch once the model is dynamic and has parameters on the host.
-        return bool(self.dynamic) and self.host_param_bytes > 0
+        # pilot="auto": prefetch once the model is dynamic and has parameters on the host (the
+        # CPU device's: prefetching a CUDA model's pinned parameters is not implemented).
+        return bool(self.dynamic) and self.host_param_bytes > 0 and not self.host_params_pinned
 
     def note_dynamic(self, reason: str) -> None:
         """The model is dynamic (first reason kept). Dynamo's recompile limit is raised for it,
@@ -1148,19 +1156,19 @@ class MemCompiler:
                 f"parameters on the host does not help (smallest peak then "
                 f"{format_bytes(host_peak)})"
             )
-        elif self.config.offload_params is False and device is not None and device.type == "cpu":
+        elif device is not None and device.type not in _HOSTABLE:
+            tips.append(
+                f"{resident} of the peak is parameters, buffers and inputs, which stay on the "
+                "device (parameters on the host are only implemented for "
+                f"{' and '.join(_HOSTABLE)} devices in this version)"
+            )
+        elif self.config.offload_params is False:
             tips.append(
                 f"{resident} of the peak is parameters, buffers and inputs: offload_params=True "
                 "(or 'auto') keeps parameters on the host"
             )
-        elif device is not None and device.type == "cpu":
-            tips.append(f"{resident} of the peak is buffers, inputs and other fragments' memory")
         else:
-            tips.append(
-                f"{resident} of the peak is parameters, buffers and inputs, which stay on the "
-                "device (parameters on the host are only implemented for the CPU device in this "
-                "version)"
-            )
+            tips.append(f"{resident} of the peak is buffers, inputs and other fragments' memory")
         if self.device_other_bytes:
             tips.append(
                 f"of which {format_bytes(self.device_other_bytes)} was already allocated on the "
@@ -1221,6 +1229,7 @@ class MemCompiler:
         was installed now (False: it already was)."""
 
         def enter() -> Callable[[], None]:
+            install_pinned_hooks()  # torch._dynamo.reset() drops them; traces need them
             self._between_calls()
             cursor = monitor.cursor()
             return lambda: self._claim(monitor.claim_since(cursor))

@@ -74,10 +74,11 @@ online :class:`~memcompile.dynamic.pilot.Pilot`, Markov below its confidence thr
 ``observe``/``predict``/``end_step`` and an ``active`` name can replace :attr:`Prefetcher.predictor`
 (tests inject an adversarial one).
 
-CPU only: host-placed parameters exist only for the CPU device, where the copies are synchronous
-(the time is spent inside the graph, where a GPU's copy would overlap compute). On CUDA the copy
-would run on a side stream with an event that the fetch waits for; that path is not implemented
-and the compiler refuses an explicit pilot on a CUDA device.
+CPU only: on the CPU device the copies are synchronous (the time is spent inside the graph,
+where a GPU's copy would overlap compute). CUDA parameters can be host-placed too
+(``runtime/pinned.py``), but a prefetch there would run on a side stream with an event that the
+fetch waits for; that path is not implemented and the compiler refuses an explicit pilot on a
+CUDA device.
 """
 
 from __future__ import annotations

@@ -26,9 +26,11 @@ the device for the whole forward. The gradient's host copy is what autograd accu
 ``w.grad``, so the optimizer steps the host-placed parameter with host-placed gradients
 (ZeRO-Offload's split: parameters, gradients and the optimizer step on the host).
 
-The copies are synchronous and need no ``wait``: host-placed parameters are only supported on
-the CPU device (the DESIGN's CPU row, an emulation of the GPU split), where the host tier is
-memory outside torch's allocator.
+No fetch needs a ``wait``. On the CPU device (the DESIGN's CPU row, an emulation of the GPU
+split) the host tier is memory outside torch's allocator and the copies are synchronous. On CUDA
+the parameter is a pinned CPU tensor (``runtime/pinned.py``): a fetch copies on the compute
+stream (ordered before its readers, without blocking the host), and a gradient's copy runs on
+the store's side stream, finished by a hook before autograd accumulates it.
 """
 
 from __future__ import annotations

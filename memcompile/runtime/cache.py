@@ -35,10 +35,10 @@ which overstates a stall).
 Each copy carries a ``tag`` (the prefetcher's: which predictor source, how many blocks ahead);
 :attr:`PrefetchCache.by_tag` counts prefetched, hit and wasted bytes per tag.
 
-Copies are synchronous: host-placed parameters exist only for the CPU device in this version
-(the DESIGN's CPU row). On CUDA the copy would go on a side stream with an event per copy, and a
-hit would make the compute stream wait for it; that is not implemented (the compiler refuses an
-explicit pilot on a CUDA device).
+Copies are synchronous: the pilot prefetches only for the CPU device in this version (the
+DESIGN's CPU row). On CUDA, where parameters can be host-placed too (``pinned.py``), the copy
+would go on a side stream with an event per copy, and a hit would make the compute stream wait
+for it; that is not implemented (the compiler refuses an explicit pilot on a CUDA device).
 """
 
 from __future__ import annotations

@@ -50,6 +50,12 @@ import torch
 
 from memcompile.errors import MemcompileError, format_bytes
 from memcompile.runtime.cache import PrefetchCache
+from memcompile.runtime.pinned import (
+    is_pinned_host,
+    is_pinned_param,
+    pinned_copy,
+    place_pinned,
+)
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +106,14 @@ def _as_torch(buffer: np.ndarray, like: torch.Tensor) -> torch.Tensor:
 
 
 def is_host_placed(t: torch.Tensor) -> bool:
-    """Whether ``t``'s storage is CPU host-tier memory (a host-placed parameter or gradient, a
-    swapped tensor), not device memory."""
+    """Whether ``t``'s storage is host-tier memory (a host-placed parameter or gradient, a
+    swapped tensor on CPU), not device memory. A host-placed CUDA parameter counts also while
+    Dynamo traces with its placeholder (``pinned.py``)."""
+    if is_pinned_param(t):
+        return True
     if t.device.type != "cpu" or isinstance(t, torch._subclasses.FakeTensor):
         return False
-    return t.untyped_storage().data_ptr() in _host_storages
+    return t.untyped_storage().data_ptr() in _host_storages or is_pinned_host(t)
 
 
 def host_storage_bytes(t: torch.Tensor) -> int:
@@ -120,32 +129,43 @@ def _host_copy(x: torch.Tensor) -> torch.Tensor:
 
 
 def can_host_place(p: torch.Tensor) -> bool:
-    """Whether :func:`place_on_host` takes ``p``: a CPU tensor covering its whole storage (a
-    view of a larger buffer would keep the device copy alive through its other users)."""
+    """Whether :func:`place_on_host` takes ``p``: a CPU or CUDA tensor covering its whole
+    storage (a view of a larger buffer would keep the device copy alive through its other
+    users)."""
     return (
-        p.device.type == "cpu"
+        p.device.type in ("cpu", "cuda")
+        and not isinstance(p, torch._subclasses.FakeTensor)
         and p.storage_offset() == 0
         and p.numel() * p.element_size() == p.untyped_storage().nbytes()
     )
 
 
 def place_on_host(p: torch.Tensor) -> int:
-    """Move a CPU parameter's storage (and its gradient's, if any) into the host tier, in place:
+    """Move a parameter's storage (and its gradient's, if any) into the host tier, in place:
     ``p`` keeps its identity, values, shape and strides, so optimizers and autograd see the same
     object. Returns the device bytes freed (0 if it was already there).
 
+    On CPU the host tier is memory outside torch's allocator and ``p`` stays a CPU tensor. A
+    CUDA parameter becomes a pinned CPU tensor (``pinned.py``): its gradient and the optimizer
+    step then live on the host, as in ZeRO-Offload.
+
     Raises:
-        ValueError: ``p`` is not on the CPU, or does not cover its storage exactly (a view of a
-            larger buffer, whose other users would keep the device copy alive).
+        ValueError: ``p`` is neither on the CPU nor on a CUDA device, or does not cover its
+            storage exactly (a view of a larger buffer, whose other users would keep the device
+            copy alive).
     """
     if is_host_placed(p):
         return 0
-    if p.device.type != "cpu":
-        raise ValueError(
-            f"host-placed parameters need a CPU tensor (the CPU device's host tier); got {p.device}"
-        )
+    if p.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"host-placed parameters need a CPU or CUDA tensor; got {p.device}")
     if not can_host_place(p):
         raise ValueError("a parameter that is a view of a larger buffer cannot be host-placed")
+    if p.device.type == "cuda":
+        grad, p.grad = p.grad, None  # a CPU parameter cannot hold a CUDA gradient
+        freed = place_pinned(p)
+        if grad is not None:
+            p.grad = pinned_copy(grad) if can_host_place(grad) else grad.cpu()
+        return freed
     freed = p.untyped_storage().nbytes()
     with torch.no_grad():
         p.data = _host_copy(p)
@@ -254,7 +274,11 @@ class TieredStore:
     def _get(self, h: torch.Tensor, device: torch.device, tier: Tier) -> torch.Tensor:
         out = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
         try:
-            if out.device.type == "cuda" and h.is_pinned() and self.asynchronous:
+            if out.device.type == "cuda" and self.asynchronous and is_pinned_host(h):
+                # A host-placed parameter: its fetch has no ``wait`` op (passes/params.py), so it
+                # copies on the compute stream, ordered before its readers; the host goes on.
+                out.copy_(h, non_blocking=True)
+            elif out.device.type == "cuda" and h.is_pinned() and self.asynchronous:
                 side = self._side_stream(out.device)
                 side.wait_stream(torch.cuda.current_stream(out.device))
                 with torch.cuda.stream(side):

@@ -1,0 +1,185 @@
+"""Parameters of a CUDA model in the host tier: pinned copies, and what Dynamo sees meanwhile.
+
+A host-placed CUDA parameter keeps its identity (optimizers and autograd hold the same object)
+but its ``.data`` becomes a pinned CPU tensor with the same values, shape and strides: ZeRO-
+Offload's split, in which the parameter, its gradient and the optimizer step live on the host
+and the graphs fetch a device copy for each use (``passes/params.py``):
+
+    before                              after place_pinned(p)
+      p.data: cuda:0, 4 MiB               p.data: cpu (pinned), 4 MiB   registered here
+      p.grad: cuda:0 (or None)            p.grad: cpu (pinned)          (and each later one)
+      optimizer state: made on cuda       optimizer state: made on the host at its first step
+
+Two things make that work under ``torch.compile``:
+
+* **Traces see the device.** Dynamo does not re-guard a parameter whose ``.data`` changed (its
+  module's parameter dict is unchanged), so compiled graphs keep running. But a frame traced
+  again (a new input shape, a re-plan, a second fragment reading a tied weight) would trace the
+  model's code with a CPU weight and a CUDA activation and fail. While Dynamo compiles, each
+  host-placed parameter therefore holds a *placeholder*: a tensor on its device with its shape
+  and strides whose storage has no bytes (``resize_(0)``, as FSDP frees parameters). Tracing
+  reads only metadata; the compile-end callback puts the pinned tensor back.
+
+      Dynamo compile start:  p.data = placeholder (cuda:0, 0 bytes)   is_pinned_param(p) holds
+      Dynamo compile end:    p.data = pinned host tensor
+
+* **Gradients are complete before they are read.** The backward copies each gradient to a pinned
+  buffer on the store's side stream (``TieredStore.put``), asynchronously. A hook on the
+  parameter (``Tensor.register_hook``, which runs before autograd accumulates into ``p.grad``)
+  synchronizes the device first, so the accumulation and the optimizer read finished copies.
+  One synchronization per backward graph: later hooks find nothing in flight. A global
+  optimizer pre-step hook synchronizes too: the fetches copy from the pinned parameters
+  asynchronously, and the step must not update them before those copies are done.
+
+Code that changes such a parameter in place outside an optimizer right after a forward should
+call ``torch.cuda.synchronize()`` first, for the same reason.
+
+Code that runs eagerly and reads such a parameter (a frame Dynamo gave up on) sees a CPU tensor:
+the device mismatch raises torch's usual error rather than computing anything wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.weak import WeakIdKeyDictionary
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "install_hooks",
+    "is_pinned_host",
+    "is_pinned_param",
+    "pinned_copy",
+    "place_pinned",
+]
+
+_lock = threading.Lock()
+# Pinned host-tier storages (parameters and their gradients) by address. A weak reference tells
+# a live storage from a freed one whose address the host allocator handed out again.
+_pinned: dict[int, StorageWeakRef] = {}
+# Host-placed CUDA parameters -> their device (a placeholder is made there while tracing).
+_params: WeakIdKeyDictionary = WeakIdKeyDictionary()  # (tensors compare elementwise: by id)
+# While Dynamo compiles: parameter -> (its pinned tensor, its gradient), put back at the end.
+_tracing: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def pinned_copy(x: torch.Tensor) -> torch.Tensor:
+    """A registered pinned CPU copy of the CUDA tensor ``x``, which covers its storage (same
+    shape, strides and dtype). Synchronous: the copy is done when this returns."""
+    out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, pin_memory=True)
+    out.copy_(x)
+    storage = out.untyped_storage()
+    with _lock:
+        _pinned[storage.data_ptr()] = StorageWeakRef(storage)
+    return out
+
+
+def is_pinned_host(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage is a registered pinned host-tier buffer."""
+    if t.device.type != "cpu" or isinstance(t, torch._subclasses.FakeTensor):
+        return False
+    storage = t.untyped_storage()
+    with _lock:
+        ref = _pinned.get(storage.data_ptr())
+        if ref is None:
+            return False
+        if ref.expired():  # freed; the address was reused
+            del _pinned[storage.data_ptr()]
+            return False
+        return ref.cdata == storage._cdata
+
+
+def is_pinned_param(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a host-placed CUDA parameter (its pinned tensor, or its placeholder while
+    Dynamo compiles)."""
+    return t in _tracing if isinstance(t, torch.nn.Parameter) else False
+
+
+def place_pinned(p: torch.Tensor) -> int:
+    """Move the CUDA parameter ``p`` to pinned host memory, in place (see the module docstring).
+    Returns the device bytes freed. The caller has checked that ``p`` covers its storage."""
+    device = p.device
+    freed = p.untyped_storage().nbytes()
+    with torch.no_grad():
+        p.data = pinned_copy(p)
+    install_hooks()
+    if isinstance(p, torch.nn.Parameter):
+        _params[p] = device
+    if p.requires_grad:
+        p.register_hook(_finish_copies)
+    log.debug("parameter %s of %s moved to pinned host memory", tuple(p.shape), device)
+    return freed
+
+
+def _finish_copies(grad: torch.Tensor) -> torch.Tensor:
+    # Runs before autograd accumulates ``grad`` into a host-placed parameter's ``.grad``: the
+    # backward's asynchronous device-to-host copies must be done before anything reads it.
+    if grad.device.type == "cpu" and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return grad
+
+
+def _placeholder(p: torch.Tensor, device: torch.device) -> torch.Tensor:
+    ph = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=device)
+    ph.untyped_storage().resize_(0)  # metadata only: no device bytes
+    return ph
+
+
+def _is_dynamo(args: Any) -> bool:
+    trigger = getattr(args, "callback_trigger", None)
+    return trigger is None or getattr(trigger, "name", "") == "DYNAMO"
+
+
+def _on_compile_start(args: Any = None) -> None:
+    if not _is_dynamo(args) or not _params:
+        return
+    with torch.no_grad():
+        for p, device in list(_params.items()):
+            if p.device.type == "cpu" and p not in _tracing:
+                # A CUDA placeholder cannot hold the host gradient: it waits beside the data.
+                _tracing[p] = (p.data, p.grad)
+                p.grad = None
+                p.data = _placeholder(p, device)
+
+
+def _on_compile_end(args: Any = None) -> None:
+    if not _tracing:
+        return
+    with torch.no_grad():
+        for p, (host, grad) in list(_tracing.items()):
+            p.data = host
+            p.grad = grad
+    _tracing.clear()
+
+
+def _before_optimizer_step(*_: Any) -> None:
+    # The forward's and backward's fetches copy from the pinned parameters asynchronously: an
+    # optimizer must not update them in place before those copies are done.
+    if _params and torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+_optimizer_hooked = False
+
+
+def install_hooks() -> None:
+    """Register the Dynamo compile start/end callbacks (placeholders) unless they are there, and,
+    once per process, a global optimizer pre-step hook (finish in-flight copies from the pinned
+    parameters). ``torch._dynamo.reset()`` drops compile callbacks: the compiler calls this
+    again before each model call (cheap: two list lookups)."""
+    global _optimizer_hooked
+    handler = torch._dynamo.callback_handler
+    if _on_compile_start not in handler.start_callbacks:
+        handler.register_start_callback(_on_compile_start)
+    if _on_compile_end not in handler.end_callbacks:
+        handler.register_end_callback(_on_compile_end)
+    if not _optimizer_hooked:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(_before_optimizer_step)
+        _optimizer_hooked = True
