@@ -267,3 +267,30 @@ def test_block_ids_name_the_experts_when_their_parameters_move(tmp_path) -> None
     blocks = {b for step in read_trace(path) for b in step.blocks()}
     assert any(b.endswith("/blocks.0.experts.1") for b in blocks), sorted(blocks)
     assert not any("/#" in b for b in blocks), sorted(blocks)
+
+
+def test_trace_placeholders_while_dynamo_compiles_and_after_a_reset() -> None:
+    # A CUDA model's host-placed parameter (a CPU tensor) holds a placeholder on its device while
+    # Dynamo compiles (runtime/pinned.py): no bytes, no gradient. The CPU stands in for the
+    # device here (CUDA: tests/test_cuda.py).
+    from memcompile.runtime import pinned
+
+    p = nn.Parameter(torch.randn(3, 4))
+    p.grad = torch.ones(3, 4)
+    values, grad = p.detach().clone(), p.grad
+    pinned._params[p] = torch.device("cpu")
+    seen = []
+
+    def backend(gm: torch.fx.GraphModule, example: list) -> object:
+        seen.append((p.device.type, p.untyped_storage().nbytes(), is_host_placed(p), p.grad))
+        return gm.forward
+
+    try:
+        torch._dynamo.reset()  # drops Dynamo's compile callbacks: a compiler puts them back
+        memcompile.compile(nn.Linear(2, 2))  # (constructing it is enough)
+        torch.compile(lambda x: x + 1, backend=backend)(torch.ones(2))
+    finally:
+        del pinned._params[p]
+    assert seen == [("cpu", 0, True, None)]
+    assert p.device.type == "cpu" and torch.equal(p, values) and p.grad is grad
+    assert not pinned._tracing and not is_host_placed(p)

@@ -17,6 +17,7 @@ the observed step; nothing is recomputed later.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import threading
@@ -644,6 +645,18 @@ class _FragmentBuild:
         prefetcher = compiler.prefetcher  # the pilot (None: pilot="off"); dynamic/prefetch.py
         build = self
         sized = kind != "backward" and bool(self.size_slots)  # backward: its forward's sizes
+        # A CUDA backward that sends gradients to pinned host memory (host-placed parameters)
+        # returns before their side-stream copies are done; autograd sums them on the host at
+        # once: wait for the copies first (runtime/pinned.py).
+        device = _device_of(self.example_inputs)
+        finish = (
+            functools.partial(compiler.store.finish_puts, device)
+            if kind == "backward"
+            and self.hosted_inputs
+            and device is not None
+            and device.type == "cuda"
+            else None
+        )
 
         def place(args: list[Any]) -> None:
             for i in hosted:
@@ -680,6 +693,8 @@ class _FragmentBuild:
                     out = fn(args)
             else:
                 out = fn(args)
+            if finish is not None:
+                finish()
             # The outputs' small integer values, read once for everyone: by the graph's pilot
             # op when it ran (the same values), else by the first observer that wants them.
             small_ints = None

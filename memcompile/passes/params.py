@@ -30,7 +30,7 @@ No fetch needs a ``wait``. On the CPU device (the DESIGN's CPU row, an emulation
 split) the host tier is memory outside torch's allocator and the copies are synchronous. On CUDA
 the parameter is a pinned CPU tensor (``runtime/pinned.py``): a fetch copies on the compute
 stream (ordered before its readers, without blocking the host), and a gradient's copy runs on
-the store's side stream, finished by a hook before autograd accumulates it.
+the store's side stream, finished before the backward returns it to autograd.
 """
 
 from __future__ import annotations

@@ -24,18 +24,20 @@ Two things make that work under ``torch.compile``:
       Dynamo compile end:    p.data = pinned host tensor
 
 * **Gradients are complete before they are read.** The backward copies each gradient to a pinned
-  buffer on the store's side stream (``TieredStore.put``), asynchronously. A hook on the
-  parameter (``Tensor.register_hook``, which runs before autograd accumulates into ``p.grad``)
-  synchronizes the device first, so the accumulation and the optimizer read finished copies.
-  One synchronization per backward graph: later hooks find nothing in flight. A global
-  optimizer pre-step hook synchronizes too: the fetches copy from the pinned parameters
-  asynchronously, and the step must not update them before those copies are done.
+  buffer on the store's side stream (``TieredStore.put``), asynchronously, and autograd sums a
+  parameter's contributions on the host as soon as the graph returns them (a cell called many
+  times: one per call). So the compiler's backward wrapper waits for the side stream before
+  returning (``TieredStore.finish_puts``: a hook on the parameter would run only after those
+  sums). A global optimizer pre-step hook synchronizes too: the fetches copy from the pinned
+  parameters asynchronously, and the step must not update them before those copies are done.
 
 Code that changes such a parameter in place outside an optimizer right after a forward should
 call ``torch.cuda.synchronize()`` first, for the same reason.
 
 Code that runs eagerly and reads such a parameter (a frame Dynamo gave up on) sees a CPU tensor:
-the device mismatch raises torch's usual error rather than computing anything wrong.
+the device mismatch raises torch's usual error rather than computing anything wrong. (Only the
+parameters of compiled fragments are placed; ``next(model.parameters()).device`` then says
+``cpu``, so user code should take the device from its inputs.)
 """
 
 from __future__ import annotations
@@ -110,18 +112,8 @@ def place_pinned(p: torch.Tensor) -> int:
     install_hooks()
     if isinstance(p, torch.nn.Parameter):
         _params[p] = device
-    if p.requires_grad:
-        p.register_hook(_finish_copies)
     log.debug("parameter %s of %s moved to pinned host memory", tuple(p.shape), device)
     return freed
-
-
-def _finish_copies(grad: torch.Tensor) -> torch.Tensor:
-    # Runs before autograd accumulates ``grad`` into a host-placed parameter's ``.grad``: the
-    # backward's asynchronous device-to-host copies must be done before anything reads it.
-    if grad.device.type == "cpu" and torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return grad
 
 
 def _placeholder(p: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -305,6 +305,14 @@ class TieredStore:
         if event is not None:
             torch.cuda.current_stream(y.device).wait_event(event)
 
+    def finish_puts(self, device: torch.device) -> None:
+        """Block the host until this store's side-stream copies on the CUDA ``device`` are done:
+        the next reader of a ``put`` result is on the host (a gradient autograd sums there)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._side.get(index)
+        if stream is not None:
+            stream.synchronize()
+
     def in_flight(self) -> int:
         """Reloads issued whose :meth:`wait` has not run yet."""
         with self._lock:
