@@ -123,9 +123,9 @@ def _check_case(program: list[tuple[str, int, int]], fraction: float, batch: int
     return plan
 
 
-# Random graphs x budgets in CI: 140 here, 40 + 30 with dropouts below, 30 with host-placed
-# parameters (test_params.py): 240 examples (the issue asks for at least 200).
-@settings(max_examples=140, deadline=None, derandomize=True, database=None,
+# Random graphs x budgets in CI: 100 here, 40 + 30 with dropouts below, 30 with host-placed
+# parameters (test_params.py): 200 examples, as the issue asks (CI time: ~0.6 s each).
+@settings(max_examples=100, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
 @given(program=programs, fraction=st.floats(0.3, 1.0), batch=st.sampled_from([16, 64]))
 def test_random_network_under_random_budget(program, fraction: float, batch: int) -> None:

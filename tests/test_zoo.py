@@ -243,8 +243,12 @@ def test_fragment_structure(name: str) -> None:
 # --- bit-identity with eager ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("name", NAMES)
+# Plain Dynamo (no memcompile): every zoo model compiles without fallbacks and trains like eager.
+# Adam on two models only, for CI time: test_zoo_memcompile.py trains every model with both.
+@pytest.mark.parametrize(
+    ("name", "optimizer"),
+    [(n, "sgd") for n in NAMES] + [("gpt", "adam"), ("moe", "adam")],
+)
 def test_bit_identical_to_eager(name: str, optimizer: str) -> None:
     eager, comp = zoo.build(name, size="tiny"), zoo.build(name, size="tiny")
     eager_losses = train(eager, eager.model, optimizer, 3)
