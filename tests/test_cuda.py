@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 import memcompile
 from memcompile import zoo
 from memcompile.backends import compiler as compiler_module
-from memcompile.report import find_compiler
+from memcompile.report import MemReport, find_compiler
 from memcompile.runtime.store import TieredStore, register_store
 
 from helpers import train, train_under_budget
@@ -50,21 +51,30 @@ def test_offloaded_source_is_not_reused_before_its_copy_is_done() -> None:
         assert bool((host == 7.0).all())
 
 
-def _budget(name: str, fraction: float) -> int:
-    """Resident bytes (inputs, plus what else is on the device: cuBLAS workspaces, the eager
-    copy) + ``fraction`` of the step's own memory without a budget, in the device state that
-    ``train_under_budget`` compiles in (an eager copy trained 3 SGD steps, still alive)."""
+def _unbudgeted_report(name: str, *, eager_copy: bool, **options: Any) -> MemReport:
+    """The report of tiny ``name`` compiled with ``options`` and no budget, after one step;
+    ``eager_copy``: beside an eager copy trained 3 SGD steps and still alive (the device state
+    that ``train_under_budget`` compiles in)."""
     torch._dynamo.reset()
     gc.collect()  # earlier tests' models must not count as device memory in use
-    eager = zoo.build(name, size="tiny").to("cuda")
-    train(eager, eager.model, "sgd", 3)
+    eager = zoo.build(name, size="tiny").to("cuda") if eager_copy else None
+    if eager is not None:
+        train(eager, eager.model, "sgd", 3)
     wl = zoo.build(name, size="tiny").to("cuda")
-    compiled = memcompile.compile(wl.model)
+    compiled = memcompile.compile(wl.model, **options)
     wl.loss(compiled, 0).backward()
     rep = memcompile.report(compiled)
     del eager, wl, compiled
     torch._dynamo.reset()
     gc.collect()
+    return rep
+
+
+def _budget(name: str, fraction: float) -> int:
+    """Resident bytes (inputs, plus what else is on the device: cuBLAS workspaces, the eager
+    copy) + ``fraction`` of the step's own memory without a budget, in the device state that
+    ``train_under_budget`` compiles in."""
+    rep = _unbudgeted_report(name, eager_copy=True)
     return int(rep.resident_bytes + fraction * (rep.predicted_peak - rep.resident_bytes))
 
 
@@ -198,22 +208,15 @@ def test_cuda_host_placed_parameters_give_eager_gradients_and_train(
         assert len(hosted) == len(list(comp.model.parameters()))
 
 
-def _peak_without_budget(name: str, **options: object) -> int:
-    wl = zoo.build(name, size="tiny").to("cuda")
-    compiled = memcompile.compile(wl.model, **options)
-    wl.loss(compiled, 0).backward()
-    peak = memcompile.report(compiled).predicted_peak
-    del wl, compiled
-    torch._dynamo.reset()
-    gc.collect()
-    return peak
-
-
 def test_cuda_auto_hosts_parameters_when_nothing_else_fits() -> None:
     # Without recomputation or swaps only the parameters (and their gradients) can leave the
     # device: a budget between the two peaks fits only with them on the host.
-    on_device = _peak_without_budget("gpt", recompute=False, swap=False, offload_params=False)
-    on_host = _peak_without_budget("gpt", recompute=False, swap=False, offload_params=True)
+    on_device, on_host = (
+        _unbudgeted_report(
+            "gpt", eager_copy=False, recompute=False, swap=False, offload_params=hosted
+        ).predicted_peak
+        for hosted in (False, True)
+    )
     assert on_host < on_device
     budget = (on_host + on_device) // 2
     wl = zoo.build("gpt", size="tiny").to("cuda")

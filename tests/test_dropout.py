@@ -15,6 +15,7 @@ import memcompile
 from memcompile import MemoryBudgetWarning, zoo
 from memcompile.passes.context import PassContext
 from memcompile.passes.dropout import SCALED_PREFIX, dropout_pass, dropout_scale
+from memcompile.passes.plan import FragmentPlan
 
 from helpers import capture_joint, predicted_peak, train_under_budget
 
@@ -73,11 +74,20 @@ def test_gpt_under_a_budget_recomputes_dropout_outputs(monkeypatch) -> None:
     # the prediction. ("auto" needs it only in a narrow band here now: with the scheduler's
     # lookahead the plan without it fits down to ~0.708x, with it ~0.704x; the bench GPT test
     # below covers the "auto" decision.)
+    plan = _tiny_gpt_with_rewrite(monkeypatch, "always", 0.72)
+    # The plan's forward computes the rebuilt dropout outputs.
+    rebuilt = [n for n in plan.forward_order if n.startswith(SCALED_PREFIX)]
+    assert rebuilt, plan.forward_order
+
+
+def _tiny_gpt_with_rewrite(monkeypatch, mode: str, fraction: float) -> FragmentPlan:
+    """Train the tiny GPT with ``DROPOUT_REWRITE=mode`` at ``fraction`` of its unplanned
+    predicted peak (bit-identical over 3 Adam steps: train_under_budget); assert the plan fits,
+    the allocator stays within the budget and agrees with the prediction; return the plan."""
     from memcompile.backends import compiler as compiler_module
 
-    monkeypatch.setattr(compiler_module, "DROPOUT_REWRITE", "always")
-    base = predicted_peak("gpt", size="tiny")
-    budget = int(base * 0.72)
+    monkeypatch.setattr(compiler_module, "DROPOUT_REWRITE", mode)
+    budget = int(predicted_peak("gpt", size="tiny") * fraction)
     torch._dynamo.reset()
     compiled, _, measured = train_under_budget(
         "gpt", "adam", budget, size="tiny", swap=False, offload_params=False
@@ -85,11 +95,9 @@ def test_gpt_under_a_budget_recomputes_dropout_outputs(monkeypatch) -> None:
     rep = memcompile.report(compiled)
     (plan,) = rep.plan.fragments
     assert plan.feasible
-    # The plan's forward computes the rebuilt dropout outputs.
-    rebuilt = [n for n in plan.forward_order if n.startswith(SCALED_PREFIX)]
-    assert rebuilt, plan.forward_order
     assert measured <= budget * 1.02, (measured, budget)
     assert abs(rep.predicted_peak - measured) <= 0.03 * measured, (rep.predicted_peak, measured)
+    return plan
 
 
 class ManyDropouts(nn.Module):
@@ -244,21 +252,10 @@ def test_gpt_with_replayed_masks_fits_and_is_predicted(monkeypatch) -> None:
     # The tiny GPT at 0.71x its unplanned peak, with masks replayed (forced): it fits,
     # bit-identical over 3 Adam steps (train_under_budget), masks are replayed in the backward,
     # and the allocator agrees with the prediction.
-    from memcompile.backends import compiler as compiler_module
     from memcompile.passes.dropout import MASK_PREFIX
 
-    monkeypatch.setattr(compiler_module, "DROPOUT_REWRITE", "replay")
-    budget = int(predicted_peak("gpt", size="tiny") * 0.71)
-    torch._dynamo.reset()
-    compiled, _, measured = train_under_budget(
-        "gpt", "adam", budget, size="tiny", swap=False, offload_params=False
-    )
-    rep = memcompile.report(compiled)
-    (plan,) = rep.plan.fragments
-    assert plan.feasible
+    plan = _tiny_gpt_with_rewrite(monkeypatch, "replay", 0.71)
     assert any(n.startswith(MASK_PREFIX) for n in plan.backward_order), plan.backward_order
-    assert measured <= budget * 1.02, (measured, budget)
-    assert abs(rep.predicted_peak - measured) <= 0.03 * measured, (rep.predicted_peak, measured)
 
 
 def test_saved_after_names_a_plain_saved_set_in_the_rewritten_graph() -> None:

@@ -67,6 +67,7 @@ class RandomNet(nn.Module):
 programs = st.lists(
     st.tuples(st.sampled_from(OPS), st.integers(0, 20), st.integers(0, 20)), min_size=2, max_size=10
 ).filter(lambda p: any(op == "linear" for op, _, _ in p))
+dropout_programs = programs.filter(lambda p: any(op == "dropout" for op, _, _ in p))
 
 
 def _step(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -135,7 +136,7 @@ def test_random_network_under_random_budget(program, fraction: float, batch: int
 @settings(max_examples=40, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
 @given(
-    program=programs.filter(lambda p: any(op == "dropout" for op, _, _ in p)),
+    program=dropout_programs,
     fraction=st.floats(0.2, 1.0),
     batch=st.sampled_from([16, 64]),
 )
@@ -148,7 +149,7 @@ def test_random_network_with_rebuilt_dropouts(program, fraction: float, batch: i
 @settings(max_examples=30, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
 @given(
-    program=programs.filter(lambda p: any(op == "dropout" for op, _, _ in p)),
+    program=dropout_programs,
     fraction=st.floats(0.2, 1.0),
     batch=st.sampled_from([16, 64]),
 )

@@ -221,6 +221,8 @@ class _FragmentBuild:
         self.compiler = compiler
         self.index = index
         self.example_inputs = example_inputs
+        #: The fragment's device, read before any of its parameters moves to the host tier.
+        self.device = _device_of(example_inputs)
         self.stats = FragmentStats()
         self.profile: FragmentProfile | None = None
         self.plan: FragmentPlan | None = None
@@ -305,7 +307,7 @@ class _FragmentBuild:
             PassContext(fragment=f"F{self.index}", graph="joint"),
             primals=primals,
             num_fwd_outputs=num_fwd_outputs,
-            device=_device_of(self.example_inputs) or torch.device("cpu"),
+            device=self.device or torch.device("cpu"),
             store=self.compiler.store_key,
         )
 
@@ -368,7 +370,7 @@ class _FragmentBuild:
         hosted: list[int] = []
         host_peak: int | None = None  # the plan with parameters on the host, when tried
         candidates = self._host_candidates(static) if aligned else []
-        device = _device_of(self.example_inputs)
+        device = self.device
         wants = config.offload_params is True or (
             config.offload_params == "auto" and config.budget is not None and not plan.feasible
         )
@@ -648,7 +650,7 @@ class _FragmentBuild:
         # A CUDA backward that sends gradients to pinned host memory (host-placed parameters)
         # returns before their side-stream copies are done; autograd sums them on the host at
         # once: wait for the copies first (runtime/pinned.py).
-        device = _device_of(self.example_inputs)
+        device = self.device
         finish = (
             functools.partial(compiler.store.finish_puts, device)
             if kind == "backward"
@@ -715,7 +717,7 @@ class _FragmentBuild:
         # gradients kept with zero_grad(set_to_none=False), other models) is not in the plan:
         # say so once instead of running over the budget silently. One allocator query per call.
         plan, budget = self.plan, self.compiler.config.budget
-        device = _device_of(self.example_inputs)
+        device = self.device
         if plan is None or budget is None or device is None or device.type != "cuda":
             return None
         limit = plan.resident_bytes + budget // 100  # 1 % slack: caching-allocator rounding
@@ -1129,7 +1131,7 @@ class MemCompiler:
         # memcompile does not own: other tensors, optimizer state, cuBLAS workspaces (32 MiB per
         # handle on Hopper; the workspace probes have just created the one for this stream).
         # Measured once, at the first plan: later compiles would see this model's activations.
-        device = _device_of(build.example_inputs)
+        device = build.device
         if device is None or device.type != "cuda":
             return 0
         if self.device_other_bytes is None:
@@ -1158,7 +1160,7 @@ class MemCompiler:
         budget = self.config.budget
         assert budget is not None
         tips = [f"enable {k}=True" for k in ("recompute", "swap") if not getattr(self.config, k)]
-        device = _device_of(build.example_inputs)
+        device = build.device
         resident = format_bytes(plan.resident_bytes)
         if hosted:
             tips.append(
