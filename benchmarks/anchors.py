@@ -64,6 +64,7 @@ CONFIGS: dict[str, str] = {
     "mc_r50": "memcompile, budget 0.50, recompute only",
     "mc_r35": "memcompile, budget 0.35, recompute only",
     "mc_r25": "memcompile, budget 0.25, recompute only",
+    "mc_r20": "memcompile, budget 0.20, recompute only",
     "mc_r15": "memcompile, budget 0.15, recompute only",
     "mc_h25": "memcompile, budget 0.25, recompute + host tier",
     "mc_h15": "memcompile, budget 0.15, recompute + host tier",

@@ -112,6 +112,25 @@ def test_prefetch_never_raises_the_peak() -> None:
     assert names.index("reload_default") > names.index("mm_default")  # not above the wide matmul
 
 
+def test_prefetch_uses_the_slack_the_budget_leaves_and_no_more() -> None:
+    # The same wide temporary: with one tensor's bytes of slack (the budget above the plan's
+    # peak) the reload may cross it, and the peak rises by exactly that; one byte less: not.
+    slow = DeviceProfile(**{**PROFILE.__dict__, "host_bandwidth": 2**20})
+    key = register_store(TieredStore())
+    size = N * N * 4
+    for slack, crosses in ((size, True), (size - 1, False)):
+        gm = _backward_like(key, chain=2, big=4)
+        prof = profile_graph(gm, kind="backward", persistent_inputs=[0, 1])
+        plan = plan_prefetch(gm, prof, slow, slack=slack)
+        prefetch_pass(gm, PassContext("F0", "backward"), plan=plan)
+        after = profile_graph(gm, kind="backward", persistent_inputs=[0, 1])
+        names = [n.name for n in gm.graph.nodes]
+        assert (names.index("reload_default") < names.index("mm_default")) == crosses, slack
+        assert prof.peak_bytes <= after.peak_bytes <= prof.peak_bytes + slack
+    with pytest.raises(ValueError, match="slack must be >= 0 bytes, got -1"):
+        plan_prefetch(gm, prof, slow, slack=-1)
+
+
 def test_plan_prefetch_rejects_a_profile_of_another_graph() -> None:
     key = register_store(TieredStore())
     gm, other = _backward_like(key, chain=3), _backward_like(key, chain=2)

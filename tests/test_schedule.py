@@ -15,7 +15,7 @@ import torch
 
 import memcompile
 from memcompile import MemoryBudgetError, zoo
-from memcompile.passes.schedule import schedule
+from memcompile.passes.schedule import schedule, sink
 
 from helpers import train
 
@@ -28,6 +28,7 @@ def _model(spec: dict[int, tuple[list[int], int]]) -> Any:
     inputs = [spec.get(i, ([], 0))[0] for i in range(n)]
     return SimpleNamespace(
         inputs=inputs,
+        users=[[u for u in range(n) if i in inputs[u]] for i in range(n)],
         storages=[(i,) for i in range(n)],
         input_storages=[frozenset(ins) for ins in inputs],
         nbytes={i: spec.get(i, ([], 0))[1] for i in range(n)},
@@ -69,6 +70,84 @@ def test_a_window_keeps_far_nodes_waiting() -> None:
     assert schedule(model, [1, 2, 3], entry=[0], keep={1, 2, 3})[0] == 3
     windowed = schedule(model, [1, 2, 3], entry=[0], keep={1, 2, 3}, window=2)
     assert windowed[0] != 3 and sorted(windowed) == [1, 2, 3]
+
+
+def _replay(model: Any, entry: tuple[int, ...], keep: set[int]) -> Any:
+    """A liveness replay as ``JointModel._replay``'s: (peak, end, peak position, live there);
+    a storage is freed after its last reader (or right away if nothing reads it)."""
+
+    def run(order: list[int]) -> tuple[int, int, int, frozenset[int]]:
+        last = {s: p for p, i in enumerate(order) for s in model.input_storages[i]}
+        live = set(entry)
+        current = sum(model.nbytes[s] for s in live)
+        peak, at, at_peak = current, -1, frozenset(live)
+        for p, i in enumerate(order):
+            for s in model.storages[i]:
+                live.add(s)
+                current += model.nbytes[s]
+            if current > peak:
+                peak, at, at_peak = current, p, frozenset(live)
+            for s in sorted(live):
+                if s not in keep and last.get(s, p) <= p:
+                    live.discard(s)
+                    current -= model.nbytes[s]
+        return peak, current, at, at_peak
+
+    return run
+
+
+def test_sink_moves_a_waiting_gradient_past_a_recomputation() -> None:
+    # torch's order: the gradient g (8 MiB, read only by b) waits while the recomputation r
+    # (8 MiB) and its consumer c run: 17 MiB. Computed right before b instead: 10 MiB.
+    model = _model(_CHAIN)
+    replay = _replay(model, (0,), {_B})
+    assert replay([_G, _R, _C, _B])[0] == 17 * MiB
+    order, replayed = sink(model, [_G, _R, _C, _B], replay)
+    assert order == [_R, _C, _G, _B]
+    assert replayed == replay(order) and replayed[0] == 10 * MiB
+
+
+def test_sink_keeps_a_move_only_where_the_peak_drops() -> None:
+    # g reads an 8 MiB entry value that dies at g. Computing g later keeps that value alive
+    # across r and c (8 + 8 + 1 = 17 MiB at c), no lower than torch's order (8 + 8 + 1 = 17
+    # MiB with g, r and c live), so the move is priced and dropped.
+    spec = {**_CHAIN, 0: ([], 8 * MiB)}
+    model = _model(spec)
+    replay = _replay(model, (0,), {_B})
+    calls: list[list[int]] = []
+
+    def counted(order: list[int]) -> Any:
+        calls.append(list(order))
+        return replay(order)
+
+    order, replayed = sink(model, [_G, _R, _C, _B], counted)
+    assert order == [_G, _R, _C, _B] and replayed[0] == 17 * MiB
+    assert [_R, _C, _G, _B] in calls  # the move was tried and priced, then dropped
+
+
+def test_sink_moves_no_effect_and_nothing_past_a_write_to_what_it_reads() -> None:
+    model = _model(_CHAIN)
+    replay = _replay(model, (0,), {_B})
+    model.has_effect[_G] = True  # g draws random numbers: it keeps its place
+    assert sink(model, [_G, _R, _C, _B], replay)[0] == [_G, _R, _C, _B]
+    # c writes into the entry value 0, which g reads: g must read it before c runs.
+    model = _model({**_CHAIN, _C: ([_R, 0], 1 * MiB)})
+    model.has_effect[_C] = True
+    replay = _replay(model, (0,), {_B})
+    assert sink(model, [_G, _R, _C, _B], replay)[0] == [_G, _R, _C, _B]
+
+
+def test_sink_stops_after_its_replay_budget() -> None:
+    model = _model(_CHAIN)
+    replay = _replay(model, (0,), {_B})
+    calls = []
+
+    def counted(order: list[int]) -> Any:
+        calls.append(order)
+        return replay(order)
+
+    order, _ = sink(model, [_G, _R, _C, _B], counted, max_replays=1)
+    assert order == [_G, _R, _C, _B] and len(calls) == 1
 
 
 def test_tiny_gpt_smallest_host_tier_plan() -> None:

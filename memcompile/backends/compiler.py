@@ -546,13 +546,17 @@ class _FragmentBuild:
 
     def _prefetch(self, example_inputs: Sequence[Any]) -> None:
         # Move reloads up the backward where their copies can hide behind compute without
-        # raising the profiled peak, then profile again (exactly) with the new order.
+        # raising the profiled peak past what the budget leaves above the plan's prediction,
+        # then profile again (exactly) with the new order.
         bw, plan, profile = self._bw_gm, self.plan, self.profile
         if bw is None or plan is None or not plan.swapped or profile is None:
             return
         assert profile.backward is not None
         cost = self.compiler.cost_profile(example_inputs)
-        decided = plan_prefetch(bw, profile.backward, cost)
+        slack = 0
+        if plan.target is not None and plan.feasible:  # tracked bytes, as the phase peaks
+            slack = max(0, plan.target - profile.phase_peaks()["backward"])
+        decided = plan_prefetch(bw, profile.backward, cost, slack=slack)
         prefetch_pass(bw, PassContext(fragment=f"F{self.index}", graph="backward"), plan=decided)
         self.plan = dataclasses.replace(
             plan, prefetch=decided.issue_before, swap_stall=decided.after.stall

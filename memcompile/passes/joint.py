@@ -32,6 +32,7 @@ from memcompile.passes.analysis import StorageIds, covers_storage, node_cost, te
 from memcompile.passes.costmodel import DeviceProfile
 from memcompile.passes.schedule import draws_random, has_effect
 from memcompile.passes.schedule import schedule as schedule_nodes
+from memcompile.passes.schedule import sink as sink_order
 
 log = logging.getLogger(__name__)
 
@@ -483,10 +484,14 @@ class JointModel:
         swapped: Mapping[int, str] | None = None,
         *,
         schedule: bool = False,
+        sink: bool = False,
     ) -> JointEval:
         """The step with ``saved`` kept from forward to backward, of which ``swapped``
-        (storage -> tier) leave the device in between. With ``schedule``, each graph also
-        tries the memory-aware order (``schedule.py``) and keeps whichever peaks lower."""
+        (storage -> tier) leave the device in between, in torch's orders. With ``schedule``,
+        each graph also tries the memory-aware orders (``schedule.py``) and keeps whichever
+        peaks lower; with ``schedule`` or ``sink``, the order kept then has the values that
+        wait across its peak computed later where that lowers it (``schedule.sink``: a few
+        linear replays, cheap enough for every evaluation of the planner's search)."""
         saved = frozenset(saved) - self.persistent
         needed, recompute, bw_inputs = self.backward_nodes(saved)
         infeasible = frozenset(
@@ -517,6 +522,12 @@ class JointModel:
                 alt_peak, _, _, alt_live = self._replay(alt, (), fw_keep)
                 if alt_peak < fw_peak:
                     fw_order, fw_peak, fw_live = alt, alt_peak, alt_live
+        if schedule or sink:
+            fw_order, (fw_peak, _, _, fw_live) = sink_order(
+                self,
+                fw_order,
+                lambda o: self._replay(o, (), fw_keep),
+            )
         tangents = [i for i in bw_inputs if self.kind[i] == _TANGENT]
         held = self.held_outputs - used_saved
         held_bytes = sum(self.nbytes[s] for s in held)
@@ -545,6 +556,14 @@ class JointModel:
                 if alt_result[0] < bw_peak:
                     order = alt
                     bw_peak, bw_end, _, bw_live = alt_result
+        if schedule or sink:
+            order, (bw_peak, bw_end, _, bw_live) = sink_order(
+                self,
+                order,
+                lambda o: self._replay(
+                    o, bw_entry, bw_keep, held_nodes=tangents, late=swaps.keys()
+                ),
+            )
         phases = {
             "forward": (fw_peak, fw_live),
             "backward": (held_bytes + bw_peak, bw_live | held),

@@ -14,8 +14,9 @@ Decide (:func:`plan_prefetch`), then rewrite (:func:`prefetch_pass`). Reloads ar
 order of their waits and keep that order (the copy stream is FIFO). Each goes to the latest
 point from which, by the timeline's roofline times, its copy finishes before its wait, but never
 to a point where the extra live bytes (the reloaded tensor, alive from the new point on) would
-raise the graph's peak: where memory stops it, it goes as early as memory allows. So a plan's
-predicted peak is unchanged, and only time can improve.
+raise the graph's peak above what the budget allows (the plan's predicted peak plus the slack
+its budget leaves): where memory stops it, it goes as early as memory allows. So a plan stays
+within its budget, and only time can improve.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def _positions(
 
 
 def plan_prefetch(
-    gm: fx.GraphModule, graph_profile: GraphProfile, profile: DeviceProfile
+    gm: fx.GraphModule, graph_profile: GraphProfile, profile: DeviceProfile, *, slack: int = 0
 ) -> PrefetchPlan:
     """Choose issue points for ``gm``'s reloads (see the module docstring).
 
@@ -110,7 +111,14 @@ def plan_prefetch(
         gm: a backward graph after ``swap_pass`` (reload right before each wait).
         graph_profile: ``gm``'s exact profile (``profile_graph``), node for node.
         profile: the device's cost model (op and copy times).
+        slack: bytes the graph's peak may rise by (what the budget leaves above the plan's
+            predicted peak); 0 keeps the peak as it is.
+
+    Raises:
+        ValueError: ``slack`` is negative, or ``graph_profile`` is not ``gm``'s.
     """
+    if slack < 0:
+        raise ValueError(f"plan_prefetch: slack must be >= 0 bytes, got {slack}")
     nodes = list(gm.graph.nodes)
     before = simulate(gm, profile)
     if not any(n.target is WAIT for n in nodes):
@@ -123,7 +131,7 @@ def plan_prefetch(
         start_s.append(clock)
         clock += node_seconds(n, profile, ids)
     live = list(graph_profile.live_curve)
-    moved = _positions(nodes, live, graph_profile.peak_bytes, start_s, profile)
+    moved = _positions(nodes, live, graph_profile.peak_bytes + slack, start_s, profile)
     issue = tuple((rel.name, nodes[q].name) for rel, q in moved.items())
     order = [n for n in nodes if n not in moved]
     for rel, q in sorted(moved.items(), key=lambda kv: -kv[1]):

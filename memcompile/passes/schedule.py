@@ -28,12 +28,24 @@ It changes no op, only the order, so it costs no time. Random ops (dropout) and 
 effects keep their relative order: each draws from or changes state the next one sees, so
 swapping two dropouts would swap their masks. The joint model replays both this order
 and torch's, and keeps the lower peak (``JointModel.evaluate(..., schedule=True)``).
+
+:func:`sink` then polishes the order that won, at its peak: a value computed before the peak
+but first read after it is computed just before its first reader instead, if the replay says
+the step peaks lower. Torch's order computes an input gradient as soon as its output gradient
+exists; where the layer's recomputation comes after it, the two meet (bench GPT, first MLP,
+recompute-only plan):
+
+    torch's order                                 sunk
+      mm_26 = grad @ W2          # 8 MiB, waits     addmm_2, gelu = recompute(...)
+      addmm_2, gelu = recompute(...)                mm_27 = grad^T @ gelu   # gelu dies
+      mm_27 = grad^T @ gelu      # 3 x 8 MiB live   mm_26 = grad @ W2
+      gelu_backward_(mm_26, addmm_2)                gelu_backward_(mm_26, addmm_2)
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,12 +54,15 @@ from torch import fx
 if TYPE_CHECKING:
     from memcompile.passes.joint import JointModel
 
-__all__ = ["draws_random", "has_effect", "schedule"]
+__all__ = ["draws_random", "has_effect", "schedule", "sink"]
 
 # Chains scored ahead: at most this many users followed from each node.
 _BRANCH = 4
 # Ready nodes compared by pick() when the least-delta one allocates.
 _CANDIDATES = 4
+# sink(): values live at the peak tried per round (largest first), and replays in all.
+_SINK_TRIES = 8
+_SINK_REPLAYS = 48
 
 
 def draws_random(node: fx.Node) -> bool:
@@ -320,3 +335,118 @@ def schedule(
     if len(order) != len(nodes):
         raise AssertionError("schedule: the nodes do not form a DAG closed under their inputs")
     return order
+
+
+#: ``JointModel._replay``'s answer for an order: (peak, bytes live at the end, peak position,
+#: storages live at the peak).
+Replayed = tuple[int, int, int, frozenset[int]]
+
+
+def sink(
+    model: JointModel,
+    order: Sequence[int],
+    replay: Callable[[Sequence[int]], Replayed],
+    *,
+    max_replays: int = _SINK_REPLAYS,
+) -> tuple[list[int], Replayed]:
+    """``order`` with values that wait across its peak computed later, while that lowers it;
+    and its replay.
+
+    At the peak position ``p``, each storage live there (largest first, at most
+    ``_SINK_TRIES``) whose producer ran before ``p`` and whose first reader runs after it is
+    a candidate: its producer, with the views of it that run before that reader, moves to
+    right before the reader. A move is kept if ``replay`` finds the whole order's peak lower
+    (moving a node also keeps its inputs alive longer, which can raise another position);
+    then the search starts again at the new peak. It stops when no candidate lowers the peak
+    or after ``max_replays`` replays, so it costs at most that many linear replays.
+
+    A node with effects (random, mutating) never moves, and no node moves past one with
+    effects that touches a storage it reads or writes: the order of effects, and of the reads
+    around an in-place write, stays as given.
+
+    Args:
+        model: the joint model (inputs, users, storages and sizes of the nodes).
+        order: a valid order of the nodes of one graph (joint indices).
+        replay: the liveness replay of an order (``JointModel._replay`` with the graph's
+            entry and kept storages bound).
+        max_replays: bound on the replays (each is linear in the order's length).
+    """
+    order = list(order)
+    result = replay(order)
+    replays = 1
+    while replays < max_replays:
+        peak, _, at, live = result
+        position = {i: p for p, i in enumerate(order)}
+        producer: dict[int, int] = {}
+        for p, i in enumerate(order):
+            for s in model.storages[i]:
+                producer.setdefault(s, p)
+        candidates = sorted(
+            (s for s in live if s in producer and producer[s] < at),
+            key=lambda s: (-model.nbytes[s], producer[s]),
+        )[:_SINK_TRIES]
+        improved = False
+        for s in candidates:
+            moved = _sink_move(model, order, position, producer[s], at)
+            if moved is None:
+                continue
+            new = replay(moved)
+            replays += 1
+            if new[0] < peak:
+                order, result = moved, new
+                improved = True
+                break
+            if replays >= max_replays:
+                break
+        if not improved:
+            break
+    return order, result
+
+
+def _sink_move(
+    model: JointModel, order: list[int], position: dict[int, int], start: int, at: int
+) -> list[int] | None:
+    """``order`` with the node at ``start`` and its views moved to right before their first
+    other reader, if that reader runs after position ``at`` and the move is legal; else None."""
+    head = order[start]
+    own = set(model.storages[head])
+    if model.has_effect[head] or own & model.input_storages[head]:
+        return None  # an effect keeps its place; a view of an older value frees nothing
+    group = [head]
+    members = {head}
+    stack = [head]
+    while stack:  # views (nodes making no storage of their own) of the head, transitively
+        j = stack.pop()
+        for u in model.users[j]:
+            if (
+                u in position
+                and u not in members
+                and position[u] > start
+                and set(model.storages[u]) <= own
+                and not model.has_effect[u]
+            ):
+                members.add(u)
+                group.append(u)
+                stack.append(u)
+    readers = [
+        position[u] for j in members for u in model.users[j] if u in position and u not in members
+    ]
+    if not readers:
+        return None  # an output: nothing to move it next to
+    first = min(readers)
+    if first <= at:
+        return None
+    moving = sorted(position[j] for j in members if position[j] < first)
+    touched = own.union(*(model.input_storages[order[p]] for p in moving))
+    for p in range(start + 1, first):
+        j = order[p]
+        if j in members or not model.has_effect[j]:
+            continue
+        if touched & (model.input_storages[j] | set(model.storages[j])):
+            return None
+    # A view placed after the reader keeps its place: it reads the head, which still runs first.
+    moving_set = set(moving)
+    out = [i for p, i in enumerate(order[:first]) if p not in moving_set]
+    out += [order[p] for p in moving]
+    out += order[first:]
+    return out
