@@ -162,3 +162,19 @@ def test_tiny_gpt_smallest_host_tier_plan() -> None:
         train(wl, compiled, "sgd", 1)
     assert info.value.min_feasible is not None
     assert info.value.min_feasible <= 0.4 * MiB, info.value.min_feasible
+
+
+def test_tiny_gpt_smallest_recompute_only_plan_sinks_waiting_gradients() -> None:
+    """Recompute only, the tiny GPT's smallest plan: 1,339,340 B when the search prices its
+    moves in torch's orders (the memory-aware ones only at its end), 1,331,080 B with the
+    gradients that wait across the peak sunk to their readers in every evaluation."""
+    torch._dynamo.reset()
+    wl = zoo.build("gpt", size="tiny")
+    compiled = memcompile.compile(
+        wl.model, budget=1, swap=False, offload_params=False, on_infeasible="error"
+    )
+    with pytest.raises(MemoryBudgetError) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(wl, compiled, "sgd", 1)
+    assert info.value.min_feasible is not None
+    assert info.value.min_feasible <= 1_331_080, info.value.min_feasible

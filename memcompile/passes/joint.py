@@ -10,7 +10,9 @@ rest follows:
                inputs, S); forward nodes met on the way are recomputed
     order      as torch's ``reordering_to_mimic_autograd_engine``: backward nodes in joint order,
                each preceded by the not-yet-computed nodes it needs, so recomputation sits next
-               to its consumer, layer by layer
+               to its consumer, layer by layer; for the planner's search, values that wait
+               across the peak are then computed right before their first reader where that
+               lowers it (``schedule.sink``)
 
 :meth:`JointModel.evaluate` replays liveness over both orders with the memory model of
 ``analysis.profile_graph`` (per storage, freed after last use, measured kernel workspace) in

@@ -54,8 +54,9 @@ Why this mirrors ``evaluate`` exactly:
 
 Not modelled (:class:`NotImplementedError`): graphs with side-effect nodes (shape asserts, whose
 extra backward nodes depend on S), forward nodes after the first tangent use, forward nodes
-reading backward nodes; ``evaluate(..., schedule=True)`` (the memory-aware reorder), which can
-only lower the greedy plan's peak. The decision space is a ``candidates`` set of storages the
+reading backward nodes; ``evaluate(..., schedule=True)`` and ``evaluate(..., sink=True)`` (the
+memory-aware reorder, and the sinking of values that wait across a peak), which can only lower
+the greedy plan's peak. The decision space is a ``candidates`` set of storages the
 plan may keep (default: eager's saved set, the greedy planner's space).
 
 Every solution is checked with ``model.evaluate``. A plan the simulator finds over the target
