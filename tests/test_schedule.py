@@ -83,8 +83,9 @@ def _replay(model: Any, entry: tuple[int, ...], keep: set[int]) -> Any:
         peak, at, at_peak = current, -1, frozenset(live)
         for p, i in enumerate(order):
             for s in model.storages[i]:
-                live.add(s)
-                current += model.nbytes[s]
+                if s not in live:  # a view allocates nothing
+                    live.add(s)
+                    current += model.nbytes[s]
             if current > peak:
                 peak, at, at_peak = current, p, frozenset(live)
             for s in sorted(live):
@@ -135,6 +136,18 @@ def test_sink_moves_no_effect_and_nothing_past_a_write_to_what_it_reads() -> Non
     model.has_effect[_C] = True
     replay = _replay(model, (0,), {_B})
     assert sink(model, [_G, _R, _C, _B], replay)[0] == [_G, _R, _C, _B]
+
+
+def test_sink_moves_a_value_with_its_views() -> None:
+    # As above, but b reads g through a view v (node 5, no storage of its own: g's): g and
+    # v move together, v after g.
+    v = 5
+    model = _model({**_CHAIN, _B: ([v, _C], 1 * MiB), v: ([_G], 0)})
+    model.storages[v] = (_G,)
+    model.input_storages[_B] = frozenset({_G, _C})
+    replay = _replay(model, (0,), {_B})
+    order, replayed = sink(model, [_G, v, _R, _C, _B], replay)
+    assert order == [_R, _C, _G, v, _B] and replayed[0] == 10 * MiB
 
 
 def test_sink_stops_after_its_replay_budget() -> None:

@@ -412,7 +412,6 @@ def _sink_move(
     own = set(model.storages[head])
     if model.has_effect[head] or own & model.input_storages[head]:
         return None  # an effect keeps its place; a view of an older value frees nothing
-    group = [head]
     members = {head}
     stack = [head]
     while stack:  # views (nodes making no storage of their own) of the head, transitively
@@ -426,7 +425,6 @@ def _sink_move(
                 and not model.has_effect[u]
             ):
                 members.add(u)
-                group.append(u)
                 stack.append(u)
     readers = [
         position[u] for j in members for u in model.users[j] if u in position and u not in members
