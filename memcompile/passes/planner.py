@@ -450,9 +450,7 @@ def search_saved_set(
         elif ordered.peak <= current.peak:
             current = ordered
     evaluations = search.evaluations + 1 + reorder
-    # A target at or below 0 makes the search above a least-peak search already.
-    variants = ((True, False) if reorder else (False,)) if target and target > 0 else (False,)
-    if not search.fits(current) and target is not None and (target > 0 or reorder):
+    if not search.fits(current) and target is not None:
         # Stuck above the target. The greedy ranks moves by how they close the gap to the
         # target, so a search for a lower target can end lower than this one did (seen: 991 KiB
         # for a 910 KiB target, 1.22 MiB for 1 MiB). Search for the smallest peak instead
@@ -461,8 +459,11 @@ def search_saved_set(
         # The greedy's end depends on the orders its moves are priced in: with the waiting
         # values sunk it ends lower on the bench GPT (39.1 vs 46.1 MiB, recompute only), in
         # torch's plain orders on the tiny GPT (0.377 vs 0.471 MiB, host tier); try both.
+        pricings: tuple[bool, ...] = (True, False) if reorder else (False,)
+        if target <= 0:  # the search above was a least-peak search, in its own pricing
+            pricings = tuple(p for p in pricings if p != reorder)
         ends: list[tuple[JointEval, list[_Move]]] = []
-        for sink in variants:
+        for sink in pricings:
             least = _Search(model, 0, recompute, swap_tier, saved_cap, sink=sink)
             end, end_applied = least.greedy(least.evaluate(baseline.saved, {}))
             if reorder:
@@ -472,10 +473,11 @@ def search_saved_set(
             log.debug("planner: the least-peak search (sink=%s) ends at %d B", sink, end.peak)
             if not ends or _better(end, ends[0][0], search):
                 ends.insert(0, (end, end_applied))
-        low, low_applied = ends[0]
-        if _better(low, current, search):
-            log.debug("planner: the least-peak search ends at %d B (target %d B)", low.peak, limit)
-            current, applied = low, low_applied
+        if ends and _better(ends[0][0], current, search):
+            current, applied = ends[0]
+            log.debug(
+                "planner: the least-peak search ends at %d B (target %d B)", current.peak, limit
+            )
             if search.fits(current):
                 current = search.undo(current, applied, schedule=reorder)
                 evaluations += search.evaluations
