@@ -191,3 +191,18 @@ def test_tiny_gpt_smallest_recompute_only_plan_sinks_waiting_gradients() -> None
         train(wl, compiled, "sgd", 1)
     assert info.value.min_feasible is not None
     assert info.value.min_feasible <= 1_331_080, info.value.min_feasible
+
+
+def test_sink_reuses_the_callers_replay_of_the_order() -> None:
+    model = _model(_CHAIN)
+    replay = _replay(model, (0,), {_B})
+    given = replay([_G, _R, _C, _B])
+    calls: list[list[int]] = []
+
+    def counted(order: list[int]) -> Any:
+        calls.append(list(order))
+        return replay(order)
+
+    order, replayed = sink(model, [_G, _R, _C, _B], counted, given)
+    assert order == [_R, _C, _G, _B] and replayed[0] == 10 * MiB
+    assert [_G, _R, _C, _B] not in calls and calls  # only the moved orders were replayed

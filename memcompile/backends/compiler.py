@@ -74,6 +74,7 @@ from memcompile.passes.workspace import clone_workspace, probe_workspaces
 from memcompile.runtime.measure import storage_sizes
 from memcompile.runtime.pinned import install_hooks as install_pinned_hooks
 from memcompile.runtime.store import (
+    HOSTABLE_DEVICES,
     TieredStore,
     can_host_place,
     is_host_placed,
@@ -749,17 +750,11 @@ class _FragmentBuild:
         return check
 
 
-#: Devices whose parameters can move to the host tier (runtime/store.py place_on_host).
-_HOSTABLE = ("cpu", "cuda")
-
-
 def _device_of(values: Sequence[Any]) -> torch.device | None:
     """The device of a fragment's inputs: the first one not on the CPU (host-placed parameters
     of a CUDA model are CPU tensors), else the CPU; ``None``: no tensors."""
-    tensors = [t for t in values if isinstance(t, torch.Tensor)]
-    return next((t.device for t in tensors if t.device.type != "cpu"), None) or next(
-        (t.device for t in tensors), None
-    )
+    devices = [t.device for t in values if isinstance(t, torch.Tensor)]
+    return next((d for d in devices if d.type != "cpu"), devices[0] if devices else None)
 
 
 class _PrimeWorkspaces(torch.autograd.Function):
@@ -1177,11 +1172,11 @@ class MemCompiler:
                 f"parameters on the host does not help (smallest peak then "
                 f"{format_bytes(host_peak)})"
             )
-        elif device is not None and device.type not in _HOSTABLE:
+        elif device is not None and device.type not in HOSTABLE_DEVICES:
             tips.append(
                 f"{resident} of the peak is parameters, buffers and inputs, which stay on the "
                 "device (parameters on the host are only implemented for "
-                f"{' and '.join(_HOSTABLE)} devices in this version)"
+                f"{' and '.join(HOSTABLE_DEVICES)} devices in this version)"
             )
         elif self.config.offload_params is False:
             tips.append(

@@ -515,30 +515,27 @@ class JointModel:
         order = self.backward_order(needed)
         fw_keep = (used_saved - swaps.keys()) | self._fw_output_storages
         fw_order = self.forward_order
-        fw_peak, _, _, fw_live = self._replay(fw_order, (), fw_keep)
+        fw_result = self._replay(fw_order, (), fw_keep)
         if schedule:
             for window, lookahead in _SCHEDULES:
                 alt = schedule_nodes(
                     self, fw_order, keep=fw_keep, window=window, lookahead=lookahead
                 )
-                alt_peak, _, _, alt_live = self._replay(alt, (), fw_keep)
-                if alt_peak < fw_peak:
-                    fw_order, fw_peak, fw_live = alt, alt_peak, alt_live
+                alt_result = self._replay(alt, (), fw_keep)
+                if alt_result[0] < fw_result[0]:
+                    fw_order, fw_result = alt, alt_result
         if schedule or sink:
-            fw_order, (fw_peak, _, _, fw_live) = sink_order(
-                self,
-                fw_order,
-                lambda o: self._replay(o, (), fw_keep),
+            fw_order, fw_result = sink_order(
+                self, fw_order, lambda o: self._replay(o, (), fw_keep), fw_result
             )
+        fw_peak, _, _, fw_live = fw_result
         tangents = [i for i in bw_inputs if self.kind[i] == _TANGENT]
         held = self.held_outputs - used_saved
         held_bytes = sum(self.nbytes[s] for s in held)
         bw_entry = [s for s in used_saved if s not in swaps]
         bw_entry += [s for i in tangents for s in self.storages[i]]
         bw_keep = {s for i in self.bw_outputs for s in self.storages[i]}
-        bw_peak, bw_end, _, bw_live = self._replay(
-            order, bw_entry, bw_keep, held_nodes=tangents, late=swaps.keys()
-        )
+        bw_result = self._replay(order, bw_entry, bw_keep, held_nodes=tangents, late=swaps.keys())
         if schedule:
             held_storages = {s for i in tangents for s in self.storages[i]}
             torch_order = order
@@ -555,17 +552,18 @@ class JointModel:
                 alt_result = self._replay(
                     alt, bw_entry, bw_keep, held_nodes=tangents, late=swaps.keys()
                 )
-                if alt_result[0] < bw_peak:
-                    order = alt
-                    bw_peak, bw_end, _, bw_live = alt_result
+                if alt_result[0] < bw_result[0]:
+                    order, bw_result = alt, alt_result
         if schedule or sink:
-            order, (bw_peak, bw_end, _, bw_live) = sink_order(
+            order, bw_result = sink_order(
                 self,
                 order,
                 lambda o: self._replay(
                     o, bw_entry, bw_keep, held_nodes=tangents, late=swaps.keys()
                 ),
+                bw_result,
             )
+        bw_peak, bw_end, _, bw_live = bw_result
         phases = {
             "forward": (fw_peak, fw_live),
             "backward": (held_bytes + bw_peak, bw_live | held),

@@ -346,6 +346,7 @@ def sink(
     model: JointModel,
     order: Sequence[int],
     replay: Callable[[Sequence[int]], Replayed],
+    replayed: Replayed | None = None,
     *,
     max_replays: int = _SINK_REPLAYS,
 ) -> tuple[list[int], Replayed]:
@@ -369,10 +370,12 @@ def sink(
         order: a valid order of the nodes of one graph (joint indices).
         replay: the liveness replay of an order (``JointModel._replay`` with the graph's
             entry and kept storages bound).
-        max_replays: bound on the replays (each is linear in the order's length).
+        replayed: ``replay(order)``, where the caller has it already (else it is replayed).
+        max_replays: bound on the replays, that of ``order`` included (each is linear in the
+            order's length).
     """
     order = list(order)
-    result = replay(order)
+    result = replayed if replayed is not None else replay(order)
     replays = 1
     while replays < max_replays:
         peak, _, at, live = result

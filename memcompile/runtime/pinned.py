@@ -97,8 +97,8 @@ def is_pinned_host(t: torch.Tensor) -> bool:
 
 
 def is_pinned_param(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a host-placed CUDA parameter (its pinned tensor, or its placeholder while
-    Dynamo compiles)."""
+    """Whether ``t`` is a host-placed CUDA parameter holding its placeholder while Dynamo
+    compiles (outside a compile its pinned tensor answers :func:`is_pinned_host`)."""
     return t in _tracing if isinstance(t, torch.nn.Parameter) else False
 
 

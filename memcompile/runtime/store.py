@@ -128,12 +128,16 @@ def _host_copy(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+#: Device types whose parameters :func:`place_on_host` can move to the host tier.
+HOSTABLE_DEVICES = ("cpu", "cuda")
+
+
 def can_host_place(p: torch.Tensor) -> bool:
     """Whether :func:`place_on_host` takes ``p``: a CPU or CUDA tensor covering its whole
     storage (a view of a larger buffer would keep the device copy alive through its other
     users)."""
     return (
-        p.device.type in ("cpu", "cuda")
+        p.device.type in HOSTABLE_DEVICES
         and not isinstance(p, torch._subclasses.FakeTensor)
         and p.storage_offset() == 0
         and p.numel() * p.element_size() == p.untyped_storage().nbytes()
@@ -156,7 +160,7 @@ def place_on_host(p: torch.Tensor) -> int:
     """
     if is_host_placed(p):
         return 0
-    if p.device.type not in ("cpu", "cuda"):
+    if p.device.type not in HOSTABLE_DEVICES:
         raise ValueError(f"host-placed parameters need a CPU or CUDA tensor; got {p.device}")
     if not can_host_place(p):
         raise ValueError("a parameter that is a view of a larger buffer cannot be host-placed")
