@@ -222,10 +222,7 @@ class MemReport:
 
 def _pilot_line(p: PilotReport) -> str:
     if not p.enabled:
-        return (
-            f"  pilot ({p.mode}): not running (the model was not seen to be dynamic with "
-            "parameters on the host)"
-        )
+        return f"  pilot ({p.mode}): not running ({p.reason})"
 
     def pct(x: float | None) -> str:
         return "n/a" if x is None else f"{100 * x:.1f}%"

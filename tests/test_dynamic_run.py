@@ -471,3 +471,19 @@ def test_small_int_outputs_are_read_once_per_call_for_the_recorder_and_the_prefe
     recorder.flush()  # type: ignore[attr-defined]
     recorded = [e.outputs for s in trace.read_trace(path) for e in s.events if e.outputs]
     assert recorded and [o for _, o in seen.outputs if o] == recorded
+
+
+def test_pilot_auto_says_why_it_stays_off_for_a_cuda_models_pinned_parameters() -> None:
+    # On CUDA, parameters on the host are pinned CPU tensors (runtime/pinned.py), which the
+    # pilot does not prefetch: the report names that, not the rule. The CPU MoE stands in, with
+    # the compiler told its parameters are pinned ones.
+    torch._dynamo.reset()
+    wl = zoo.build("moe", size="tiny")
+    compiled = memcompile.compile(wl.model, offload_params=True)
+    compiler = find_compiler(compiled)[0]
+    compiler.host_params_pinned = True
+    train(wl, compiled, "sgd", 3)
+    rep = memcompile.report(compiled)
+    assert rep.dynamic and rep.pilot is not None and not rep.pilot.enabled
+    assert rep.pilot.reason.startswith("prefetching a CUDA model's host-placed parameters")
+    assert "not running (prefetching a CUDA model's host-placed parameters" in str(rep)

@@ -893,8 +893,19 @@ class MemCompiler:
 
     def _pilot_gate(self) -> bool:
         # pilot="auto": prefetch once the model is dynamic and has parameters on the host (the
-        # CPU device's: prefetching a CUDA model's pinned parameters is not implemented).
-        return bool(self.dynamic) and self.host_param_bytes > 0 and not self.host_params_pinned
+        # CPU device's: prefetching a CUDA model's pinned parameters is not implemented, and
+        # the report says so rather than the rule).
+        if not self.dynamic or not self.host_param_bytes:
+            return False
+        if self.host_params_pinned:
+            if self.prefetcher is not None and self.prefetcher.blocked is None:
+                self.prefetcher.blocked = (
+                    "prefetching a CUDA model's host-placed parameters is not implemented: "
+                    "they are fetched when used"
+                )
+                log.info("memcompile pilot: %s", self.prefetcher.blocked)
+            return False
+        return True
 
     def note_dynamic(self, reason: str) -> None:
         """The model is dynamic (first reason kept). Dynamo's recompile limit is raised for it,

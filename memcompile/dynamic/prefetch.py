@@ -212,6 +212,7 @@ class PilotReport:
         mode: the ``pilot`` option.
         enabled: the prefetcher ran (``"auto"``: the model was seen to be dynamic with parameters
             in the host tier; see DESIGN/README for the rule).
+        reason: why it is not running (empty while it runs).
         active: the predictor in use: ``"lightgbm"``, ``"markov"`` (also the Pilot before its
             first model), another predictor's name, or ``"none"`` (not running).
         horizon: blocks predicted ahead (``prefetch_depth``).
@@ -272,6 +273,7 @@ class PilotReport:
     sim_late_us: float | None = None
     sim_profile: str | None = None
     placements: tuple[PilotPrefetchPlan, ...] = ()
+    reason: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -306,6 +308,9 @@ class Prefetcher:
         self.cache = PrefetchCache()
         self.enabled = gate is None
         self._gate = gate
+        #: Why the gate stays shut although the model is dynamic with parameters on the host
+        #: (the compiler sets it; the report says it instead of the rule).
+        self.blocked: str | None = None
         self._record = RecordIndex(records)
         self._namer = _BlockNamer(model)
         self._idioms: dict[str, IdiomVector] = {}
@@ -596,6 +601,9 @@ class Prefetcher:
         return PilotReport(
             mode=self.mode,
             enabled=self.enabled,
+            reason=""
+            if self.enabled
+            else self.blocked or "the model was not seen to be dynamic with parameters on the host",
             active=(
                 "none"
                 if predictor is None
