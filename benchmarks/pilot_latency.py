@@ -18,7 +18,10 @@ blocks' small integer outputs, so the output rule too) on it once, then times:
 * ``MarkovPredictor.predict()``;
 * the same live replay for the zoo's early-exit and TreeLSTM (``tiny``, ``--extra-steps`` steps
   each; no output rule applies there, so every call runs the boosters): ``predict()``,
-  ``observe()``, and the two together (the pilot's real cost per forward block).
+  ``observe()``, and the two together (the pilot's real cost per forward block); then
+  ``predict()`` again, interleaved block by block with a pilot of twice the trees (10 rounds
+  at learning rate 0.2, the default before 2026-11-23): the machine's speed drifts between
+  runs, so compare within one.
 
 Median and p90 of ``time.perf_counter_ns`` per call, after 200 warm-up calls (the live replay:
 over every call of the second pass). Writes
@@ -61,22 +64,33 @@ def _time(fn: Callable[[int], object], calls: int) -> tuple[float, float]:
     return float(np.median(ts)) / 1000, float(np.percentile(ts, 90)) / 1000
 
 
-def _live(pilot: Pilot, stream: list, *, train: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Replay ``stream`` through ``pilot`` (``train``: then join the training at the end);
-    microseconds per ``observe`` and per ``predict``."""
-    obs, pred = [], []
+def _live(pilots: list[Pilot], stream: list, *, train: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Replay ``stream`` through each of ``pilots``, interleaved block by block (the first to
+    go alternates, so a slower or faster stretch of the shared machine falls on all of them;
+    ``train``: then join the trainings at the end); per pilot, microseconds per ``observe``
+    and per ``predict``."""
+    obs: list[list[int]] = [[] for _ in pilots]
+    pred: list[list[int]] = [[] for _ in pilots]
+    order = list(range(len(pilots)))
     for t, (step, block, fragment, sizes, idioms, outs) in enumerate(stream):
-        a = time.perf_counter_ns()
-        pilot.observe(block, fragment, sizes, idioms, outputs=outs)
-        b = time.perf_counter_ns()
-        pilot.predict()
-        obs.append(b - a)
-        pred.append(time.perf_counter_ns() - b)
+        for k in order if t % 2 == 0 else order[::-1]:
+            pilot = pilots[k]
+            a = time.perf_counter_ns()
+            pilot.observe(block, fragment, sizes, idioms, outputs=outs)
+            b = time.perf_counter_ns()
+            pilot.predict()
+            obs[k].append(b - a)
+            pred[k].append(time.perf_counter_ns() - b)
         if t + 1 == len(stream) or stream[t + 1][0] != step:
-            pilot.end_step()
+            for pilot in pilots:
+                pilot.end_step()
     if train:
-        pilot.wait()
-    return np.array(obs, dtype=np.float64) / 1000, np.array(pred, dtype=np.float64) / 1000
+        for pilot in pilots:
+            pilot.wait()
+    return [
+        (np.array(o, dtype=np.float64) / 1000, np.array(q, dtype=np.float64) / 1000)
+        for o, q in zip(obs, pred, strict=True)
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,11 +178,14 @@ def main(argv: list[str] | None = None) -> int:
         wl = zoo.build(name, size="tiny")
         t2, _ = collect_trace(args.extra_steps, size="tiny", batch=0, seq_len=0, workload=wl)
         s2 = forward_stream(t2)
-        p2 = Pilot(horizon=2, warmup_steps=args.extra_steps, retrain_every=10_000, seed=0)
-        _live(p2, s2, train=True)
+        # the default pilot, and beside it (interleaved) one with twice the trees: the
+        # default before 2026-11-23 (10 rounds at learning rate 0.2)
+        kw = dict(horizon=2, warmup_steps=args.extra_steps, retrain_every=10_000, seed=0)
+        p2, wide = Pilot(**kw), Pilot(**kw, rounds=10, learning_rate=0.2)
+        _live([p2, wide], s2, train=True)
         ms = p2._models
-        assert ms is not None, f"the pilot did not train on {name}"
-        obs, pred = _live(p2, s2, train=False)
+        assert ms is not None and wide._models is not None, f"the pilot did not train on {name}"
+        ((obs, pred),) = _live([p2], s2, train=False)  # alone: the pilot's own figures
         extra.append(
             f"{name}: {len(s2)} blocks of {args.extra_steps} steps, "
             f"{', '.join(str(m.booster.num_trees() if m.booster else 0) for m in ms)} trees, "
@@ -177,6 +194,15 @@ def main(argv: list[str] | None = None) -> int:
         results[f"{name}: Pilot.predict() live (2 horizons, boosters)"] = pct(pred)
         results[f"{name}: Pilot.observe() live"] = pct(obs)
         results[f"{name}: Pilot.observe + predict live, per block"] = pct(obs + pred)
+        # then both, as a first replay again (no stored answers), interleaved: each evicts
+        # the other's data from the caches, so both are slower than alone
+        p2._answers.clear()
+        (_, pair), (_, wide_pred) = _live([p2, wide], s2, train=False)
+        trees = ", ".join(str(m.booster.num_trees() if m.booster else 0) for m in wide._models)
+        results[f"{name}: ... Pilot.predict(), interleaved with the one below"] = pct(pair)
+        results[
+            f"{name}: ... Pilot.predict() with 10 rounds at 0.2 ({trees} trees), interleaved"
+        ] = pct(wide_pred)
     command = "OMP_NUM_THREADS=1 python benchmarks/pilot_latency.py " + " ".join(
         argv or sys.argv[1:]
     )

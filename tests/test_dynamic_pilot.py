@@ -176,6 +176,8 @@ def test_bad_arguments_name_the_argument() -> None:
         Pilot(window=4)
     with pytest.raises(ValueError, match=r"Pilot: threshold must be in \[0, 1\]; got 1.5"):
         Pilot(threshold=1.5)
+    with pytest.raises(ValueError, match=r"Pilot: learning_rate must be in \(0, 1\]; got 0.0"):
+        Pilot(learning_rate=0.0)
     with pytest.raises(RuntimeError, match=r"Pilot\.save: no model yet"):
         Pilot().save("/nonexistent")
 

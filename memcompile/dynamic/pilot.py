@@ -249,7 +249,11 @@ class Pilot:
         retrain_every: steps between trainings.
         window: most recent rows trained on.
         threshold: below this class probability, predict with Markov instead.
-        rounds, num_leaves: LightGBM size (trees = rounds x blocks seen, per horizon).
+        rounds, num_leaves: LightGBM size (trees = rounds x blocks seen, per horizon). Fewer
+            trees predict faster: a C call walks every tree, and with the caches cold (the
+            model ran since the last prediction) each costs ~40-70 ns.
+        learning_rate: LightGBM's shrinkage (5 rounds at 0.4 predict the zoo's streams as
+            accurately as 10 at 0.2, in half the time: benchmarks/results/pilot_latency.md).
         seed: LightGBM's seed.
         background: train on a thread (``False``: inline in :meth:`end_step`).
         rule: use the output rule (rules.py) where it has a plan, and its plan as features
@@ -265,7 +269,8 @@ class Pilot:
         retrain_every: int = 5,
         window: int = 4096,
         threshold: float = 0.5,
-        rounds: int = 10,
+        rounds: int = 5,
+        learning_rate: float = 0.4,
         num_leaves: int = 7,
         seed: int = 0,
         background: bool = True,
@@ -284,6 +289,8 @@ class Pilot:
                 raise ValueError(f"Pilot: {name} must be an int >= {least}; got {value!r}")
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"Pilot: threshold must be in [0, 1]; got {threshold!r}")
+        if not 0.0 < learning_rate <= 1.0:
+            raise ValueError(f"Pilot: learning_rate must be in (0, 1]; got {learning_rate!r}")
         self.horizon, self.history = horizon, history
         self.warmup_steps, self.retrain_every, self.window = warmup_steps, retrain_every, window
         self.threshold, self.rounds = threshold, rounds
@@ -298,7 +305,7 @@ class Pilot:
         self._params: dict[str, Any] = {
             "objective": "multiclass",
             "num_leaves": num_leaves,
-            "learning_rate": 0.2,
+            "learning_rate": learning_rate,
             "lambda_l2": 1.0,
             "min_data_in_leaf": 5,
             "min_data_per_group": 3,
