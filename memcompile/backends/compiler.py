@@ -95,7 +95,8 @@ __all__ = ["BlockObserver", "MemCompiler", "StepEvent"]
 StepEvent = tuple[int, str, int]
 #: The values of a fragment's size symbols at one call (empty: static sizes).
 SizeKey = tuple[int, ...]
-#: Storages (address -> bytes) a forward call's backward reads through views of them.
+#: Storages (address -> bytes) of the activation inputs a forward call's backward reads: those
+#: it saves whole and those it reads through views (autograd keeps the storage alive either way).
 ViewStorages = Mapping[int, int]
 
 
@@ -643,9 +644,17 @@ class _FragmentBuild:
         static = self.static_inputs if kind != "backward" else ()
         key_pos = static[0] if static else -1
         blocks, block_inputs = self.blocks, self.block_inputs
-        if kind == "forward" and self.profile is not None and self.profile.saved_view_inputs:
-            # Which storages this call's backward keeps through views: read per call.
-            self.compiler._saved_views[self.index] = self.profile.saved_view_inputs
+        if kind == "forward" and self.profile is not None:
+            # Which input storages this call's backward keeps (whole or through views): read
+            # per call, so that the step's replay counts a storage several calls keep once.
+            kept = self.profile.saved_input_positions + self.profile.saved_view_inputs
+            if kept:
+                self.compiler._saved_views[self.index] = kept
+        shared_out = (
+            self.profile.saved_output_positions
+            if kind == "forward" and self.profile is not None
+            else ()
+        )
         guard = self._resident_guard() if kind == "forward" else None
         hosted = self.hosted_inputs if kind == "forward" else ()
         compiler = self.compiler
@@ -707,6 +716,8 @@ class _FragmentBuild:
             small_ints = None
             if tail:
                 small_ints = prefetcher.take_in_graph_small_ints()  # type: ignore[union-attr]
+            if shared_out:  # saved outputs other fragments may save too (simulate_step)
+                compiler._on_saved_outputs(_view_storages(out, shared_out))
             if kind != "backward":  # observers see the outputs (a router's counts)
                 small_ints = compiler._on_call_end(index, kind, block, out, small_ints)
             if tail:  # the tail of a forward call: predict the next blocks, prefetch them
@@ -803,14 +814,19 @@ class MemCompiler:
         self.last_step: tuple[StepEvent, ...] = ()
         #: Each call's size-symbol values (``_FragmentBuild.size_key``), parallel to the steps.
         self.last_step_sizes: tuple[SizeKey, ...] = ()
-        #: Each call's :data:`ViewStorages` (empty but for forwards saving views of inputs).
+        #: Each call's :data:`ViewStorages` (empty but for forwards saving inputs).
         self.last_step_views: tuple[ViewStorages, ...] = ()
+        #: Each call's saved outputs that are also user outputs (:data:`ViewStorages`; empty
+        #: but for forwards with ``saved_output_positions``), read after the call returned.
+        self.last_step_outputs: tuple[ViewStorages, ...] = ()
         self.steps_observed = 0
         self._lock = threading.Lock()
         self._step: list[StepEvent] = []
         self._step_sizes: list[SizeKey] = []
         self._step_views: list[ViewStorages] = []
-        #: Fragment index -> positions of inputs its backward reads as views (its profile's).
+        self._step_outputs: list[ViewStorages] = []
+        #: Fragment index -> positions of activation inputs its backward reads, whole or through
+        #: views (its profile's saved_input_positions and saved_view_inputs).
         self._saved_views: dict[int, tuple[int, ...]] = {}
         self._step_trains = False
         self._last_kind = ""
@@ -1081,9 +1097,11 @@ class MemCompiler:
             self.last_step = ()
             self.last_step_sizes = ()
             self.last_step_views = ()
+            self.last_step_outputs = ()
             self._step = []
             self._step_sizes = []
             self._step_views = []
+            self._step_outputs = []
             self._saved_views.clear()
             self._step_trains = False
             self._last_kind = ""
@@ -1321,19 +1339,27 @@ class MemCompiler:
         self._step_sizes.append(sizes)
         views = self._saved_views.get(index) if kind == "forward" else None
         self._step_views.append(_view_storages(args, views) if views else {})
+        self._step_outputs.append({})
         self._step_trains |= kind == "forward"
         self._last_kind = kind
         for observer in self.block_observers:
             observer.on_block(self.steps_observed, index, kind, block, args)
 
+    def _on_saved_outputs(self, storages: ViewStorages) -> None:
+        # The forward call just recorded by _on_call returned these saved user outputs.
+        if self._step_outputs:
+            self._step_outputs[-1] = storages
+
     def _end_step(self) -> None:
         self.last_step = tuple(self._step)
         self.last_step_sizes = tuple(self._step_sizes)
         self.last_step_views = tuple(self._step_views)
+        self.last_step_outputs = tuple(self._step_outputs)
         self.steps_observed += 1
         self._step = []
         self._step_sizes = []
         self._step_views = []
+        self._step_outputs = []
         self._step_trains = False
         self._open_blocks.clear()
         self._check_step_budget()
@@ -1374,13 +1400,22 @@ class MemCompiler:
 
     def _sequence_sizes_views(
         self,
-    ) -> tuple[tuple[StepEvent, ...], tuple[SizeKey, ...], tuple[ViewStorages, ...]]:
-        """:meth:`step_sequence`, each call's size key and :data:`ViewStorages`."""
-        seq, sizes, views = self._current_step()
+    ) -> tuple[
+        tuple[StepEvent, ...],
+        tuple[SizeKey, ...],
+        tuple[tuple[ViewStorages, ViewStorages], ...] | None,
+    ]:
+        """:meth:`step_sequence`, each call's size key, and each call's :data:`ViewStorages` of
+        its kept inputs and of its saved user outputs (``None``: not recorded; the replay then
+        counts each call's saved inputs by its profile)."""
+        seq, sizes, inputs, outputs = self._current_step()
         if len(sizes) != len(seq):  # not recorded (calls made before sizes were): the hints
             sizes = ((),) * len(seq)
-        if len(views) != len(seq):
-            views = ({},) * len(seq)
+        kept = (
+            tuple(zip(inputs, outputs, strict=True))
+            if len(inputs) == len(outputs) == len(seq)
+            else None
+        )
         if seq and not any(kind == "backward" for _, kind, _ in seq):
             training = {
                 r.index for r in self.records() if r.profile is not None and r.profile.training
@@ -1392,8 +1427,9 @@ class MemCompiler:
             ]
             seq = seq + tuple((i, "backward", b) for (i, _, b), _ in back)
             sizes = sizes + tuple(k for _, k in back)
-            views = views + ({},) * len(back)
-        return seq, sizes, views
+            if kept is not None:
+                kept = kept + (({}, {}),) * len(back)
+        return seq, sizes, kept
 
     def predict_step(
         self, extra_resident: Iterable[torch.Tensor] = ()
@@ -1419,7 +1455,7 @@ class MemCompiler:
             static.update(storage_sizes([*model.parameters(), *model.buffers()]))
         static.update(storage_sizes(extra_resident))
         resident = sum(static.values()) + (self.device_other_bytes or 0)
-        seq, sizes, views = self._sequence_sizes_views()
+        seq, sizes, kept = self._sequence_sizes_views()
         profiles = {r.index: r.profile for r in records}
         # A graph compiled for dynamic sizes (an expert's token count) is profiled at each
         # call's own sizes: its example's would under- or overstate the other calls.
@@ -1439,7 +1475,12 @@ class MemCompiler:
                 resident_bytes=resident,
                 call_profiles=call_profiles,
                 call_storages=call_storages,
-                call_views=[{a: n for a, n in v.items() if a not in static} for v in views],
+                call_views=(
+                    [{a: n for a, n in v.items() if a not in static} for v, _ in kept]
+                    if kept is not None
+                    else None
+                ),
+                call_saved_outputs=[o for _, o in kept] if kept is not None else None,
             )
             if seq
             else None
@@ -1617,12 +1658,23 @@ class MemCompiler:
 
     def _current_step(
         self,
-    ) -> tuple[tuple[StepEvent, ...], tuple[SizeKey, ...], tuple[ViewStorages, ...]]:
-        """:meth:`current_step`, each call's size key and :data:`ViewStorages`."""
+    ) -> tuple[
+        tuple[StepEvent, ...],
+        tuple[SizeKey, ...],
+        tuple[ViewStorages, ...],
+        tuple[ViewStorages, ...],
+    ]:
+        """:meth:`current_step`, each call's size key, :data:`ViewStorages` of its kept inputs
+        and of its saved user outputs."""
         step = self._step
         if step and (step[-1][1] == "backward" or not self.last_step):
-            return tuple(step), tuple(self._step_sizes), tuple(self._step_views)
-        return self.last_step, self.last_step_sizes, self.last_step_views
+            return (
+                tuple(step),
+                tuple(self._step_sizes),
+                tuple(self._step_views),
+                tuple(self._step_outputs),
+            )
+        return self.last_step, self.last_step_sizes, self.last_step_views, self.last_step_outputs
 
     def records(self) -> list[FragmentRecord]:
         """A snapshot of the compiled fragments, in compile order."""

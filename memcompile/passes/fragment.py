@@ -77,6 +77,13 @@ class FragmentProfile:
         saved_view_inputs: positions of activation inputs the backward reads that are views
             into a larger storage (not in ``saved_input_bytes``): autograd keeps that whole
             storage alive, which the step's replay counts once per storage (by address).
+        saved_input_positions: positions of the inputs in ``saved_input_bytes`` (whole
+            storages). Calls of one graph often save the same storage (every expert of a layer
+            saves the layer's expert input): the step's replay counts each once by address.
+        saved_output_positions: positions among the forward's outputs of saved tensors (in
+            ``saved_bytes``) that are also user outputs: a later fragment may save the same
+            storage (a router's output, which every expert of its layer saves as its input);
+            the step's replay counts it once by address.
     """
 
     forward: GraphProfile
@@ -90,6 +97,8 @@ class FragmentProfile:
     saved_input_bytes: int = 0
     param_grads: tuple[ParamGrad, ...] = ()
     saved_view_inputs: tuple[int, ...] = ()
+    saved_input_positions: tuple[int, ...] = ()
+    saved_output_positions: tuple[int, ...] = ()
 
     @property
     def training(self) -> bool:
@@ -260,6 +269,13 @@ def profile_fragment(
     saved_input_bytes = sum(ids.nbytes(s) for s in saved_inputs)
     static_set = set(static_input_indices)
     bw_in_set = set(bw_in_ids)
+    saved_positions = tuple(
+        i
+        for i, v in enumerate(in_vals)
+        if i not in static_set
+        and covers_storage(v)
+        and any(s in saved_inputs for s in ids.ids_of(v))
+    )
     saved_views = tuple(
         i
         for i, v in enumerate(in_vals)
@@ -269,6 +285,14 @@ def profile_fragment(
         and any(s in bw_in_set for s in ids.ids_of(v))
     )
     held = sum(ids.nbytes(s) for s in dict.fromkeys(tracked_user) if s not in saved)
+    user_ids = set(tracked_user)
+    shared_outputs = tuple(
+        j
+        for j in range(num_mutated_inputs + num_user_outputs, len(outs))
+        if isinstance(outs[j], torch.Tensor)
+        and covers_storage(outs[j])
+        and any(sid in saved and sid in user_ids for sid in ids.ids_of(outs[j]))
+    )
 
     # Backward outputs line up with the forward inputs (None where no gradient flows).
     grads = _output_vals(bw_gm)
@@ -311,4 +335,6 @@ def profile_fragment(
         saved_input_bytes=saved_input_bytes,
         param_grads=tuple(param_grads),
         saved_view_inputs=saved_views,
+        saved_input_positions=saved_positions,
+        saved_output_positions=shared_outputs,
     )

@@ -5,7 +5,8 @@ Replays the observed call sequence of one step (``F0.fw F1.fw … F1.bw F0.bw``)
 
     live = resident (parameters, buffers, the first fragment's inputs)
     F.fw        peak = live + saved(earlier fragments) + F's activation inputs + F.forward peak
-                saved += F.saved + F.saved inputs (autograd keeps the inputs its backward reads)
+                saved += F.saved + F.saved inputs (autograd keeps the inputs its backward reads;
+                         by storage address when known: calls saving one storage hold it once)
     F.bw        peak = live + held loss + saved(others) + grads so far
                        + max(F.backward peak, F.backward end + accumulate)
                 saved -= F.saved; grads += F's gradients of parameters without one yet
@@ -91,6 +92,7 @@ def simulate_step(
     call_profiles: Sequence[FragmentProfile | None] | None = None,
     call_storages: Sequence[Mapping[int, int] | None] | None = None,
     call_views: Sequence[Mapping[int, int]] | None = None,
+    call_saved_outputs: Sequence[Mapping[int, int]] | None = None,
 ) -> StepPrediction:
     """Replay ``sequence`` (fragment index, kind, block key) over ``profiles``.
 
@@ -105,15 +107,24 @@ def simulate_step(
         call_storages: each call's parameters, input position -> storage address: calls that
             read one storage add to one gradient. ``None`` (or a position missing): calls
             with the same (index, block key) use the same parameters, others different ones.
-        call_views: each forward call's storages (address -> bytes) that its backward reads
-            through views (``FragmentProfile.saved_view_inputs``): each is counted once, from
-            the first forward that keeps it to the last backward that releases it; those of
-            the first forward are the caller's (in ``resident_bytes`` with its inputs).
+        call_views: each forward call's input storages (address -> bytes) that its backward
+            reads, whole (``FragmentProfile.saved_input_positions``) or through views
+            (``saved_view_inputs``): each is counted once, from the first forward that keeps
+            it to the last backward that releases it (every expert of a layer saves the
+            layer's expert input: one storage); those of the first forward are the caller's
+            (in ``resident_bytes`` with its inputs). Given, they replace the profiles'
+            ``saved_input_bytes``; ``None``: those are counted per call.
+        call_saved_outputs: each forward call's saved outputs that are also user outputs
+            (``FragmentProfile.saved_output_positions``; address -> bytes, part of its
+            ``saved_bytes``): counted once with the storages of ``call_views``, so a later call
+            saving one as its input (an expert saving its router's output) adds nothing; the
+            call's own backward reads them (its peak counts them) and releases them.
     """
     for name, per_call in (
         ("call_profiles", call_profiles),
         ("call_storages", call_storages),
         ("call_views", call_views),
+        ("call_saved_outputs", call_saved_outputs),
     ):
         if per_call is not None and len(per_call) != len(sequence):
             raise ValueError(f"{name} has {len(per_call)} entries for {len(sequence)} calls")
@@ -145,7 +156,7 @@ def simulate_step(
     contributions: dict[Hashable, int] = {}
     on_device: dict[Hashable, int] = {}
     # A forward saves its call's bytes; its backward releases exactly those.
-    open_saved: dict[int, list[tuple[int, int, Mapping[int, int]]]] = {}
+    open_saved: dict[int, list[tuple[int, int, Mapping[int, int], Mapping[int, int]]]] = {}
     # Storages kept through views -> how many open forwards keep them, and their bytes in all
     # (the first forward's are the caller's: in base).
     view_refs: dict[int, int] = {}
@@ -174,15 +185,17 @@ def simulate_step(
                 # The first forward's inputs are the caller's (in base): only later ones, which
                 # Python may drop while autograd keeps them, add to what is saved. An input two
                 # fragments both save counts twice (an overestimate: sizes are not storages).
-                inputs = 0 if i == first_call else prof.saved_input_bytes
+                inputs = 0 if i == first_call or call_views is not None else prof.saved_input_bytes
                 if i == first_call:
                     callers.update(views)
-                for address, nbytes in views.items():
+                outs = call_saved_outputs[i] if call_saved_outputs is not None else {}
+                outputs = max(prof.saved_bytes - sum(outs.values()), 0)
+                for address, nbytes in (*views.items(), *outs.items()):
                     if address not in callers and not view_refs.get(address):
                         viewed += nbytes
                     view_refs[address] = view_refs.get(address, 0) + 1
-                saved += prof.saved_bytes + inputs
-                open_saved.setdefault(index, []).append((prof.saved_bytes, inputs, views))
+                saved += outputs + inputs
+                open_saved.setdefault(index, []).append((outputs, inputs, views, outs))
             held = prof.held_output_bytes
         else:  # backward
             bw = prof.backward
@@ -191,8 +204,13 @@ def simulate_step(
                 own_peaks.append(None)
                 continue
             opened = open_saved.get(index)
-            outputs, inputs, views = opened.pop() if opened else (prof.saved_bytes, 0, {})
+            outputs, inputs, views, outs = opened.pop() if opened else (prof.saved_bytes, 0, {}, {})
             others = max(saved - outputs - inputs, 0)
+            # Its own saved outputs are in its backward's peak (that graph's inputs).
+            for address, nbytes in outs.items():
+                view_refs[address] -= 1
+                if not view_refs[address] and address not in callers:
+                    viewed -= nbytes
             # The call's gradients against those of earlier calls (see the module docstring).
             summed = 0  # the largest out-of-place sum of a first and a second gradient
             to_device = 0  # host gradients whose sum is now a device tensor
