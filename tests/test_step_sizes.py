@@ -239,6 +239,28 @@ def test_a_saved_output_later_calls_save_as_their_input_counts_once():
         simulate_step({0: head}, seq, resident_bytes=0, call_saved_outputs=[{}])
 
 
+def test_a_gradient_several_backwards_add_to_is_held_until_a_backward_not_reading_it():
+    # Three experts read the router's output h and each backward makes a 500-byte gradient
+    # for it: autograd's engine sums them into the first and keeps the sum for the router's
+    # backward (which counts it as its incoming gradient). The MoE's expert backwards were
+    # under-predicted by that gradient (8 KiB of 457,232 B).
+    router = _profile((), bw_peak=10, bw_end=0, param_bytes=0)
+    expert = dataclasses.replace(
+        _profile((), bw_peak=600, bw_end=500, param_bytes=0), activation_grads=((1, 500),)
+    )
+    seq = _training([1, 2, 2, 2])
+    reads = [{1: 0xA} if (i, k) == (2, "forward") else {} for i, k, _ in seq]
+    pred = simulate_step({1: router, 2: expert}, seq, resident_bytes=0, call_input_grads=reads)
+    assert pred.call_peaks[4:] == (600, 1100, 1100, 10)
+    unseen = simulate_step({1: router, 2: expert}, seq, resident_bytes=0)
+    assert unseen.call_peaks[4:] == (600, 600, 600, 10)
+    # a backward reading another storage ends the holding (the gradient was handed on)
+    other = [{1: 0xA + j} if (i, k) == (2, "forward") else {} for j, (i, k, _) in enumerate(seq)]
+    assert simulate_step(
+        {1: router, 2: expert}, seq, resident_bytes=0, call_input_grads=other
+    ).call_peaks[4:] == (600, 600, 600, 10)
+
+
 def test_per_call_lists_must_match_the_sequence():
     prof = _profile((), bw_peak=1, bw_end=0, param_bytes=0)
     with pytest.raises(ValueError, match="call_storages has 1 entries for 2 calls"):

@@ -25,7 +25,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from types import CodeType
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 import sympy
 import torch
@@ -98,6 +98,26 @@ SizeKey = tuple[int, ...]
 #: Storages (address -> bytes) of the activation inputs a forward call's backward reads: those
 #: it saves whole and those it reads through views (autograd keeps the storage alive either way).
 ViewStorages = Mapping[int, int]
+
+
+class CallStorages(NamedTuple):
+    """Storages of one call that the step's replay counts by address (``passes/step.py``), so
+    that what several calls share is counted once.
+
+    Attributes:
+        kept: :data:`ViewStorages` of the inputs its backward reads (a forward call).
+        outputs: its saved outputs that are also user outputs (address -> bytes), read after
+            it returned.
+        grad_inputs: its activation inputs whose gradients its backward makes (its profile's
+            ``activation_grads``): input position -> storage address.
+    """
+
+    kept: ViewStorages
+    outputs: ViewStorages
+    grad_inputs: Mapping[int, int]
+
+
+_NO_STORAGES = CallStorages({}, {}, {})
 
 
 class BlockObserver(Protocol):
@@ -645,11 +665,13 @@ class _FragmentBuild:
         key_pos = static[0] if static else -1
         blocks, block_inputs = self.blocks, self.block_inputs
         if kind == "forward" and self.profile is not None:
-            # Which input storages this call's backward keeps (whole or through views): read
-            # per call, so that the step's replay counts a storage several calls keep once.
+            # Which input storages this call's backward keeps (whole or through views), and
+            # which inputs get gradients: read per call, so that the step's replay counts a
+            # storage several calls keep, or a gradient several calls add to, once.
             kept = self.profile.saved_input_positions + self.profile.saved_view_inputs
-            if kept:
-                self.compiler._saved_views[self.index] = kept
+            grads = tuple(i for i, _ in self.profile.activation_grads)
+            if kept or grads:
+                self.compiler._saved_views[self.index] = (kept, grads)
         shared_out = (
             self.profile.saved_output_positions
             if kind == "forward" and self.profile is not None
@@ -814,20 +836,17 @@ class MemCompiler:
         self.last_step: tuple[StepEvent, ...] = ()
         #: Each call's size-symbol values (``_FragmentBuild.size_key``), parallel to the steps.
         self.last_step_sizes: tuple[SizeKey, ...] = ()
-        #: Each call's :data:`ViewStorages` (empty but for forwards saving inputs).
-        self.last_step_views: tuple[ViewStorages, ...] = ()
-        #: Each call's saved outputs that are also user outputs (:data:`ViewStorages`; empty
-        #: but for forwards with ``saved_output_positions``), read after the call returned.
-        self.last_step_outputs: tuple[ViewStorages, ...] = ()
+        #: Each call's :class:`CallStorages` (empty but for forwards saving inputs or making
+        #: gradients of activation inputs).
+        self.last_step_storages: tuple[CallStorages, ...] = ()
         self.steps_observed = 0
         self._lock = threading.Lock()
         self._step: list[StepEvent] = []
         self._step_sizes: list[SizeKey] = []
-        self._step_views: list[ViewStorages] = []
-        self._step_outputs: list[ViewStorages] = []
+        self._step_storages: list[CallStorages] = []
         #: Fragment index -> positions of activation inputs its backward reads, whole or through
         #: views (its profile's saved_input_positions and saved_view_inputs).
-        self._saved_views: dict[int, tuple[int, ...]] = {}
+        self._saved_views: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self._step_trains = False
         self._last_kind = ""
         self._open_blocks: dict[int, list[tuple[int, SizeKey]]] = {}
@@ -1096,12 +1115,10 @@ class MemCompiler:
             self.fallbacks.clear()
             self.last_step = ()
             self.last_step_sizes = ()
-            self.last_step_views = ()
-            self.last_step_outputs = ()
+            self.last_step_storages = ()
             self._step = []
             self._step_sizes = []
-            self._step_views = []
-            self._step_outputs = []
+            self._step_storages = []
             self._saved_views.clear()
             self._step_trains = False
             self._last_kind = ""
@@ -1337,9 +1354,17 @@ class MemCompiler:
             block, sizes = opened.pop() if opened else (0, ())
         step.append((index, kind, block))
         self._step_sizes.append(sizes)
-        views = self._saved_views.get(index) if kind == "forward" else None
-        self._step_views.append(_view_storages(args, views) if views else {})
-        self._step_outputs.append({})
+        read = self._saved_views.get(index) if kind == "forward" else None
+        if read is None:
+            self._step_storages.append(_NO_STORAGES)
+        else:
+            kept, grads = read
+            addresses = {
+                i: args[i].untyped_storage().data_ptr()
+                for i in grads
+                if i < len(args) and isinstance(args[i], torch.Tensor)
+            }
+            self._step_storages.append(CallStorages(_view_storages(args, kept), {}, addresses))
         self._step_trains |= kind == "forward"
         self._last_kind = kind
         for observer in self.block_observers:
@@ -1347,19 +1372,17 @@ class MemCompiler:
 
     def _on_saved_outputs(self, storages: ViewStorages) -> None:
         # The forward call just recorded by _on_call returned these saved user outputs.
-        if self._step_outputs:
-            self._step_outputs[-1] = storages
+        if self._step_storages:
+            self._step_storages[-1] = self._step_storages[-1]._replace(outputs=storages)
 
     def _end_step(self) -> None:
         self.last_step = tuple(self._step)
         self.last_step_sizes = tuple(self._step_sizes)
-        self.last_step_views = tuple(self._step_views)
-        self.last_step_outputs = tuple(self._step_outputs)
+        self.last_step_storages = tuple(self._step_storages)
         self.steps_observed += 1
         self._step = []
         self._step_sizes = []
-        self._step_views = []
-        self._step_outputs = []
+        self._step_storages = []
         self._step_trains = False
         self._open_blocks.clear()
         self._check_step_budget()
@@ -1400,22 +1423,13 @@ class MemCompiler:
 
     def _sequence_sizes_views(
         self,
-    ) -> tuple[
-        tuple[StepEvent, ...],
-        tuple[SizeKey, ...],
-        tuple[tuple[ViewStorages, ViewStorages], ...] | None,
-    ]:
-        """:meth:`step_sequence`, each call's size key, and each call's :data:`ViewStorages` of
-        its kept inputs and of its saved user outputs (``None``: not recorded; the replay then
-        counts each call's saved inputs by its profile)."""
-        seq, sizes, inputs, outputs = self._current_step()
+    ) -> tuple[tuple[StepEvent, ...], tuple[SizeKey, ...], tuple[CallStorages, ...] | None]:
+        """:meth:`step_sequence`, each call's size key and :class:`CallStorages` (``None``: not
+        recorded; the replay then counts each call's saved inputs by its profile)."""
+        seq, sizes, recorded = self._current_step()
         if len(sizes) != len(seq):  # not recorded (calls made before sizes were): the hints
             sizes = ((),) * len(seq)
-        kept = (
-            tuple(zip(inputs, outputs, strict=True))
-            if len(inputs) == len(outputs) == len(seq)
-            else None
-        )
+        kept = recorded if len(recorded) == len(seq) else None
         if seq and not any(kind == "backward" for _, kind, _ in seq):
             training = {
                 r.index for r in self.records() if r.profile is not None and r.profile.training
@@ -1428,7 +1442,7 @@ class MemCompiler:
             seq = seq + tuple((i, "backward", b) for (i, _, b), _ in back)
             sizes = sizes + tuple(k for _, k in back)
             if kept is not None:
-                kept = kept + (({}, {}),) * len(back)
+                kept = kept + (_NO_STORAGES,) * len(back)
         return seq, sizes, kept
 
     def predict_step(
@@ -1476,11 +1490,12 @@ class MemCompiler:
                 call_profiles=call_profiles,
                 call_storages=call_storages,
                 call_views=(
-                    [{a: n for a, n in v.items() if a not in static} for v, _ in kept]
+                    [{a: n for a, n in c.kept.items() if a not in static} for c in kept]
                     if kept is not None
                     else None
                 ),
-                call_saved_outputs=[o for _, o in kept] if kept is not None else None,
+                call_saved_outputs=[c.outputs for c in kept] if kept is not None else None,
+                call_input_grads=[c.grad_inputs for c in kept] if kept is not None else None,
             )
             if seq
             else None
@@ -1658,23 +1673,12 @@ class MemCompiler:
 
     def _current_step(
         self,
-    ) -> tuple[
-        tuple[StepEvent, ...],
-        tuple[SizeKey, ...],
-        tuple[ViewStorages, ...],
-        tuple[ViewStorages, ...],
-    ]:
-        """:meth:`current_step`, each call's size key, :data:`ViewStorages` of its kept inputs
-        and of its saved user outputs."""
+    ) -> tuple[tuple[StepEvent, ...], tuple[SizeKey, ...], tuple[CallStorages, ...]]:
+        """:meth:`current_step`, each call's size key and :class:`CallStorages`."""
         step = self._step
         if step and (step[-1][1] == "backward" or not self.last_step):
-            return (
-                tuple(step),
-                tuple(self._step_sizes),
-                tuple(self._step_views),
-                tuple(self._step_outputs),
-            )
-        return self.last_step, self.last_step_sizes, self.last_step_views, self.last_step_outputs
+            return tuple(step), tuple(self._step_sizes), tuple(self._step_storages)
+        return self.last_step, self.last_step_sizes, self.last_step_storages
 
     def records(self) -> list[FragmentRecord]:
         """A snapshot of the compiled fragments, in compile order."""

@@ -84,6 +84,11 @@ class FragmentProfile:
             ``saved_bytes``) that are also user outputs: a later fragment may save the same
             storage (a router's output, which every expert of its layer saves as its input);
             the step's replay counts it once by address.
+        activation_grads: ``(position, bytes)`` of each gradient the backward returns for an
+            activation input (not a parameter or buffer) in storage it allocates (a gradient
+            that is the incoming one passed through costs nothing). Calls reading one input
+            (every expert of a layer reads its expert input) add to one gradient, which the
+            autograd engine holds between their backwards (``passes/step.py``).
     """
 
     forward: GraphProfile
@@ -99,6 +104,7 @@ class FragmentProfile:
     saved_view_inputs: tuple[int, ...] = ()
     saved_input_positions: tuple[int, ...] = ()
     saved_output_positions: tuple[int, ...] = ()
+    activation_grads: tuple[tuple[int, int], ...] = ()
 
     @property
     def training(self) -> bool:
@@ -300,8 +306,19 @@ def profile_fragment(
     grad_sids: dict[int, None] = {}
     param_grads: list[ParamGrad] = []
     counted: set[int] = set()
+    activation_grads: list[tuple[int, int]] = []
     for i, g in enumerate(grads[: len(in_vals)]):
-        if i not in static_set or not isinstance(g, torch.Tensor):
+        if not isinstance(g, torch.Tensor):
+            continue
+        if i not in static_set:
+            fresh = [
+                s
+                for s in ids.ids_of(g)
+                if s not in bw_in_set and s not in counted and s not in fw.persistent
+            ]
+            counted.update(fresh)
+            if fresh:
+                activation_grads.append((i, sum(ids.nbytes(s) for s in fresh)))
             continue
         # Gradients of host-placed parameters leave through memcompile::offload
         # (passes/params.py): they are host-tier memory, never part of the device's grads.
@@ -337,4 +354,5 @@ def profile_fragment(
         saved_view_inputs=saved_views,
         saved_input_positions=saved_positions,
         saved_output_positions=shared_outputs,
+        activation_grads=tuple(activation_grads),
     )

@@ -8,6 +8,7 @@ Replays the observed call sequence of one step (``F0.fw F1.fw … F1.bw F0.bw``)
                 saved += F.saved + F.saved inputs (autograd keeps the inputs its backward reads;
                          by storage address when known: calls saving one storage hold it once)
     F.bw        peak = live + held loss + saved(others) + grads so far
+                       + gradients of activation inputs autograd holds for their producer
                        + max(F.backward peak, F.backward end + accumulate)
                 saved -= F.saved; grads += F's gradients of parameters without one yet
 
@@ -93,6 +94,7 @@ def simulate_step(
     call_storages: Sequence[Mapping[int, int] | None] | None = None,
     call_views: Sequence[Mapping[int, int]] | None = None,
     call_saved_outputs: Sequence[Mapping[int, int]] | None = None,
+    call_input_grads: Sequence[Mapping[int, int]] | None = None,
 ) -> StepPrediction:
     """Replay ``sequence`` (fragment index, kind, block key) over ``profiles``.
 
@@ -119,12 +121,20 @@ def simulate_step(
             ``saved_bytes``): counted once with the storages of ``call_views``, so a later call
             saving one as its input (an expert saving its router's output) adds nothing; the
             call's own backward reads them (its peak counts them) and releases them.
+        call_input_grads: each forward call's activation inputs with a gradient
+            (``FragmentProfile.activation_grads``): input position -> storage address. The
+            gradient a backward makes for one is held after it (autograd's engine keeps it for
+            the producer's backward) while the backwards that run next read that storage too
+            (every expert of a layer reads its expert input: their gradients are summed into
+            the first, in place); it is released at the next backward that does not read it
+            (the producer's, which counts it as its incoming gradient). ``None``: not held.
     """
     for name, per_call in (
         ("call_profiles", call_profiles),
         ("call_storages", call_storages),
         ("call_views", call_views),
         ("call_saved_outputs", call_saved_outputs),
+        ("call_input_grads", call_input_grads),
     ):
         if per_call is not None and len(per_call) != len(sequence):
             raise ValueError(f"{name} has {len(per_call)} entries for {len(sequence)} calls")
@@ -156,7 +166,10 @@ def simulate_step(
     contributions: dict[Hashable, int] = {}
     on_device: dict[Hashable, int] = {}
     # A forward saves its call's bytes; its backward releases exactly those.
-    open_saved: dict[int, list[tuple[int, int, Mapping[int, int], Mapping[int, int]]]] = {}
+    open_saved: dict[int, list[tuple[int, int, Mapping[int, int], Mapping[int, int], int]]] = {}
+    # Gradients of activation inputs held between backwards: storage address -> bytes.
+    input_grads: dict[int, int] = {}
+    held_input_grads = 0
     # Storages kept through views -> how many open forwards keep them, and their bytes in all
     # (the first forward's are the caller's: in base).
     view_refs: dict[int, int] = {}
@@ -195,7 +208,7 @@ def simulate_step(
                         viewed += nbytes
                     view_refs[address] = view_refs.get(address, 0) + 1
                 saved += outputs + inputs
-                open_saved.setdefault(index, []).append((outputs, inputs, views, outs))
+                open_saved.setdefault(index, []).append((outputs, inputs, views, outs, i))
             held = prof.held_output_bytes
         else:  # backward
             bw = prof.backward
@@ -204,7 +217,14 @@ def simulate_step(
                 own_peaks.append(None)
                 continue
             opened = open_saved.get(index)
-            outputs, inputs, views, outs = opened.pop() if opened else (prof.saved_bytes, 0, {}, {})
+            outputs, inputs, views, outs, forward = (
+                opened.pop() if opened else (prof.saved_bytes, 0, {}, {}, -1)
+            )
+            reads: Mapping[int, int] = (
+                call_input_grads[forward] if call_input_grads is not None and forward >= 0 else {}
+            )
+            for address in [a for a in input_grads if a not in reads.values()]:
+                held_input_grads -= input_grads.pop(address)  # this backward's, or lost
             others = max(saved - outputs - inputs, 0)
             # Its own saved outputs are in its backward's peak (that graph's inputs).
             for address, nbytes in outs.items():
@@ -230,13 +250,18 @@ def simulate_step(
             # Its saved inputs stay until the call ends (the graph's profile treats every
             # forward input as the caller's).
             own = max(bw.peak_bytes, bw.end_bytes + accumulate)
-            p = base + held + others + inputs + viewed + grads + own
+            p = base + held + others + inputs + viewed + grads + held_input_grads + own
             saved = others
             for address, nbytes in views.items():  # the last reader's backward frees it
                 view_refs[address] -= 1
                 if not view_refs[address] and address not in callers:
                     viewed -= nbytes
             grads += added + to_device
+            for position, nbytes in prof.activation_grads:
+                read = reads.get(position)
+                if read is not None and read not in input_grads:
+                    input_grads[read] = nbytes
+                    held_input_grads += nbytes
             for key, g in grads_of(i):
                 if last_use[key] == i and g.host and on_device[key]:
                     grads -= on_device[key]  # summed on the device, now back to the host
