@@ -10,6 +10,8 @@ Replays the observed call sequence of one step (``F0.fw F1.fw … F1.bw F0.bw``)
     F.bw        peak = live + held loss + saved(others) + grads so far
                        + gradients of activation inputs autograd holds for their producer
                        + max(F.backward peak, F.backward end + accumulate)
+                (F.backward peak with its incoming gradients freed at their last use, but for
+                the step's first backward, whose gradient the engine's root holds)
                 saved -= F.saved; grads += F's gradients of parameters without one yet
 
 Gradients are keyed by parameter storage, so fragments that share parameters (a tree cell's
@@ -170,6 +172,7 @@ def simulate_step(
     # Gradients of activation inputs held between backwards: storage address -> bytes.
     input_grads: dict[int, int] = {}
     held_input_grads = 0
+    first_backward = True
     # Storages kept through views -> how many open forwards keep them, and their bytes in all
     # (the first forward's are the caller's: in base).
     view_refs: dict[int, int] = {}
@@ -249,7 +252,12 @@ def simulate_step(
             accumulate = to_device + max(summed, prof.clone_bytes)
             # Its saved inputs stay until the call ends (the graph's profile treats every
             # forward input as the caller's).
-            own = max(bw.peak_bytes, bw.end_bytes + accumulate)
+            # Incoming gradients another backward made die at their last use; the step's first
+            # backward's (the loss's) is held by the engine's root (fragment.py).
+            handed = prof.backward_handed_peak
+            bw_peak = bw.peak_bytes if first_backward or handed is None else handed
+            first_backward = False
+            own = max(bw_peak, bw.end_bytes + accumulate)
             p = base + held + others + inputs + viewed + grads + held_input_grads + own
             saved = others
             for address, nbytes in views.items():  # the last reader's backward frees it
