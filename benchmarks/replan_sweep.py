@@ -30,19 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def _train(wl: Any, model: Any, steps: int) -> list[torch.Tensor]:
-    opt = torch.optim.SGD(wl.model.parameters(), lr=0.1)
-    torch.manual_seed(123)
-    losses = []
-    for step in range(steps):
-        opt.zero_grad(set_to_none=True)
-        loss = wl.loss(model, step)
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach().clone())
-    return losses
-
-
 def _measure(wl: Any, compiled: Any) -> int:
     import memcompile
 
@@ -58,7 +45,7 @@ def unplanned(name: str) -> int:
 
     wl = zoo.build(name, size="tiny")
     compiled = memcompile.compile(wl.model)
-    _train(wl, compiled, 1)
+    wl.train(compiled, 1)
     return _measure(wl, compiled)
 
 
@@ -68,11 +55,11 @@ def one(name: str, budget: int, steps: int) -> dict[str, Any]:
     from memcompile import MemoryBudgetWarning, zoo
 
     eager, comp = zoo.build(name, size="tiny"), zoo.build(name, size="tiny")
-    eager_losses = _train(eager, eager.model, steps)
+    eager_losses = eager.train(eager.model, steps)
     compiled = memcompile.compile(comp.model, budget=budget)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        losses = _train(comp, compiled, steps)
+        losses = comp.train(compiled, steps)
         measured = _measure(comp, compiled)
     same = all(torch.equal(a, b) for a, b in zip(eager_losses, losses, strict=True))
     sa, sb = eager.model.state_dict(), comp.model.state_dict()

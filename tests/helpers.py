@@ -20,27 +20,6 @@ from memcompile.passes.workspace import probe_workspaces
 from memcompile.zoo import Workload
 
 
-def train(
-    wl: Workload, model: Callable[..., torch.Tensor], optimizer: str, steps: int
-) -> list[torch.Tensor]:
-    """Train ``wl.model`` (through ``model``, maybe a compiled wrapper) and return the losses."""
-    params = list(wl.model.parameters())
-    opt: torch.optim.Optimizer
-    if optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=0.1)
-    else:
-        opt = torch.optim.Adam(params, lr=1e-3)
-    torch.manual_seed(123)  # dropout draws from the global RNG: same stream in every run
-    losses = []
-    for step in range(steps):
-        opt.zero_grad(set_to_none=True)
-        loss = wl.loss(model, step)
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach().clone())
-    return losses
-
-
 def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
     """Parameters and buffers of ``a`` and ``b`` are bit-identical."""
     sa, sb = a.state_dict(), b.state_dict()
@@ -162,11 +141,11 @@ def train_under_budget(
     torch._dynamo.reset()
     eager = zoo.build(name, size=size).to(device)
     comp = zoo.build(name, size=size).to(device)
-    eager_losses = train(eager, eager.model, optimizer, 3)
+    eager_losses = eager.train(eager.model, 3, optimizer=optimizer)
     compiled = memcompile.compile(comp.model, budget=budget, **options)
     with warnings.catch_warnings():
         warnings.simplefilter("error", memcompile.MemoryBudgetWarning)
-        losses = train(comp, compiled, optimizer, 3)
+        losses = comp.train(compiled, 3, optimizer=optimizer)
     assert all(torch.equal(a, b) for a, b in zip(eager_losses, losses, strict=True))
     assert_same_state(eager.model, comp.model)
     comp.model.zero_grad(set_to_none=True)

@@ -17,7 +17,7 @@ from memcompile.backends import compiler as compiler_module
 from memcompile.report import MemReport, find_compiler
 from memcompile.runtime.store import TieredStore, register_store
 
-from helpers import train, train_under_budget
+from helpers import train_under_budget
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -59,7 +59,7 @@ def _unbudgeted_report(name: str, *, eager_copy: bool, **options: Any) -> MemRep
     gc.collect()  # earlier tests' models must not count as device memory in use
     eager = zoo.build(name, size="tiny").to("cuda") if eager_copy else None
     if eager is not None:
-        train(eager, eager.model, "sgd", 3)
+        eager.train(eager.model, 3)
     wl = zoo.build(name, size="tiny").to("cuda")
     compiled = memcompile.compile(wl.model, **options)
     wl.loss(compiled, 0).backward()
@@ -225,7 +225,7 @@ def test_cuda_auto_hosts_parameters_when_nothing_else_fits() -> None:
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error", memcompile.MemoryBudgetWarning)
-        train(wl, compiled, "sgd", 3)
+        wl.train(compiled, 3)
     assert all(p.device.type == "cpu" and p.is_pinned() for p in wl.model.parameters())
     wl.model.zero_grad(set_to_none=True)
     batch = wl.batch(3)

@@ -22,7 +22,7 @@ from memcompile.dynamic.pilot import Prediction
 from memcompile.report import find_compiler
 from memcompile.runtime.cache import PrefetchCache
 
-from helpers import assert_same_state, train, train_under_budget
+from helpers import assert_same_state, train_under_budget
 
 # The Pilot trains inline after two steps, so it predicts with LightGBM within a short test.
 _FAST_PILOT = {"warmup_steps": 2, "retrain_every": 1, "background": False}
@@ -71,14 +71,14 @@ def _run(name: str, pilot: str, steps: int, optimizer: str = "sgd") -> memcompil
     losses and parameters; return the report."""
     torch._dynamo.reset()
     eager, comp = zoo.build(name, size="tiny"), zoo.build(name, size="tiny")
-    expected = train(eager, eager.model, optimizer, steps)
+    expected = eager.train(eager.model, steps, optimizer=optimizer)
     option = "markov" if pilot == "adversarial" else pilot
     compiled = memcompile.compile(comp.model, offload_params=True, pilot=option)
     if pilot == "adversarial":
         compiler = find_compiler(compiled)[0]
         assert compiler.prefetcher is not None
         compiler.prefetcher.predictor = AlwaysWrong()
-    losses = train(comp, compiled, optimizer, steps)
+    losses = comp.train(compiled, steps, optimizer=optimizer)
     assert all(torch.equal(a, b) for a, b in zip(expected, losses, strict=True))
     assert_same_state(eager.model, comp.model)
     return memcompile.report(compiled)
@@ -278,7 +278,7 @@ def test_pilot_auto_stays_off_for_a_static_model() -> None:
     torch._dynamo.reset()
     wl = zoo.build("gpt", size="tiny")
     compiled = memcompile.compile(wl.model, offload_params=True)
-    train(wl, compiled, "sgd", 2)
+    wl.train(compiled, 2)
     rep = memcompile.report(compiled)
     assert rep.dynamic == "" and rep.pilot is not None and not rep.pilot.enabled
     assert rep.pilot.active == "none" and "not running" in str(rep)
@@ -350,7 +350,7 @@ def test_the_prefetchers_predictor_sees_the_routers_counts() -> None:
     compiler = find_compiler(compiled)[0]
     assert compiler.prefetcher is not None
     seen = compiler.prefetcher.predictor = SeesOutputs()
-    train(wl, compiled, "sgd", 2)
+    wl.train(compiled, 2)
     experts = wl.model.blocks[0].experts
     counts = [
         out
@@ -368,7 +368,7 @@ def test_the_moe_router_predicts_in_its_graph_after_its_counts() -> None:
     torch._dynamo.reset()
     wl = zoo.build("moe", size="tiny")
     compiled = memcompile.compile(wl.model, offload_params=True, pilot="markov")
-    train(wl, compiled, "sgd", 1)
+    wl.train(compiled, 1)
     rep = memcompile.report(compiled)
     assert rep.pilot is not None
     placed = {pl.fragment: pl for pl in rep.pilot.placements}
@@ -411,7 +411,7 @@ def _moe_with(
     prefetcher = find_compiler(compiled)[0].prefetcher
     assert prefetcher is not None
     predictor = prefetcher.predictor = CountsPredictions()
-    losses = train(wl, compiled, "sgd", 4)
+    losses = wl.train(compiled, 4)
     return memcompile.report(compiled), predictor, losses
 
 
@@ -461,7 +461,7 @@ def test_small_int_outputs_are_read_once_per_call_for_the_recorder_and_the_prefe
 
     for module in (compiler_module, trace, prefetch):  # wherever it might be called from
         monkeypatch.setattr(module, "small_int_outputs", counting)
-    train(wl, compiled, "sgd", 2)
+    wl.train(compiled, 2)
     calls = sum(r.stats.forward_calls + r.stats.inference_calls for r in compiler.records())
     assert calls > 0 and len(reads) == calls  # once per call, not once per consumer
     assert len({id(o) for o in reads}) == len(reads)  # ...each call's outputs read once
@@ -482,7 +482,7 @@ def test_pilot_auto_says_why_it_stays_off_for_a_cuda_models_pinned_parameters() 
     compiled = memcompile.compile(wl.model, offload_params=True)
     compiler = find_compiler(compiled)[0]
     compiler.host_params_pinned = True
-    train(wl, compiled, "sgd", 3)
+    wl.train(compiled, 3)
     rep = memcompile.report(compiled)
     assert rep.dynamic and rep.pilot is not None and not rep.pilot.enabled
     assert rep.pilot.reason.startswith("prefetching a CUDA model's host-placed parameters")

@@ -23,7 +23,7 @@ from memcompile.passes.planner import plan_fragment
 from memcompile.runtime.measure import resident_bytes
 from memcompile.runtime.store import TieredStore, is_host_placed, place_on_host, register_store
 
-from helpers import assert_same_state, capture_module, train, train_under_budget
+from helpers import assert_same_state, capture_module, train_under_budget
 
 fetch_op = torch.ops.memcompile.reload.default
 offload_op = torch.ops.memcompile.offload.default
@@ -43,9 +43,9 @@ def _host_state(model: nn.Module) -> tuple[int, int]:
 def test_host_placed_parameters_train_bit_identically(name: str, optimizer: str) -> None:
     torch._dynamo.reset()
     eager, comp = zoo.build(name, size="tiny"), zoo.build(name, size="tiny")
-    expected = train(eager, eager.model, optimizer, 3)
+    expected = eager.train(eager.model, 3, optimizer=optimizer)
     compiled = memcompile.compile(comp.model, offload_params=True)
-    losses = train(comp, compiled, optimizer, 3)
+    losses = comp.train(compiled, 3, optimizer=optimizer)
     assert all(torch.equal(a, b) for a, b in zip(expected, losses, strict=True))
     assert_same_state(eager.model, comp.model)
     n = len(list(comp.model.parameters()))
@@ -186,7 +186,7 @@ def test_offloading_parameters_never_raises_the_measured_peak(name: str) -> None
         torch._dynamo.reset()
         wl = zoo.build(name, size="tiny")
         compiled = memcompile.compile(wl.model, offload_params=off)
-        train(wl, compiled, "sgd", 2)
+        wl.train(compiled, 2)
         wl.model.zero_grad(set_to_none=True)
         batch = wl.batch(4)
         peaks[off] = memcompile.measure_peak(
@@ -230,10 +230,10 @@ def test_host_placed_parameters_with_an_inference_call_in_between() -> None:
     compiled = memcompile.compile(comp.model, offload_params=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", memcompile.MemoryBudgetWarning)
-        train(comp, compiled, "sgd", 2)
+        comp.train(compiled, 2)
         with torch.no_grad():
             got = compiled(*comp.batch(5))
-    train(eager, eager.model, "sgd", 2)
+    eager.train(eager.model, 2)
     with torch.no_grad():
         assert torch.equal(got, eager.model(*eager.batch(5)))
 
@@ -261,7 +261,7 @@ def test_block_ids_name_the_experts_when_their_parameters_move(tmp_path) -> None
     wl = zoo.build("moe", size="tiny")
     path = tmp_path / "trace.jsonl"
     compiled = memcompile.compile(wl.model, offload_params=True, trace_path=str(path))
-    train(wl, compiled, "sgd", 2)
+    wl.train(compiled, 2)
     for observer in find_compiler(compiled)[0].block_observers:
         observer.flush()
     blocks = {b for step in read_trace(path) for b in step.blocks()}

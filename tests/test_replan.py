@@ -16,7 +16,7 @@ from memcompile.passes.analysis import GraphProfile
 from memcompile.passes.fragment import FragmentProfile
 from memcompile.passes.step import StepPrediction, simulate_step
 
-from helpers import assert_same_state, train
+from helpers import assert_same_state
 
 
 def _unplanned_peak(name: str) -> int:
@@ -24,7 +24,7 @@ def _unplanned_peak(name: str) -> int:
     torch._dynamo.reset()
     wl = zoo.build(name, size="tiny")
     compiled = memcompile.compile(wl.model)
-    train(wl, compiled, "sgd", 1)
+    wl.train(compiled, 1)
     wl.model.zero_grad(set_to_none=True)
     batch = wl.batch(4)
     return memcompile.measure_peak(lambda: compiled(*batch).backward(), resident=[wl.model, batch])
@@ -37,11 +37,11 @@ def _train_under(
     returns the compiled model, its workload and the warnings."""
     torch._dynamo.reset()
     eager, comp = zoo.build(name, size="tiny"), zoo.build(name, size="tiny")
-    eager_losses = train(eager, eager.model, "sgd", steps)
+    eager_losses = eager.train(eager.model, steps)
     compiled = memcompile.compile(comp.model, budget=budget)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        losses = train(comp, compiled, "sgd", steps)
+        losses = comp.train(compiled, steps)
     for step, (a, b) in enumerate(zip(eager_losses, losses, strict=True)):
         assert torch.equal(a, b), f"step {step}: loss {a.item()} != {b.item()}"
     assert_same_state(eager.model, comp.model)

@@ -17,8 +17,6 @@ import memcompile
 from memcompile import MemoryBudgetError, zoo
 from memcompile.passes.schedule import schedule, sink
 
-from helpers import train
-
 MiB = 2**20
 
 
@@ -172,7 +170,7 @@ def test_tiny_gpt_smallest_host_tier_plan() -> None:
     compiled = memcompile.compile(wl.model, budget=1, on_infeasible="error")
     with pytest.raises(MemoryBudgetError) as info, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        train(wl, compiled, "sgd", 1)
+        wl.train(compiled, 1)
     assert info.value.min_feasible is not None
     assert info.value.min_feasible <= 0.4 * MiB, info.value.min_feasible
 
@@ -188,7 +186,7 @@ def test_tiny_gpt_smallest_recompute_only_plan_sinks_waiting_gradients() -> None
     )
     with pytest.raises(MemoryBudgetError) as info, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        train(wl, compiled, "sgd", 1)
+        wl.train(compiled, 1)
     assert info.value.min_feasible is not None
     assert info.value.min_feasible <= 1_331_080, info.value.min_feasible
 

@@ -20,8 +20,6 @@ from memcompile.passes.step import simulate_step
 from memcompile.report import find_compiler
 from memcompile.runtime.measure import measure
 
-from helpers import train
-
 
 def _step(name: str, **options: object) -> tuple[int, int]:
     """(predicted, measured) absolute peak of one step of zoo ``name`` (tiny) after 3 training
@@ -34,7 +32,7 @@ def _run(name: str, **options: object) -> tuple[int, int, Any]:
     torch._dynamo.reset()
     wl = zoo.build(name, size="tiny")
     compiled = memcompile.compile(wl.model, **options)
-    train(wl, compiled, "sgd", 3)
+    wl.train(compiled, 3)
     wl.model.zero_grad(set_to_none=True)
     batch = wl.batch(4)
     measured = memcompile.measure_peak(

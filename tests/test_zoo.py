@@ -23,7 +23,7 @@ from torch.fx.graph import _BoxedCodeGen
 from memcompile import zoo
 from memcompile.zoo import SIZES, Workload
 
-from helpers import assert_same_state, train
+from helpers import assert_same_state
 
 NAMES = ("branchy", "early_exit", "gpt", "gpt_manual", "gru", "moe", "resnet", "treelstm")
 # Parameters that may legitimately get no gradient in a step: experts nobody was routed to,
@@ -121,6 +121,23 @@ def test_bad_size_rejected() -> None:
     with pytest.raises(ValueError, match="size must be one of") as err:
         zoo.build("gpt", size="huge")
     assert all(size in str(err.value) for size in SIZES)
+
+
+def test_train_rejects_an_unknown_optimizer_and_negative_steps() -> None:
+    wl = zoo.build("gpt", size="tiny")
+    with pytest.raises(ValueError, match="optimizer must be 'sgd' or 'adam'; got 'lbfgs'"):
+        wl.train(wl.model, 1, optimizer="lbfgs")
+    with pytest.raises(ValueError, match="steps must be >= 0; got -1"):
+        wl.train(wl.model, -1)
+
+
+def test_train_returns_one_detached_loss_per_step_and_moves_the_weights() -> None:
+    wl = zoo.build("gpt", size="tiny")
+    before = [p.detach().clone() for p in wl.model.parameters()]
+    losses = wl.train(wl.model, 2, optimizer="adam")
+    assert len(losses) == 2 and all(not x.requires_grad and x.dim() == 0 for x in losses)
+    after = list(wl.model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -251,8 +268,10 @@ def test_fragment_structure(name: str) -> None:
 )
 def test_bit_identical_to_eager(name: str, optimizer: str) -> None:
     eager, comp = zoo.build(name, size="tiny"), zoo.build(name, size="tiny")
-    eager_losses = train(eager, eager.model, optimizer, 3)
-    compiled_losses = train(comp, torch.compile(comp.model, backend=Recorder()), optimizer, 3)
+    eager_losses = eager.train(eager.model, 3, optimizer=optimizer)
+    compiled_losses = comp.train(
+        torch.compile(comp.model, backend=Recorder()), 3, optimizer=optimizer
+    )
     assert not _dynamo_failures(), _dynamo_failures()
     for step, (a, b) in enumerate(zip(eager_losses, compiled_losses, strict=True)):
         assert torch.equal(a, b), f"step {step}: loss {a.item()} != {b.item()}"

@@ -11,7 +11,7 @@ import torch
 import memcompile
 from memcompile import EagerFallbackWarning, zoo
 
-from helpers import assert_same_state, predicted_peak, train
+from helpers import assert_same_state, predicted_peak
 
 NAMES = zoo.names()
 SINGLE = [n for n in NAMES if zoo.build(n, size="tiny").single_fragment]
@@ -23,11 +23,11 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("name", NAMES)
 def test_bit_identical_to_eager_under_memcompile(name: str, optimizer: str) -> None:
     eager, comp = zoo.build(name, size="tiny"), zoo.build(name, size="tiny")
-    eager_losses = train(eager, eager.model, optimizer, 3)
+    eager_losses = eager.train(eager.model, 3, optimizer=optimizer)
     compiled = torch.compile(comp.model, backend="memcompile")
     with warnings.catch_warnings():
         warnings.simplefilter("error", EagerFallbackWarning)  # no frame may run eagerly
-        compiled_losses = train(comp, compiled, optimizer, 3)
+        compiled_losses = comp.train(compiled, 3, optimizer=optimizer)
     for step, (a, b) in enumerate(zip(eager_losses, compiled_losses, strict=True)):
         assert torch.equal(a, b), f"step {step}: loss {a.item()} != {b.item()}"
     assert_same_state(eager.model, comp.model)  # parameters and buffers (BatchNorm stats)
@@ -75,11 +75,11 @@ def test_bit_identical_to_eager_under_a_budget(name: str, fraction: float) -> No
     torch._dynamo.reset()
 
     eager, comp = zoo.build(name, size="tiny"), zoo.build(name, size="tiny")
-    eager_losses = train(eager, eager.model, "adam", 3)
+    eager_losses = eager.train(eager.model, 3, optimizer="adam")
     compiled = memcompile.compile(comp.model, budget=budget, on_infeasible="best_effort")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        losses = train(comp, compiled, "adam", 3)
+        losses = comp.train(compiled, 3, optimizer="adam")
     for step, (a, b) in enumerate(zip(eager_losses, losses, strict=True)):
         assert torch.equal(a, b), f"step {step}: loss {a.item()} != {b.item()}"
     assert_same_state(eager.model, comp.model)

@@ -50,7 +50,7 @@ from memcompile.backends.replan import MAX_ROUNDS, Replan, decide_replan
 from memcompile.config import MemConfig
 from memcompile.dynamic.trace import small_int_outputs
 from memcompile.errors import MemoryBudgetError, MemoryBudgetWarning, format_bytes
-from memcompile.passes.analysis import bound_sizes
+from memcompile.passes.analysis import GraphProfile, bound_sizes
 from memcompile.passes.context import PassContext
 from memcompile.passes.costmodel import DeviceProfile, device_profile, resolve_profile_name
 from memcompile.passes.dropout import dropout_pass, saved_after
@@ -68,6 +68,7 @@ from memcompile.passes.pilot_prefetch import (
 from memcompile.passes.plan import FragmentPlan
 from memcompile.passes.planner import plan_fragment
 from memcompile.passes.prefetch import plan_prefetch, prefetch_pass
+from memcompile.passes.rematerialize import plan_rematerialize, rematerialize_pass
 from memcompile.passes.step import StepPrediction, simulate_step
 from memcompile.passes.swap import swap_pass
 from memcompile.passes.workspace import clone_workspace, probe_workspaces
@@ -153,6 +154,11 @@ LOSS_HEAD_IN_PLACE = True
 #: the eager inner compiler (Inductor reuses such buffers itself); ``False`` is for tests and
 #: benchmarks that compare against the out-of-place ops.
 ELEMENTWISE_IN_PLACE = True
+
+#: A plan over its budget makes backward values again for their late readers where that lowers
+#: the backward's exact profile (passes/rematerialize.py); ``False`` is for tests and benchmarks
+#: that compare.
+REMATERIALIZE = True
 
 #: The pilot predicts and prefetches inside each forward graph (passes/pilot_prefetch.py);
 #: ``False`` leaves the prediction at the fragment's tail, for tests and benchmarks that compare.
@@ -263,6 +269,7 @@ class _FragmentBuild:
         self.block_inputs: dict[int, dict[int, int]] = {}
         # Bytes this fragment's plan leaves to the pilot's prefetch cache (dynamic/prefetch.py).
         self.prefetch_reserve = 0
+        self.planned_static: tuple[int, ...] = ()  # static inputs, as the partitioner saw them
         self._bw_gm: fx.GraphModule | None = None
         #: A re-plan (backends/replan.py): what the rest of the step holds at this fragment's
         #: worst call, from the step's prediction; ``None``: planned as a new fragment.
@@ -339,6 +346,7 @@ class _FragmentBuild:
         # Without a budget the plan keeps eager's saved set and only reorders (it costs nothing).
         config, compiler = self.compiler.config, self.compiler
         ctx = PassContext(fragment=f"F{self.index}", graph="joint")
+        self.planned_static = tuple(static)
         if LOSS_HEAD_IN_PLACE:
             # Costs no time (the same kernels, a block of rows at a time): always.
             joint = loss_head_pass(joint, ctx)
@@ -416,6 +424,22 @@ class _FragmentBuild:
             ):
                 joint, model, plan, hosted = fetched, model2, plan2, candidates
         self.prefetch_reserve = self._reserve(hosted)
+        # Building the graphs changes nothing outside them: an infeasible plan still raises
+        # below with the parameters untouched.
+        fw, bw = partition_pass(joint, ctx, model=model, plan=plan)
+        if plan.swapped:
+            saved = {
+                model.storage_named(d.tensor) for d in plan.decisions if d.action != "recompute"
+            }
+            by_storage = {model.storage_named(n): tier for n, tier in plan.swapped.items()}
+            holders = model.swap_holders(saved, by_storage)
+            swaps = {holders[s]: tier for s, tier in by_storage.items()}
+            fw, bw = swap_pass(fw, bw, ctx, swaps=swaps, store=compiler.store_key)
+        # Not in a re-plan (backends/replan.py): its caps share the budget between fragments
+        # by the joint model's figures, which do not price the splits.
+        if not plan.feasible and REMATERIALIZE and self.replan_resident is None:
+            outputs = (model.num_mutated_outputs, num_fwd_outputs - model.num_mutated_outputs)
+            plan = self._rematerialize(fw, bw, plan, outputs)
         if not plan.feasible:
             compiler.infeasible(self, plan, hosted=bool(hosted), host_peak=host_peak)
         self.hosted_inputs = tuple(hosted) + tuple(placed)
@@ -436,15 +460,6 @@ class _FragmentBuild:
             plan = dataclasses.replace(
                 plan, host_params=tuple(names[i] for i in sorted(self.hosted_inputs))
             )
-        fw, bw = partition_pass(joint, ctx, model=model, plan=plan)
-        if plan.swapped:
-            saved = {
-                model.storage_named(d.tensor) for d in plan.decisions if d.action != "recompute"
-            }
-            by_storage = {model.storage_named(n): tier for n, tier in plan.swapped.items()}
-            holders = model.swap_holders(saved, by_storage)
-            swaps = {holders[s]: tier for s, tier in by_storage.items()}
-            fw, bw = swap_pass(fw, bw, ctx, swaps=swaps, store=compiler.store_key)
         self.plan = plan
         log.info(
             "F%d planned: recompute %d, swap %d of %d saved tensors, predicted peak %s (budget "
@@ -501,6 +516,64 @@ class _FragmentBuild:
         )
         return model, plan
 
+    def _rematerialize(
+        self,
+        fw: fx.GraphModule,
+        bw: fx.GraphModule,
+        plan: FragmentPlan,
+        outputs: tuple[int, int],
+    ) -> FragmentPlan:
+        """``plan`` (over its target) after making backward values again for their late
+        readers where that lowers the backward's exact profile (``rematerialize.py``); ``bw``
+        is rewritten in place. The plan fits afterwards if every phase meets the target.
+        ``outputs``: the forward's leading outputs that are mutated inputs, and the user
+        outputs after them (AOT's metadata is not there yet while partitioning)."""
+        target = plan.target
+        if target is None or (plan.saved_cap is not None and plan.held_bytes > plan.saved_cap):
+            return plan
+        args = self._profile_args_of(fw, bw, outputs=outputs)
+        measured = dict(args.pop("backward_workspace") or {})
+
+        def profile(g: fx.GraphModule) -> FragmentProfile:
+            # A copy's kernel scratch is its original's (the same op on the same metadata).
+            ws = {
+                n.name: measured.get(n.meta.get("memcompile_copy_of", n.name), 0)
+                for n in g.graph.nodes
+            }
+            return profile_fragment(
+                fw, g, clone_workspace=clone_workspace, backward_workspace=ws, **args
+            )
+
+        def backward(g: fx.GraphModule) -> GraphProfile:
+            found = profile(g).backward
+            assert found is not None, "a training fragment has a backward"
+            return found
+
+        before = profile(bw)
+        if before.backward is None or before.phase_peaks()["backward"] <= target:
+            return plan
+        ctx = PassContext(fragment=f"F{self.index}", graph="backward")
+        splits = plan_rematerialize(bw, ctx, backward, target=target - before.held_output_bytes)
+        if not splits:
+            return plan
+        rematerialize_pass(bw, ctx, splits=splits)
+        after = max(profile(bw).phase_peaks().values())
+        log.info(
+            "F%d: %d backward values made again for their late readers: the step peaks at %s "
+            "(%s without; budget %s)",
+            self.index,
+            len(splits),
+            format_bytes(plan.resident_bytes + after),
+            format_bytes(plan.resident_bytes + max(before.phase_peaks().values())),
+            format_bytes(plan.resident_bytes + target),
+        )
+        return dataclasses.replace(
+            plan,
+            predicted_peak=min(plan.predicted_peak, plan.resident_bytes + after),
+            feasible=after <= target,
+            rematerialized=tuple((r.node, r.before) for r in splits),
+        )
+
     def _reserve(self, host: Sequence[int]) -> int:
         """The prefetch cache's share of the budget if this fragment fetches the inputs at
         ``host`` (and those already in the host tier); see dynamic/prefetch.py."""
@@ -516,10 +589,30 @@ class _FragmentBuild:
         return compiler.config.prefetch_depth * max(compiler.max_block_host_bytes, own_bytes)
 
     def _profile(self, gm: fx.GraphModule, bw: fx.GraphModule | None) -> None:
+        self._profile_args = self._profile_args_of(gm, bw)
+        self.static_inputs = self._profile_args["static_input_indices"]
+        self.profile = profile_fragment(
+            gm, bw, clone_workspace=clone_workspace, **self._profile_args
+        )
+        self.size_slots = _size_slots(gm)
+        self._sized_profiles.clear()
+
+    def _profile_args_of(
+        self,
+        gm: fx.GraphModule,
+        bw: fx.GraphModule | None,
+        *,
+        outputs: tuple[int, int] | None = None,
+    ) -> dict[str, Any]:
+        """``profile_fragment``'s arguments for these graphs: AOT's output split (from its
+        metadata, or ``outputs``: mutated-input and user output counts) and the measured
+        kernel workspaces."""
         ctx = torch._guards.TracingContext.try_get()
         meta = ctx.fw_metadata if ctx is not None else None
         static: tuple[int, ...]
-        if meta is None:  # should not happen under Dynamo; profile without the output split
+        if outputs is not None:
+            static, (mutated, user) = tuple(self.planned_static), outputs
+        elif meta is None:  # should not happen under Dynamo; profile without the output split
             log.warning(
                 "memcompile: no AOT metadata for fragment F%d; profile is approximate", self.index
             )
@@ -528,19 +621,13 @@ class _FragmentBuild:
             static = tuple(meta.static_input_indices)
             mutated = meta.num_mutated_inp_runtime_indices
             user = meta.num_outputs + meta.num_intermediate_bases
-        self.static_inputs = static
-        self._profile_args = dict(
+        return dict(
             static_input_indices=static,
             num_mutated_inputs=mutated,
             num_user_outputs=user,
             forward_workspace=probe_workspaces(gm),
             backward_workspace=probe_workspaces(bw) if bw is not None else None,
         )
-        self.profile = profile_fragment(
-            gm, bw, clone_workspace=clone_workspace, **self._profile_args
-        )
-        self.size_slots = _size_slots(gm)
-        self._sized_profiles.clear()
 
     def size_key(self, args: Sequence[Any]) -> SizeKey:
         """The values of the forward graph's size symbols in a call with ``args``."""

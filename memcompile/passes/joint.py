@@ -227,6 +227,10 @@ class JointModel:
             )
             - self.persistent
         )
+        # Forward outputs that are new values of mutated inputs (AOT puts them first).
+        self.num_mutated_outputs = sum(
+            type(d).__name__ == "InputMutationAOTOutput" for d in fw_descs
+        )
         self._fw_output_storages = (
             frozenset(s for i in self.fw_outputs for s in self.storages[i]) - self.persistent
         )

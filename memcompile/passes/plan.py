@@ -68,6 +68,10 @@ class FragmentPlan:
             (``backends/replan.py``); ``feasible`` requires it too.
         saved_input_bytes: activation inputs the backward reads (autograd holds them as it
             holds the kept tensors).
+        rematerialized: ``(node, before)`` pairs of the built backward graph: ``node`` (a
+            reload or a repeatable op) is made again right before ``before`` for the readers
+            from there on, so it is not held across the peak (``rematerialize.py``); only
+            when the plan did not fit without.
     """
 
     fragment: str
@@ -86,6 +90,7 @@ class FragmentPlan:
     host_params: tuple[str, ...] = ()
     saved_cap: int | None = None
     saved_input_bytes: int = 0
+    rematerialized: tuple[tuple[str, str], ...] = ()
 
     @property
     def recomputed(self) -> tuple[str, ...]:
@@ -117,6 +122,7 @@ class FragmentPlan:
         fields["forward_order"] = tuple(fields.get("forward_order", ()))
         fields["prefetch"] = tuple(tuple(p) for p in fields.get("prefetch", ()))
         fields["host_params"] = tuple(fields.get("host_params", ()))
+        fields["rematerialized"] = tuple(tuple(p) for p in fields.get("rematerialized", ()))
         return cls(**fields)
 
 

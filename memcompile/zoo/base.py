@@ -65,6 +65,44 @@ class Workload:
         """Loss of ``model`` (this workload's model, or a compiled copy of it) on batch ``step``."""
         return model(*self.batch(step))
 
+    def train(
+        self,
+        model: Callable[..., torch.Tensor],
+        steps: int,
+        *,
+        optimizer: str = "sgd",
+        seed: int = 123,
+    ) -> list[torch.Tensor]:
+        """Train this workload's parameters for ``steps`` steps through ``model`` (its model, or
+        a compiled copy of it) and return each step's loss (detached).
+
+        SGD at lr 0.1 or Adam at lr 1e-3; torch's global RNG is seeded with ``seed`` first, so
+        dropout draws the same masks in every run: two runs from the same weights (eager, and
+        compiled) must produce bit-identical losses.
+
+        Raises:
+            ValueError: ``optimizer`` is not "sgd" or "adam", or ``steps`` is negative.
+        """
+        if optimizer not in ("sgd", "adam"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adam'; got {optimizer!r}")
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0; got {steps}")
+        params = list(self.model.parameters())
+        opt: torch.optim.Optimizer = (
+            torch.optim.SGD(params, lr=0.1)
+            if optimizer == "sgd"
+            else torch.optim.Adam(params, lr=1e-3)
+        )
+        torch.manual_seed(seed)
+        losses = []
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = self.loss(model, step)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach().clone())
+        return losses
+
 
 def generator(seed: int, step: int) -> torch.Generator:
     """A CPU generator seeded from (seed, step), so batches never touch the global RNG."""

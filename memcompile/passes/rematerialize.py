@@ -1,0 +1,279 @@
+"""Materialize a backward value a second time for its late readers, so it is not held across
+the peak in between.
+
+A value the backward recomputes or reloads for an early reader (a recomputation chain) that is
+read again only after the peak is held across it. Where budgets are tight that is the binding
+moment (bench GPT, host tier, 0.05 budget: each attention backward holds its layer's reloaded
+input and the recomputed layer norm output, 2 MiB each, for the weight gradient and the layer
+norm's backward that come after it). Making it again right before the late readers frees it
+in between, at the cost of one more copy or kernel:
+
+    before                                        after
+      x = reload(x_host)                            x = reload(x_host)
+      ln = native_layer_norm(x, ...)                ln = native_layer_norm(x, ...)
+      qkv = addmm(b, ln, w)     # recomputation     qkv = addmm(b, ln, w)
+      ... attention backward: the peak,             ... attention backward: the peak,
+          x and ln live ...                             x and ln dead ...
+      dw = mm(t(ln), dqkv)                          ln2 = native_layer_norm(x2 := reload(x_host))
+      dx = native_layer_norm_backward(.., x, ..)    dw = mm(t(ln2), dqkv)
+                                                    dx = native_layer_norm_backward(.., x2, ..)
+
+Only values whose second computation gives the same bits are candidates: reloads (the host copy
+stays in the store until the backward ends) and deterministic ops with no effects whose inputs
+nothing writes in between (``in_place.py`` writes into dying gradients). Views of the value are
+made again with it. :func:`plan_rematerialize` decides, from exact profiles of trial rewrites
+(a split is kept when the backward's peak drops, or stays and the old peak position drops:
+every layer of a model peaks alike, so one split alone rarely lowers the maximum);
+:func:`rematerialize_pass` applies the decisions.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from memcompile.passes.analysis import GraphProfile, tensor_vals
+from memcompile.passes.context import PassContext
+from memcompile.passes.schedule import has_effect
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Rematerialize", "plan_rematerialize", "rematerialize_pass"]
+
+_RELOAD = torch.ops.memcompile.reload.default
+_WAIT = torch.ops.memcompile.wait.default
+# Trial profiles plan_rematerialize may run (each is linear in the graph).
+_MAX_TRIALS = 96
+
+
+@dataclass(frozen=True)
+class Rematerialize:
+    """Make ``node`` (and its views the late readers read) again right before ``before``; the
+    readers from ``before`` on read the new value."""
+
+    node: str
+    before: str
+
+
+def _mutates(n: fx.Node) -> bool:
+    target = n.target
+    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+
+
+def _repeatable(n: fx.Node) -> bool:
+    """Running ``n`` again on the same inputs gives the same bits and changes nothing else."""
+    if n.op != "call_function":
+        return False
+    if n.target is _RELOAD:
+        return True  # the tier keeps its copy for the whole backward
+    return isinstance(n.target, torch._ops.OpOverload) and not has_effect(n) and not _mutates(n)
+
+
+def _ref(t: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())
+
+
+def _is_view_of(n: fx.Node, storage: StorageWeakRef) -> bool:
+    """``n`` reads ``head``'s family and makes no storage besides ``storage``: a view of it, or
+    the getitem of a multi-output head that is ``storage``."""
+    if n.op != "call_function" or _mutates(n) or n.target is _WAIT:
+        return False
+    vals = tensor_vals(n.meta.get("val"))
+    if not vals:
+        return False
+    if n.target is operator.getitem:
+        return all(_ref(t) == storage for t in vals)
+    target = n.target
+    return (
+        isinstance(target, torch._ops.OpOverload)
+        and target.is_view
+        and all(_ref(t) == storage for t in vals)
+    )
+
+
+def _family(head: fx.Node, nodes: Sequence[fx.Node], storage: StorageWeakRef) -> list[fx.Node]:
+    """``head`` and the nodes after it that view ``storage`` through it, in graph order."""
+    members = [head]
+    inside = {head}
+    start = nodes.index(head)
+    for n in nodes[start + 1 :]:
+        if any(a in inside for a in n.all_input_nodes) and _is_view_of(n, storage):
+            members.append(n)
+            inside.add(n)
+    return members
+
+
+def _written_between(nodes: Sequence[fx.Node], inputs: Sequence[fx.Node], lo: int, hi: int) -> bool:
+    """A node in ``nodes[lo:hi]`` writes a storage one of ``inputs`` reads."""
+    storages = {_ref(t) for a in inputs for t in tensor_vals(a.meta.get("val"))}
+    for n in nodes[lo:hi]:
+        if _mutates(n) and any(
+            _ref(t) in storages for a in n.all_input_nodes for t in tensor_vals(a.meta.get("val"))
+        ):
+            return True
+    return False
+
+
+def _candidates(gm: fx.GraphModule, profile: GraphProfile) -> list[Rematerialize]:
+    """Splits worth a trial at ``profile``'s peak: values live there, not read there, read
+    both before and after it, largest first."""
+    nodes = list(gm.graph.nodes)
+    by_name = {n.name: n for n in nodes}
+    position = {n: p for p, n in enumerate(nodes)}
+    peak_node = by_name.get(profile.nodes[profile.peak_index].name)
+    if peak_node is None:
+        return []
+    at = position[peak_node]
+    i = profile.peak_index
+    live = [
+        s
+        for s in profile.storages
+        if s.alloc_index <= i and (s.free_index is None or s.free_index > i)
+    ]
+    out = []
+    for s in sorted(live, key=lambda s: (-s.nbytes, s.alloc_index)):
+        head = by_name.get(s.producer)
+        if head is None or not _repeatable(head):
+            continue
+        vals = [t for t in tensor_vals(head.meta.get("val")) if t.untyped_storage().nbytes()]
+        storage = next((_ref(t) for t in vals if t.untyped_storage().nbytes() == s.nbytes), None)
+        if storage is None:
+            continue
+        members = _family(head, nodes, storage)
+        inside = set(members)
+        readers = [u for m in members for u in m.users if u not in inside and u.target is not _WAIT]
+        late = [u for u in readers if position[u] > at]
+        if not late or len(late) == len(readers) or peak_node in inside:
+            continue
+        if any(_mutates(u) for u in readers):
+            continue  # a reader writes into the value: a second copy would miss the write
+        first = min(late, key=position.__getitem__)
+        if head.target is not _RELOAD and _written_between(
+            nodes, head.all_input_nodes, position[head], position[first]
+        ):
+            continue
+        out.append(Rematerialize(head.name, first.name))
+    return out
+
+
+def _apply(gm: fx.GraphModule, ctx: PassContext, split: Rematerialize) -> None:
+    nodes = list(gm.graph.nodes)
+    by_name = {n.name: n for n in nodes}
+    head, before = by_name.get(split.node), by_name.get(split.before)
+    if head is None or before is None:
+        raise ValueError(f"{ctx.fragment}: no node {split.node!r} or {split.before!r}")
+    position = {n: p for p, n in enumerate(nodes)}
+    vals = tensor_vals(head.meta.get("val"))
+    members = [head]
+    for storage in dict.fromkeys(_ref(t) for t in vals):
+        members += [m for m in _family(head, nodes, storage) if m not in members]
+    members.sort(key=position.__getitem__)
+    late = {
+        u
+        for m in members
+        for u in m.users
+        if u not in members and position[u] >= position[before] and u.target is not _WAIT
+    }
+    needed = set()
+    for m in reversed(members):  # the copies a late reader reads, and what they read
+        if m is head or any(u in late or u in needed for u in m.users):
+            needed.add(m)
+    env: dict[fx.Node, fx.Node] = {}
+
+    def swap(a: fx.Node) -> fx.Node:
+        return env.get(a, a)
+
+    fake_mode = detect_fake_mode(vals)
+    assert fake_mode is not None, "AOT graphs carry fake tensors"
+    with gm.graph.inserting_before(before):
+        for m in members:
+            if m not in needed:
+                continue
+            new = gm.graph.node_copy(m, swap)
+            # A fresh value: the analysis must see a new storage, not the first one again.
+            args, kwargs = fx.node.map_arg((new.args, new.kwargs), lambda a: a.meta["val"])
+            with fake_mode:
+                new.meta["val"] = new.target(*args, **kwargs)  # type: ignore[operator]
+            new.meta["memcompile_copy_of"] = m.meta.get("memcompile_copy_of", m.name)
+            env[m] = new
+            if m.target is _RELOAD:
+                done = gm.graph.call_function(_WAIT, (new, m.args[2]))
+                done.meta["val"] = None
+    for u in sorted(late, key=position.__getitem__):
+        u.args = fx.node.map_arg(u.args, swap)
+        u.kwargs = fx.node.map_arg(u.kwargs, swap)
+
+
+def rematerialize_pass(
+    gm: fx.GraphModule, ctx: PassContext, *, splits: Sequence[Rematerialize]
+) -> fx.GraphModule:
+    """Apply ``splits`` to ``gm`` in place (and return it), in order: each node, and those of
+    its views a reader from ``before`` on reads, is copied right before ``before``; readers
+    from there on read the copies. A reload's copy gets its own ``wait``.
+
+    Raises:
+        ValueError: a split names a node ``gm`` does not have (at its turn).
+    """
+    for split in splits:
+        _apply(gm, ctx, split)
+    gm.graph.lint()
+    gm.recompile()
+    if splits:
+        log.debug("%s: %d values made again for their late readers", ctx.fragment, len(splits))
+    return gm
+
+
+def plan_rematerialize(
+    gm: fx.GraphModule,
+    ctx: PassContext,
+    evaluate: Callable[[fx.GraphModule], GraphProfile],
+    *,
+    target: int | None = None,
+    max_trials: int = _MAX_TRIALS,
+) -> tuple[Rematerialize, ...]:
+    """The splits that lower ``gm``'s peak, found by trial: at the peak, each candidate (see
+    :func:`_candidates`) is applied to a copy and profiled by ``evaluate``; the first that
+    lowers the peak (or keeps it and lowers the old peak position) is kept, then the search
+    goes on from the new profile. It stops at ``target`` bytes (when given), when no
+    candidate helps, or after ``max_trials`` profiles. ``gm`` itself is not changed."""
+    profile = evaluate(gm)
+    current = gm
+    kept: list[Rematerialize] = []
+    trials = 0
+    while trials < max_trials and (target is None or profile.peak_bytes > target):
+        at = profile.nodes[profile.peak_index].name
+        improved = False
+        for split in _candidates(current, profile):
+            trial = rematerialize_pass(copy.deepcopy(current), ctx, splits=(split,))
+            new = evaluate(trial)
+            trials += 1
+            there = next(
+                (n.live_bytes for n in new.nodes if n.name == at),
+                new.peak_bytes,
+            )
+            if new.peak_bytes < profile.peak_bytes or (
+                new.peak_bytes == profile.peak_bytes and there < profile.peak_bytes
+            ):
+                current, profile, improved = trial, new, True
+                kept.append(split)
+                break
+            if trials >= max_trials:
+                break
+        if not improved:
+            break
+    log.info(
+        "%s: %d values made again for late readers (%d trial profiles); backward peak %d bytes",
+        ctx.fragment,
+        len(kept),
+        trials,
+        profile.peak_bytes,
+    )
+    return tuple(kept)
