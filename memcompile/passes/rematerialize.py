@@ -153,8 +153,8 @@ def _candidates(gm: fx.GraphModule, profile: GraphProfile) -> list[Rematerialize
         late = [u for u in readers if position[u] > at]
         if not late or len(late) == len(readers) or peak_node in inside:
             continue
-        if any(_mutates(u) for u in readers):
-            continue  # a reader writes into the value: a second copy would miss the write
+        if any(_mutates(u) for u in readers if position[u] <= at):
+            continue  # an early reader writes into the value: a second copy would miss it
         first = min(late, key=position.__getitem__)
         if head.target is not _RELOAD and _written_between(
             nodes, head.all_input_nodes, position[head], position[first]
