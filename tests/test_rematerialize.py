@@ -44,6 +44,15 @@ def _written_in_between(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y * s + w
 
 
+def _value_written_early(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    y = torch.sin(x)
+    a = y * 2
+    y.add_(1)  # the late reader sees this write: a second sin(x) would not have it
+    big = a.repeat(64, 1)
+    s = big.sum()
+    return y * s + w
+
+
 def _trace(fn) -> fx.GraphModule:  # type: ignore[no-untyped-def]
     return make_fx(fn, tracing_mode="fake")(torch.randn(16, 64), torch.randn(16, 64))
 
@@ -72,6 +81,16 @@ def test_a_value_held_across_the_peak_is_made_again_for_its_late_reader() -> Non
 def test_a_value_whose_input_is_written_in_between_is_not_made_again() -> None:
     gm = _trace(_written_in_between)
     assert any(n.target is torch.ops.aten.add_.Tensor for n in gm.graph.nodes)
+    assert plan_rematerialize(gm, CTX, _profile) == ()
+
+
+def test_a_value_an_early_reader_writes_into_is_not_made_again() -> None:
+    gm = _trace(_value_written_early)
+    # The late reader reads the value by its first name (as a graph may after an in-place
+    # write), not through the write's output: only the rule against early writers stops it.
+    nodes = {n.name: n for n in gm.graph.nodes}
+    nodes["mul_1"].replace_input_with(nodes["add_"], nodes["sin"])
+    gm.recompile()
     assert plan_rematerialize(gm, CTX, _profile) == ()
 
 

@@ -269,7 +269,6 @@ class _FragmentBuild:
         self.block_inputs: dict[int, dict[int, int]] = {}
         # Bytes this fragment's plan leaves to the pilot's prefetch cache (dynamic/prefetch.py).
         self.prefetch_reserve = 0
-        self.planned_static: tuple[int, ...] = ()  # static inputs, as the partitioner saw them
         self._bw_gm: fx.GraphModule | None = None
         #: A re-plan (backends/replan.py): what the rest of the step holds at this fragment's
         #: worst call, from the step's prediction; ``None``: planned as a new fragment.
@@ -346,7 +345,6 @@ class _FragmentBuild:
         # Without a budget the plan keeps eager's saved set and only reorders (it costs nothing).
         config, compiler = self.compiler.config, self.compiler
         ctx = PassContext(fragment=f"F{self.index}", graph="joint")
-        self.planned_static = tuple(static)
         if LOSS_HEAD_IN_PLACE:
             # Costs no time (the same kernels, a block of rows at a time): always.
             joint = loss_head_pass(joint, ctx)
@@ -438,8 +436,12 @@ class _FragmentBuild:
         # Not in a re-plan (backends/replan.py): its caps share the budget between fragments
         # by the joint model's figures, which do not price the splits.
         if not plan.feasible and REMATERIALIZE and self.replan_resident is None:
-            outputs = (model.num_mutated_outputs, num_fwd_outputs - model.num_mutated_outputs)
-            plan = self._rematerialize(fw, bw, plan, outputs)
+            split = (
+                tuple(static),
+                model.num_mutated_outputs,
+                num_fwd_outputs - model.num_mutated_outputs,
+            )
+            plan = self._rematerialize(fw, bw, plan, split)
         if not plan.feasible:
             compiler.infeasible(self, plan, hosted=bool(hosted), host_peak=host_peak)
         self.hosted_inputs = tuple(hosted) + tuple(placed)
@@ -521,17 +523,17 @@ class _FragmentBuild:
         fw: fx.GraphModule,
         bw: fx.GraphModule,
         plan: FragmentPlan,
-        outputs: tuple[int, int],
+        split: tuple[tuple[int, ...], int, int],
     ) -> FragmentPlan:
         """``plan`` (over its target) after making backward values again for their late
         readers where that lowers the backward's exact profile (``rematerialize.py``); ``bw``
         is rewritten in place. The plan fits afterwards if every phase meets the target.
-        ``outputs``: the forward's leading outputs that are mutated inputs, and the user
-        outputs after them (AOT's metadata is not there yet while partitioning)."""
+        ``split``: the static inputs, the forward's leading outputs that are mutated inputs,
+        and the user outputs after them (AOT's metadata is not there yet while partitioning)."""
         target = plan.target
         if target is None or (plan.saved_cap is not None and plan.held_bytes > plan.saved_cap):
             return plan
-        args = self._profile_args_of(fw, bw, outputs=outputs)
+        args = self._profile_args_of(fw, bw, split=split)
         measured = dict(args.pop("backward_workspace") or {})
 
         def profile(g: fx.GraphModule) -> FragmentProfile:
@@ -553,7 +555,9 @@ class _FragmentBuild:
         if before.backward is None or before.phase_peaks()["backward"] <= target:
             return plan
         ctx = PassContext(fragment=f"F{self.index}", graph="backward")
-        splits = plan_rematerialize(bw, ctx, backward, target=target - before.held_output_bytes)
+        splits = plan_rematerialize(
+            bw, ctx, backward, target=target - before.held_output_bytes, start=before.backward
+        )
         if not splits:
             return plan
         rematerialize_pass(bw, ctx, splits=splits)
@@ -602,16 +606,16 @@ class _FragmentBuild:
         gm: fx.GraphModule,
         bw: fx.GraphModule | None,
         *,
-        outputs: tuple[int, int] | None = None,
+        split: tuple[tuple[int, ...], int, int] | None = None,
     ) -> dict[str, Any]:
-        """``profile_fragment``'s arguments for these graphs: AOT's output split (from its
-        metadata, or ``outputs``: mutated-input and user output counts) and the measured
-        kernel workspaces."""
+        """``profile_fragment``'s arguments for these graphs: AOT's input and output split
+        (from its metadata, or ``split``: static inputs, mutated-input and user output counts)
+        and the measured kernel workspaces."""
         ctx = torch._guards.TracingContext.try_get()
         meta = ctx.fw_metadata if ctx is not None else None
         static: tuple[int, ...]
-        if outputs is not None:
-            static, (mutated, user) = tuple(self.planned_static), outputs
+        if split is not None:
+            static, mutated, user = split
         elif meta is None:  # should not happen under Dynamo; profile without the output split
             log.warning(
                 "memcompile: no AOT metadata for fragment F%d; profile is approximate", self.index
@@ -758,7 +762,7 @@ class _FragmentBuild:
             kept = self.profile.saved_input_positions + self.profile.saved_view_inputs
             grads = tuple(i for i, _ in self.profile.activation_grads)
             if kept or grads:
-                self.compiler._saved_views[self.index] = (kept, grads)
+                self.compiler._call_reads[self.index] = (kept, grads)
         shared_out = (
             self.profile.saved_output_positions
             if kind == "forward" and self.profile is not None
@@ -933,7 +937,7 @@ class MemCompiler:
         self._step_storages: list[CallStorages] = []
         #: Fragment index -> positions of activation inputs its backward reads, whole or through
         #: views (its profile's saved_input_positions and saved_view_inputs).
-        self._saved_views: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._call_reads: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self._step_trains = False
         self._last_kind = ""
         self._open_blocks: dict[int, list[tuple[int, SizeKey]]] = {}
@@ -1206,7 +1210,7 @@ class MemCompiler:
             self._step = []
             self._step_sizes = []
             self._step_storages = []
-            self._saved_views.clear()
+            self._call_reads.clear()
             self._step_trains = False
             self._last_kind = ""
             self._open_blocks.clear()
@@ -1441,7 +1445,7 @@ class MemCompiler:
             block, sizes = opened.pop() if opened else (0, ())
         step.append((index, kind, block))
         self._step_sizes.append(sizes)
-        read = self._saved_views.get(index) if kind == "forward" else None
+        read = self._call_reads.get(index) if kind == "forward" else None
         if read is None:
             self._step_storages.append(_NO_STORAGES)
         else:

@@ -82,8 +82,8 @@ def _ref(t: torch.Tensor) -> StorageWeakRef:
 
 
 def _is_view_of(n: fx.Node, storage: StorageWeakRef) -> bool:
-    """``n`` reads ``head``'s family and makes no storage besides ``storage``: a view of it, or
-    the getitem of a multi-output head that is ``storage``."""
+    """``n`` makes no storage besides ``storage``: a view of it, or the getitem of a
+    multi-output op that is ``storage`` (the caller checks that ``n`` reads its family)."""
     if n.op != "call_function" or _mutates(n) or n.target is _WAIT:
         return False
     vals = tensor_vals(n.meta.get("val"))
@@ -238,13 +238,15 @@ def plan_rematerialize(
     *,
     target: int | None = None,
     max_trials: int = _MAX_TRIALS,
+    start: GraphProfile | None = None,
 ) -> tuple[Rematerialize, ...]:
     """The splits that lower ``gm``'s peak, found by trial: at the peak, each candidate (see
     :func:`_candidates`) is applied to a copy and profiled by ``evaluate``; the first that
     lowers the peak (or keeps it and lowers the old peak position) is kept, then the search
     goes on from the new profile. It stops at ``target`` bytes (when given), when no
-    candidate helps, or after ``max_trials`` profiles. ``gm`` itself is not changed."""
-    profile = evaluate(gm)
+    candidate helps, or after ``max_trials`` profiles. ``gm`` itself is not changed; ``start``
+    is ``evaluate(gm)`` where the caller has it."""
+    profile = start if start is not None else evaluate(gm)
     current = gm
     kept: list[Rematerialize] = []
     trials = 0
