@@ -305,9 +305,12 @@ def find_compiler(compiled: Any) -> tuple[MemCompiler, torch.nn.Module | None]:
         if compiler is None:
             compiler = MemCompiler(getattr(wrapper, "kwargs", {}).get("options"))
             setattr(wrapper, COMPILER_ATTR, compiler)
-        if compiler.attach(ctx):
-            # Attached only now: earlier failed frames of the model's own methods are its.
-            compiler.claim_fallbacks_of(_own_functions(compiled, model))
+        compiler.attach(ctx)
+        # Failed frames of the model's own methods are its, whenever the hook was attached:
+        # now (no call watched yet), or in the middle of the first call (whose earlier
+        # failures it claimed only if their frames were still running).
+        compiler.claim_late()
+        compiler.claim_fallbacks_of(_own_functions(compiled, model))
         return compiler, model
     name = getattr(wrapper, "compiler_name", type(backend).__name__)
     raise TypeError(f"this model was compiled with backend {name!r}, not memcompile")

@@ -116,3 +116,60 @@ def test_torch_compile_path_reports_a_model_whose_every_frame_fails() -> None:
         rep = memcompile.report(compiled)  # the report finds the model's failed frame
     assert rep.fragments == ()
     assert [f.kind for f in rep.fallbacks] == ["skipped_frame"]
+
+
+def _loop_helper(x: torch.Tensor) -> torch.Tensor:
+    """Not a method of any module: a library helper whose frame Dynamo gives up on."""
+    for _ in range(2):
+        x = x * 2
+        torch._dynamo.graph_break()
+    return x
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).tanh()
+
+
+class EagerOuter(nn.Module):
+    """Its forward runs eagerly (a graph break in a loop) and calls a module Dynamo compiles,
+    then a helper that fails too: with ``torch.compile(backend="memcompile")`` the backend first
+    runs in the middle of the first call, after the outer failure and before the helper's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Inner()  # a torch.nn container called from eager code is not compiled
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            x = self.inner(x)
+            torch._dynamo.graph_break()
+        return _loop_helper(x).sum()
+
+
+def test_torch_compile_path_claims_fallbacks_around_the_first_compiled_fragment() -> None:
+    compiled = torch.compile(EagerOuter(), backend="memcompile")
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        compiled(torch.randn(2, 8)).backward()  # the outer frame: still running at attach
+        compiled(torch.randn(2, 8)).backward()  # the helper's, after attach: claimed here
+    msgs = _fallback_warnings(rec)
+    assert len(msgs) == 2, msgs
+    assert "Dynamo runs forward (" in msgs[0] and "Dynamo runs _loop_helper (" in msgs[1]
+    rep = memcompile.report(compiled)
+    assert [(f.kind, f.code.split(" ")[0]) for f in rep.fallbacks] == [
+        ("skipped_frame", "forward"),
+        ("skipped_frame", "_loop_helper"),
+    ]
+    assert len(rep.fragments) >= 1  # the inner module compiled
+
+
+def test_report_claims_the_rest_of_the_first_call_without_a_second_call() -> None:
+    compiled = torch.compile(EagerOuter(), backend="memcompile")
+    compiled(torch.randn(2, 8)).backward()
+    rep = memcompile.report(compiled)
+    assert [f.code.split(" ")[0] for f in rep.fallbacks] == ["forward", "_loop_helper"]

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import json
 import logging
+import sys
 import threading
 import warnings
 import weakref
@@ -960,6 +961,9 @@ class MemCompiler:
         # Codes to drop before the model's next call (between two calls nothing of them runs).
         self._pending_codes: list[CodeType] = []
         self._hooked = False
+        #: Monitor position when the hook was attached in the middle of a model call, until
+        #: the rest of that call's fallbacks are claimed (:meth:`claim_late`).
+        self._late_cursor: int | None = None
         self._warned_steps: set[tuple[tuple[int, str], ...]] = set()
         #: Bytes of parameters this compiler moved to the host tier (``offload_params``).
         self.host_param_bytes = 0
@@ -1097,10 +1101,13 @@ class MemCompiler:
                     "version of memcompile (use pilot='off' or 'auto')"
                 )
         ctx = calling_dynamo_context()
-        if ctx is not None:
-            # torch.compile(backend="memcompile"): watch this model's later calls. (Failures before
-            # this point are claimed by report(), which knows the model's methods.)
-            self.attach(ctx)
+        if ctx is not None and self.attach(ctx):
+            # torch.compile(backend="memcompile"), in the model's first call: its hook watches
+            # the later calls only. The frames Dynamo gave up on so far in this call are still
+            # running (they call the one compiling now), or were called by one of them; those
+            # after this point are claimed when the next call starts (or by report()).
+            self._claim(monitor.claim_running(sys._getframe(1)))
+            self._late_cursor = monitor.cursor()
         identity = fragment_identity(gm, example_inputs)
         awaiting = self._awaiting.get(identity.id)
         old, resident, saved_cap = awaiting.pop(0) if awaiting else (None, None, None)
@@ -1384,6 +1391,7 @@ class MemCompiler:
         def enter() -> Callable[[], None]:
             install_pinned_hooks()  # torch._dynamo.reset() drops them; traces need them
             self._between_calls()
+            self.claim_late()
             cursor = monitor.cursor()
             return lambda: self._claim(monitor.claim_since(cursor))
 
@@ -1410,6 +1418,13 @@ class MemCompiler:
         if fallbacks:
             with self._lock:
                 self.fallbacks.extend(fallbacks)
+
+    def claim_late(self) -> None:
+        """Claim what Dynamo gave up on in the rest of the call that attached the hook (its
+        cleanup never ran: the hook was not there when the call started)."""
+        cursor, self._late_cursor = self._late_cursor, None
+        if cursor is not None:
+            self._claim(monitor.claim_since(cursor))
 
     def claim_fallbacks_of(self, functions: Collection[FunctionSpan]) -> None:
         """Claim unclaimed fallbacks of frames of these functions (for hooks attached late, after

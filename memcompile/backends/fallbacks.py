@@ -20,10 +20,12 @@ claims (other backends' frames) are never reported.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch._dynamo
@@ -113,6 +115,7 @@ def _classify(reason: str) -> str:
 #: A function as ``(file, name, first line, last line)``.
 FunctionSpan = tuple[str, str, int, int]
 _RESUME_PREFIX = "torch_dynamo_resume_in_"
+_EVAL_FRAME = os.path.join("torch", "_dynamo", "eval_frame.py")
 
 
 def function_span(code: Any) -> FunctionSpan:
@@ -247,6 +250,34 @@ class FallbackMonitor:
     def claim_since(self, cursor: int) -> list[Fallback]:
         """Claim the unclaimed events that happened after ``cursor`` (one model call)."""
         return self._claim(lambda i, _: i >= cursor)
+
+    def claim_running(self, frame: FrameType | None) -> list[Fallback]:
+        """Claim the unclaimed events from the first one whose function is running now, on the
+        stack from ``frame`` up to the Dynamo context call that runs the model, on.
+
+        For a hook attached in the middle of a model's first call (at its first compiled
+        fragment): a frame Dynamo gave up on runs eagerly and is still on the stack, calling
+        the frame being compiled; the events after it (helpers it called that failed and
+        returned) are the same call's. Frames above the context's call (the user's loop) are
+        not the model's."""
+        running: set[tuple[str, str, int]] = set()
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == "_fn" and code.co_filename.endswith(_EVAL_FRAME):
+                break  # the Dynamo context's call: the model's frames are all below it
+            running.add((code.co_filename, code.co_name, code.co_firstlineno))
+            frame = frame.f_back
+        with self._lock:
+            self._poll_locked()
+            first = next(
+                (
+                    i
+                    for i, e in enumerate(self._events)
+                    if not e.claimed and (e.filename, e.function, e.first_line) in running
+                ),
+                len(self._events),
+            )
+        return self._claim(lambda i, _: i >= first)
 
     def claim_functions(self, functions: Collection[FunctionSpan]) -> list[Fallback]:
         """Claim unclaimed events of frames of the given functions (or of Dynamo's resume
