@@ -173,3 +173,25 @@ def test_report_claims_the_rest_of_the_first_call_without_a_second_call() -> Non
     compiled(torch.randn(2, 8)).backward()
     rep = memcompile.report(compiled)
     assert [f.code.split(" ")[0] for f in rep.fallbacks] == ["forward", "_loop_helper"]
+
+
+class EagerWeight(EagerOuter):
+    """A parameter only the eager frame reads: no fragment takes it as an input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Parameter(torch.randn(256, 256))  # 256 KiB
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            x = self.inner(x)
+            torch._dynamo.graph_break()
+        return x.sum() * self.big.sum()
+
+
+def test_torch_compile_path_counts_parameters_only_eager_frames_read() -> None:
+    # The fragments alone fit 64 KiB easily; the model's 256 KiB parameter does not.
+    compiled = torch.compile(EagerWeight(), backend="memcompile", options={"budget": 65536})
+    with pytest.raises(memcompile.MemoryBudgetError, match="no memory plan fits") as err:
+        compiled(torch.randn(2, 8)).backward()
+    assert err.value.min_feasible > 256 * 1024

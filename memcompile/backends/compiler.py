@@ -38,7 +38,11 @@ from torch._functorch.partitioners import default_partition
 from torch._logging._internal import trace_structured_artifact
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memcompile.backends.dynamo_hooks import calling_dynamo_context, install_call_hook
+from memcompile.backends.dynamo_hooks import (
+    calling_compiled_module,
+    calling_dynamo_context,
+    install_call_hook,
+)
 from memcompile.backends.fallbacks import Fallback, FunctionSpan, monitor
 from memcompile.backends.fragments import (
     FragmentIdentity,
@@ -1108,6 +1112,12 @@ class MemCompiler:
             # after this point are claimed when the next call starts (or by report()).
             self._claim(monitor.claim_running(sys._getframe(1)))
             self._late_cursor = monitor.cursor()
+            if self.model is None:
+                # Its parameters count against the budget, those only eager frames read too
+                # (no fragment takes them as inputs; _predict).
+                model = calling_compiled_module(ctx)
+                if model is not None:
+                    self.model = weakref.ref(model)
         identity = fragment_identity(gm, example_inputs)
         awaiting = self._awaiting.get(identity.id)
         old, resident, saved_cap = awaiting.pop(0) if awaiting else (None, None, None)
@@ -1258,6 +1268,14 @@ class MemCompiler:
             moved = storage_sizes(build.example_inputs[i] for i in skip)
             return max(0, build.replan_resident - sum(moved.values()))
         storages = storage_sizes(t for i, t in enumerate(build.example_inputs) if i not in skip)
+        model = self._model()
+        if model is not None:  # parameters no fragment takes (read by eager frames) count too
+            hosted = {id(t) for i, t in enumerate(build.example_inputs) if i in skip}
+            storages.update(
+                storage_sizes(
+                    t for t in (*model.parameters(), *model.buffers()) if id(t) not in hosted
+                )
+            )
         compile_id = torch._guards.CompileContext.current_compile_id()
         frame = str(compile_id).split("/")[0] if compile_id is not None else None
         others = 0

@@ -21,10 +21,11 @@ from types import FrameType
 from typing import Any
 
 import torch
-from torch._dynamo.eval_frame import _TorchDynamoContext
+from torch._dynamo.eval_frame import OptimizedModule, _TorchDynamoContext
 
 __all__ = [
     "calling_compile_wrapper",
+    "calling_compiled_module",
     "calling_dynamo_context",
     "dynamo_context",
     "install_call_hook",
@@ -83,3 +84,19 @@ def install_call_hook(ctx: _TorchDynamoContext, enter: Callable[[], Callable[[],
     setattr(ctx, _HOOK_ATTR, enter)
     ctx.enter_exit_hooks.append(enter)
     return True
+
+
+def calling_compiled_module(
+    ctx: _TorchDynamoContext, max_depth: int = 400
+) -> torch.nn.Module | None:
+    """The module ``torch.compile`` wrapped with ``ctx``, when one of its calls is on the stack
+    (found from inside a backend call; ``None`` for a compiled function)."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, OptimizedModule) and getattr(owner, "dynamo_ctx", None) is ctx:
+            return owner._orig_mod
+        frame = frame.f_back
+    return None

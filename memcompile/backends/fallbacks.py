@@ -91,7 +91,8 @@ class Fallback:
     def message(self) -> str:
         return (
             f"memcompile: Dynamo runs {self.code} eagerly ({self.kind}: {self.reason}); memory "
-            f"allocated there is not managed by memcompile. Hint: {self.hint}."
+            f"allocated there is not managed by memcompile, nor in its predicted peak (a budget "
+            f"can be exceeded there). Hint: {self.hint}."
         )
 
     def to_dict(self) -> dict[str, str]:
