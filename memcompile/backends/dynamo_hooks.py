@@ -11,6 +11,7 @@ the warning appear in the call where the fallback happens, attributed to the rig
     ctx = dynamo_context(compiled)          # from the object torch.compile returned
     ctx = calling_dynamo_context()          # from inside a backend call (stack walk)
     wrapper = calling_compile_wrapper()     # the torch._TorchCompileWrapper calling the backend
+    model = calling_compiled_module(ctx)    # the module torch.compile wrapped (stack walk)
 """
 
 from __future__ import annotations
