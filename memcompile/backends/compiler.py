@@ -1018,6 +1018,12 @@ class MemCompiler:
     def _model(self) -> torch.nn.Module | None:
         return self.model() if self.model is not None else None
 
+    def _model_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The compiled model's parameters and buffers, when the model is known: resident
+        whether or not a fragment takes them (eager frames read some)."""
+        model = self._model()
+        return (*model.parameters(), *model.buffers()) if model is not None else ()
+
     # -- dynamic models and the pilot ------------------------------------------------------------
     def pilot_plans(self) -> bool:
         """Whether plans leave a prefetch reserve: an explicit pilot, or ``"auto"`` once the
@@ -1268,14 +1274,9 @@ class MemCompiler:
             moved = storage_sizes(build.example_inputs[i] for i in skip)
             return max(0, build.replan_resident - sum(moved.values()))
         storages = storage_sizes(t for i, t in enumerate(build.example_inputs) if i not in skip)
-        model = self._model()
-        if model is not None:  # parameters no fragment takes (read by eager frames) count too
-            hosted = {id(t) for i, t in enumerate(build.example_inputs) if i in skip}
-            storages.update(
-                storage_sizes(
-                    t for t in (*model.parameters(), *model.buffers()) if id(t) not in hosted
-                )
-            )
+        # The model's parameters no fragment takes (read by eager frames) count too.
+        hosted = {id(t) for i, t in enumerate(build.example_inputs) if i in skip}
+        storages.update(storage_sizes(t for t in self._model_tensors() if id(t) not in hosted))
         compile_id = torch._guards.CompileContext.current_compile_id()
         frame = str(compile_id).split("/")[0] if compile_id is not None else None
         others = 0
@@ -1588,9 +1589,7 @@ class MemCompiler:
             static.update(r.static_storages)
             for storages in list(r.blocks.values()):
                 static.update(storages)
-        model = self.model() if self.model is not None else None
-        if model is not None:
-            static.update(storage_sizes([*model.parameters(), *model.buffers()]))
+        static.update(storage_sizes(self._model_tensors()))
         static.update(storage_sizes(extra_resident))
         resident = sum(static.values()) + (self.device_other_bytes or 0)
         seq, sizes, kept = self._sequence_sizes_views()

@@ -50,31 +50,31 @@ def dynamo_context(compiled: Any) -> _TorchDynamoContext | None:
     return None
 
 
-def calling_compile_wrapper(max_depth: int = 6) -> Any | None:
-    """The ``torch._TorchCompileWrapper`` on the call stack (it calls backends directly)."""
-    frame: FrameType | None = sys._getframe(1)
+def _calling_self(accept: Callable[[FrameType, Any], bool], max_depth: int) -> Any | None:
+    """The ``self`` of the nearest caller frame (up to ``max_depth`` frames above the function
+    that asks) that ``accept(frame, self)`` accepts, else None."""
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(max_depth):
         if frame is None:
             return None
         owner = frame.f_locals.get("self")
-        if isinstance(owner, torch._TorchCompileWrapper):
+        if owner is not None and accept(frame, owner):
             return owner
         frame = frame.f_back
     return None
 
 
+def calling_compile_wrapper(max_depth: int = 6) -> Any | None:
+    """The ``torch._TorchCompileWrapper`` on the call stack (it calls backends directly)."""
+    return _calling_self(lambda _, s: isinstance(s, torch._TorchCompileWrapper), max_depth)
+
+
 def calling_dynamo_context(max_depth: int = 200) -> _TorchDynamoContext | None:
     """The context whose compiled callable is running (found from inside a backend call)."""
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        if frame.f_code.co_name == "compile_wrapper":
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, _TorchDynamoContext):
-                return owner
-        frame = frame.f_back
-    return None
+    return _calling_self(
+        lambda f, s: f.f_code.co_name == "compile_wrapper" and isinstance(s, _TorchDynamoContext),
+        max_depth,
+    )
 
 
 def install_call_hook(ctx: _TorchDynamoContext, enter: Callable[[], Callable[[], None]]) -> bool:
@@ -92,12 +92,8 @@ def calling_compiled_module(
 ) -> torch.nn.Module | None:
     """The module ``torch.compile`` wrapped with ``ctx``, when one of its calls is on the stack
     (found from inside a backend call; ``None`` for a compiled function)."""
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, OptimizedModule) and getattr(owner, "dynamo_ctx", None) is ctx:
-            return owner._orig_mod
-        frame = frame.f_back
-    return None
+    owner = _calling_self(
+        lambda _, s: isinstance(s, OptimizedModule) and getattr(s, "dynamo_ctx", None) is ctx,
+        max_depth,
+    )
+    return owner._orig_mod if owner is not None else None

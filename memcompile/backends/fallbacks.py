@@ -10,11 +10,14 @@ a record with ``fail_type`` set means the frame was *not* compiled and runs eage
 
 :class:`FallbackMonitor` (one per process) turns new records into numbered events. A compiled
 model claims the events that appear *during one of its calls* (``cursor()`` when the call starts,
-``claim_since(cursor)`` when it ends; see dynamo_hooks.py); events from before memcompile could
-watch are claimed by function (``claim_functions``: the model's own methods; ambiguous only if the
-same class also runs under another backend in the process). Each event is claimed once and warned
-about once per (frame, kind), with an :class:`EagerFallbackWarning`. Events no memcompile model
-claims (other backends' frames) are never reported.
+``claim_since(cursor)`` when it ends; see dynamo_hooks.py). A hook attached in the middle of a
+model's first call (``torch.compile(backend="memcompile")``: at its first compiled fragment)
+claims the events of frames still running below the Dynamo context's call, and those after them
+(``claim_running``), then the rest of that call from its attach cursor. Events from before
+memcompile could watch are claimed by function (``claim_functions``: the model's own methods;
+ambiguous only if the same class also runs under another backend in the process). Each event is
+claimed once and warned about once per (frame, kind), with an :class:`EagerFallbackWarning`.
+Events no memcompile model claims (other backends' frames) are never reported.
 """
 
 from __future__ import annotations

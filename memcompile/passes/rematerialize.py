@@ -87,16 +87,11 @@ def _is_view_of(n: fx.Node, storage: StorageWeakRef) -> bool:
     if n.op != "call_function" or _mutates(n) or n.target is _WAIT:
         return False
     vals = tensor_vals(n.meta.get("val"))
-    if not vals:
-        return False
-    if n.target is operator.getitem:
-        return all(_ref(t) == storage for t in vals)
     target = n.target
-    return (
-        isinstance(target, torch._ops.OpOverload)
-        and target.is_view
-        and all(_ref(t) == storage for t in vals)
+    aliasing = target is operator.getitem or (
+        isinstance(target, torch._ops.OpOverload) and target.is_view
     )
+    return bool(vals) and aliasing and all(_ref(t) == storage for t in vals)
 
 
 def _family(head: fx.Node, nodes: Sequence[fx.Node], storage: StorageWeakRef) -> list[fx.Node]:
