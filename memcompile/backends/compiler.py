@@ -3,6 +3,7 @@
 For each fragment Dynamo hands it:
 
     record identity (structural hash, sources, reason)          fragments.fragment_identity
+    one placeholder per read of a multiply-read input           passes.input_uses
     aot_autograd(partition_fn, fw/bw/inference compilers)
         partition_fn      torch's partitioner; keeps the backward graph for the forward compiler
         fw compiler       profile forward + backward together        passes.fragment
@@ -61,6 +62,7 @@ from memcompile.passes.costmodel import DeviceProfile, device_profile, resolve_p
 from memcompile.passes.dropout import dropout_pass, saved_after
 from memcompile.passes.fragment import FragmentProfile, accumulate_clone_bytes, profile_fragment
 from memcompile.passes.inplace import in_place_pass
+from memcompile.passes.input_uses import InputSplit, split_inputs_pass
 from memcompile.passes.joint import JointModel
 from memcompile.passes.losshead import loss_head_pass
 from memcompile.passes.params import param_fetch_pass
@@ -1130,13 +1132,22 @@ class MemCompiler:
         # Dynamo compiles under its own global lock, so the next index cannot be taken meanwhile.
         # A re-planned fragment keeps its index (and call counts): it replaces its record.
         index = old.index if old is not None else self._next_index()
+        # The graphs are planned and built with one placeholder per read of an input that
+        # several ops read (its gradient then adds up in eager's order; passes/input_uses.py).
+        gm = split_inputs_pass(
+            gm, PassContext(fragment=f"F{index}", graph="dynamo"), example_inputs=example_inputs
+        )
+        split = gm.meta.get("memcompile_input_split", InputSplit())
+        compile_inputs = split.compile_inputs(example_inputs)
+        example_inputs = split.expand(example_inputs)
         build = _FragmentBuild(self, index, example_inputs)
         if old is not None:
             build.stats = old.stats
             build.replan_resident = resident
             build.replan_saved_cap = saved_cap
         self.note_dynamic_fragment(build.index, gm)
-        compiled, record = self._compile_fragment(build, gm, example_inputs, identity)
+        compiled, record = self._compile_fragment(build, gm, compile_inputs, identity)
+        compiled = split.wrap(compiled)
         code = _compiling_code()
         with self._lock:
             if code is not None:
@@ -1195,7 +1206,9 @@ class MemCompiler:
             static_inputs=build.static_inputs,
             static_storages=tuple(
                 storage_sizes(
-                    example_inputs[i] for i in build.static_inputs if i < len(example_inputs)
+                    build.example_inputs[i]
+                    for i in build.static_inputs
+                    if i < len(build.example_inputs)
                 ).items()
             ),
             profile=build.profile,

@@ -1,0 +1,296 @@
+"""Fragment inputs read several times get their gradients added in eager's order
+(passes/input_uses.py): bit-identical gradients across graph breaks."""
+
+from __future__ import annotations
+
+import copy
+import operator
+import warnings
+from typing import Any
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import fx, nn
+
+import memcompile
+from memcompile import MemoryBudgetWarning
+from memcompile.passes.context import PassContext
+from memcompile.passes.input_uses import InputSplit, split_inputs_pass
+
+# 1 + 2**-24 rounds to 1 (a tie, to even); 1 + 2**-23 is exact: which two add first shows.
+TINY = 2.0**-24
+
+
+def _x_grad(fn: Any, *args: torch.Tensor) -> torch.Tensor:
+    x = args[0].detach().clone().requires_grad_()
+    fn(x, *args[1:]).sum().backward()
+    assert x.grad is not None
+    return x.grad
+
+
+def _across_break(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor):
+    y = x * a + x * b  # x read twice: eager adds b's contribution, then a's
+    torch._dynamo.graph_break()
+    return y + x * c  # ... after this one's (backward runs it first)
+
+
+def test_contributions_from_two_fragments_add_in_eager_order() -> None:
+    x, c = torch.ones(8), torch.ones(8)
+    a, b = torch.full((8,), TINY), torch.full((8,), TINY)
+    eager = _x_grad(_across_break, x, a, b, c)
+    assert torch.equal(eager, torch.ones(8))  # (1 + tiny) + tiny
+    torch._dynamo.reset()
+    # AOTAutograd alone adds the fragment's two first: 1 + (tiny + tiny), one ulp above.
+    aot = _x_grad(torch.compile(_across_break, backend="aot_eager"), x, a, b, c)
+    assert torch.equal(aot, torch.full((8,), 1 + 2 * TINY))
+    torch._dynamo.reset()
+    compiled = _x_grad(memcompile.compile(_across_break), x, a, b, c)
+    assert torch.equal(compiled, eager)
+
+
+def _one_op_twice(x: torch.Tensor, t: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    y = torch.addcmul(x, x, t)  # x as self (grad 1), then as tensor1 (grad t)
+    torch._dynamo.graph_break()
+    return y + x * c
+
+
+def test_one_ops_contributions_keep_argument_order() -> None:
+    # eager: (c + 1) + tiny; the two slots the other way round: (c + tiny) + 1.
+    x, t, c = torch.ones(8), torch.full((8,), TINY), torch.full((8,), TINY)
+    eager = _x_grad(_one_op_twice, x, t, c)
+    assert torch.equal(eager, torch.ones(8))
+    torch._dynamo.reset()
+    compiled = _x_grad(memcompile.compile(_one_op_twice), x, t, c)
+    assert torch.equal(compiled, eager)
+
+
+def _norm_and_residual(x: torch.Tensor) -> torch.Tensor:
+    h = x.sin()
+    torch._dynamo.graph_break()
+    # torch.rms_norm is x * rsqrt(x.pow(2).mean()) on the CPU: two edges into h from one op.
+    return torch.rms_norm(h, (h.shape[-1],)) * 3 + h
+
+
+def test_an_op_with_two_edges_into_one_input_leaves_it_whole() -> None:
+    # Eager adds the residual's contribution, then rms_norm's two; AOTAutograd's graph for the
+    # second fragment adds them in that order too. A placeholder for rms_norm's read would add
+    # its two first (caught by this test on the first version of the split).
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    eager = _x_grad(_norm_and_residual, x)
+    torch._dynamo.reset()
+    compiled = _x_grad(memcompile.compile(_norm_and_residual), x)
+    assert torch.equal(compiled, eager)
+
+
+def _hand_norm_between_breaks(x: torch.Tensor) -> torch.Tensor:
+    h = x.sin()
+    torch._dynamo.graph_break()
+    t = h.to(torch.float32)  # h itself (HF's RMSNorm): its readers read h
+    y = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch._dynamo.graph_break()
+    return y + h * 3
+
+
+def test_reads_through_an_op_returning_its_input_add_in_eager_order() -> None:
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    eager = _x_grad(_hand_norm_between_breaks, x)
+    torch._dynamo.reset()
+    compiled = _x_grad(memcompile.compile(_hand_norm_between_breaks), x)
+    assert torch.equal(compiled, eager)
+
+
+class _Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 32, 32) / 6)
+
+    def forward(self, hs: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor):
+        out = torch.zeros_like(hs)
+        for e in idx.unique():  # data-dependent: Dynamo runs this loop eagerly
+            rows, k = torch.where(idx == e)
+            y = torch.nn.functional.silu(hs[rows] @ self.w[e]) * weights[rows, k, None]
+            out.index_add_(0, rows, y)
+        return out
+
+
+class _MoEBlock(nn.Module):
+    """The shape of HF Qwen2-MoE's sparse block: ``hs = h.view(-1, d)`` read by a shared
+    expert and the router in the block's first fragment, by the experts (eager) and a gate
+    after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.gate, self.sg = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 1)
+        self.router = nn.Linear(32, 4)
+        self.experts = _Experts()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, t, d = h.shape
+        hs = h.view(-1, d)
+        shared = torch.nn.functional.silu(self.gate(hs)) * self.up(hs)
+        weights, idx = torch.topk(self.router(hs.reshape(-1, d)).softmax(-1), 2)
+        out = self.experts(hs, idx, weights) + torch.sigmoid(self.sg(hs)) * shared
+        return out.reshape(b, t, d)
+
+
+class _MoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(32, 32)
+        self.block = _MoEBlock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The block's frame starts at the call (Dynamo breaks the graph in it): h is an input.
+        return self.block(torch.tanh(self.inp(x))).pow(2).mean()
+
+
+def test_a_returned_view_read_by_eager_experts_adds_up_in_eager_order() -> None:
+    # What the experts and the gate add through hs must come first, then the router's, the
+    # up projection's and the gate projection's. Found on HF Qwen2-MoE (eager experts).
+    torch.manual_seed(0)
+    eager = _MoE()
+    model = copy.deepcopy(eager)
+    x = torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(1))
+    expected = _grads(eager, eager, x)
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", memcompile.EagerFallbackWarning)  # the experts' loop
+        got = _grads(model, memcompile.compile(model), x)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+
+
+class _Reads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, h, k, m, s):
+        out = h @ self.w + h.sin() * h + self.w.cos()  # h: 3 reads; w (a parameter): 2
+        out = out + k * k.size(0)  # k: one read that gets a gradient
+        out = out + s.tanh() * s  # s: needs no gradient
+        m.add_(1)  # m: mutated
+        return out + m * m
+
+
+def _dynamo_graph(module: nn.Module, *args: torch.Tensor) -> tuple[fx.GraphModule, list[Any]]:
+    seen: list[tuple[fx.GraphModule, list[Any]]] = []
+
+    def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        seen.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(module, backend=backend, fullgraph=True)(*args)
+    torch._dynamo.reset()
+    ((gm, example),) = seen
+    return gm, example
+
+
+def _reader(node: fx.Node) -> object:
+    ((user,),) = [list(node.users)]
+    return user.target
+
+
+def test_split_gives_each_read_its_own_placeholder_in_eager_order() -> None:
+    h, k = (torch.randn(4, 4, requires_grad=True) for _ in range(2))
+    m = torch.randn(4, 4, requires_grad=True) * 1  # not a leaf: add_ is allowed
+    gm, example = _dynamo_graph(_Reads(), h, k, m, torch.randn(4, 4))
+    names = [p.name for p in gm.graph.find_nodes(op="placeholder")]
+    before = gm.code
+    out = split_inputs_pass(gm, PassContext(graph="dynamo"), example_inputs=example)
+    assert gm.code == before  # Dynamo's own graph is left as it is
+    pos = next(i for i, n in enumerate(names) if n.startswith("l_h"))
+    assert out.meta["memcompile_input_split"] == InputSplit((pos, pos, pos))  # h only
+    phs = list(out.graph.find_nodes(op="placeholder"))
+    assert [p.name for p in phs[: len(names)]] == names  # the others keep their positions
+    # h is read by matmul, sin, mul (graph order); eager adds mul's contribution first (newest
+    # op), then sin's, then matmul's. Autograd runs the newest alias node first: the aliases
+    # are made in the reverse order, and h itself is read by none.
+    assert not phs[pos].users
+    assert [_reader(p) for p in phs[len(names) :]] == [operator.matmul, "sin", operator.mul]
+    x = torch.randn(4, 4)
+    assert InputSplit((0, 0)).expand([x])[2].data_ptr() == x.data_ptr()  # aliases
+
+
+def test_nothing_to_split_returns_the_graph() -> None:
+    h = torch.randn(4, 4, requires_grad=True)
+    gm, example = _dynamo_graph(nn.Linear(4, 4), h)
+    assert split_inputs_pass(gm, PassContext(graph="dynamo"), example_inputs=example) is gm
+
+
+# -- random networks with graph breaks, x budgets ------------------------------------------------
+WIDTH = 32
+OPS = ("linear", "tanh", "mul", "add")
+
+
+class _BrokenNet(nn.Module):
+    """A random DAG (as tests/test_planner_random.py) in two or three fragments: values made
+    before a graph break are read, often several times, after it."""
+
+    def __init__(self, segments: list[list[tuple[str, int, int]]]) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.segments = segments
+        self.linears = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for s in segments for _ in s)
+        self.linears.append(nn.Linear(WIDTH, WIDTH))
+
+    def _segment(self, k: int, vals: list[torch.Tensor]) -> None:
+        first = sum(len(s) for s in self.segments[:k])
+        for i, (op, a, b) in enumerate(self.segments[k], start=first):
+            u, v = vals[a % len(vals)], vals[b % len(vals)]
+            if op == "linear":
+                vals.append(self.linears[i](u))
+            elif op == "tanh":
+                vals.append(u.tanh())
+            else:
+                vals.append(u * v if op == "mul" else u + v)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # No loop around the breaks (Dynamo would run the whole frame eagerly).
+        vals = [self.linears[-1](x)]
+        self._segment(0, vals)
+        torch._dynamo.graph_break()
+        self._segment(1, vals)
+        if len(self.segments) > 2:
+            torch._dynamo.graph_break()
+            self._segment(2, vals)
+        return sum(v.pow(2).mean() for v in vals)
+
+
+segment = st.lists(
+    st.tuples(st.sampled_from(OPS), st.integers(0, 20), st.integers(0, 20)), min_size=1, max_size=4
+)
+
+
+def _grads(model: nn.Module, fn: Any, x: torch.Tensor) -> list[torch.Tensor]:
+    fn(x).backward()
+    out = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+@given(segments=st.lists(segment, min_size=2, max_size=3), fraction=st.sampled_from([None, 0.4]))
+def test_random_network_with_graph_breaks_is_bit_identical(segments, fraction) -> None:
+    x = torch.randn(64, WIDTH, generator=torch.Generator().manual_seed(1))
+    eager = _BrokenNet(segments)
+    expected = _grads(eager, eager, x)
+    options: dict[str, Any] = {}
+    if fraction is not None:
+        peak = memcompile.measure_peak(lambda: eager(x).backward())
+        eager.zero_grad(set_to_none=True)
+        options = {"budget": max(1, int(peak * fraction)), "on_infeasible": "best_effort"}
+    torch._dynamo.reset()
+    model = copy.deepcopy(eager)
+    compiled = memcompile.compile(model, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemoryBudgetWarning)  # infeasible budgets are expected
+        got = _grads(model, compiled, x)
+        again = _grads(model, compiled, x)  # the second call runs the recorded plan
+    rep = memcompile.report(compiled)
+    assert rep.fallbacks == () and len(rep.fragments) >= len(segments)
+    assert len(got) == len(expected)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(expected, again, strict=True))
