@@ -195,3 +195,5 @@ def test_torch_compile_path_counts_parameters_only_eager_frames_read() -> None:
     with pytest.raises(memcompile.MemoryBudgetError, match="no memory plan fits") as err:
         compiled(torch.randn(2, 8)).backward()
     assert err.value.min_feasible > 256 * 1024
+    # The message names what stays on the device whatever the plan.
+    assert "256.00 KiB is the model's parameters and buffers that no fragment" in str(err.value)

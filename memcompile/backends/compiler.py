@@ -1020,6 +1020,15 @@ class MemCompiler:
     def _model(self) -> torch.nn.Module | None:
         return self.model() if self.model is not None else None
 
+    def _untaken_bytes(self, build: _FragmentBuild) -> int:
+        """Bytes of the model's parameters and buffers that neither ``build`` nor a recorded
+        fragment takes as an input (read by eager frames, or by fragments not compiled yet)."""
+        taken = set(storage_sizes(t for t in build.example_inputs if isinstance(t, torch.Tensor)))
+        for r in self.records():
+            taken.update(address for address, _ in r.static_storages)
+        model = storage_sizes(self._model_tensors())
+        return sum(size for address, size in model.items() if address not in taken)
+
     def _model_tensors(self) -> tuple[torch.Tensor, ...]:
         """The compiled model's parameters and buffers, when the model is known: resident
         whether or not a fragment takes them (eager frames read some)."""
@@ -1365,6 +1374,13 @@ class MemCompiler:
             tips.append(
                 f"of which {format_bytes(self.device_other_bytes)} was already allocated on the "
                 "device by others (other tensors, optimizer state, library workspaces)"
+            )
+        untaken = self._untaken_bytes(build)
+        if untaken:
+            tips.append(
+                f"of which {format_bytes(untaken)} is the model's parameters and buffers that no "
+                "fragment compiled so far reads (those of frames Dynamo runs eagerly stay on "
+                "the device: see the EagerFallbackWarning)"
             )
         if build.prefetch_reserve:
             tips.append(
