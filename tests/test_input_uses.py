@@ -29,6 +29,15 @@ def _x_grad(fn: Any, *args: torch.Tensor) -> torch.Tensor:
     return x.grad
 
 
+def _matches_eager(fn: Any, *args: torch.Tensor) -> torch.Tensor:
+    """``x``'s gradient through ``fn`` under memcompile equals eager's bit for bit; eager's."""
+    eager = _x_grad(fn, *args)
+    torch._dynamo.reset()
+    compiled = _x_grad(memcompile.compile(fn), *args)
+    assert torch.equal(compiled, eager)
+    return eager
+
+
 def _across_break(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor):
     y = x * a + x * b  # x read twice: eager adds b's contribution, then a's
     torch._dynamo.graph_break()
@@ -38,15 +47,12 @@ def _across_break(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Te
 def test_contributions_from_two_fragments_add_in_eager_order() -> None:
     x, c = torch.ones(8), torch.ones(8)
     a, b = torch.full((8,), TINY), torch.full((8,), TINY)
-    eager = _x_grad(_across_break, x, a, b, c)
+    eager = _matches_eager(_across_break, x, a, b, c)
     assert torch.equal(eager, torch.ones(8))  # (1 + tiny) + tiny
     torch._dynamo.reset()
     # AOTAutograd alone adds the fragment's two first: 1 + (tiny + tiny), one ulp above.
     aot = _x_grad(torch.compile(_across_break, backend="aot_eager"), x, a, b, c)
     assert torch.equal(aot, torch.full((8,), 1 + 2 * TINY))
-    torch._dynamo.reset()
-    compiled = _x_grad(memcompile.compile(_across_break), x, a, b, c)
-    assert torch.equal(compiled, eager)
 
 
 def _one_op_twice(x: torch.Tensor, t: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -58,11 +64,7 @@ def _one_op_twice(x: torch.Tensor, t: torch.Tensor, c: torch.Tensor) -> torch.Te
 def test_one_ops_contributions_keep_argument_order() -> None:
     # eager: (c + 1) + tiny; the two slots the other way round: (c + tiny) + 1.
     x, t, c = torch.ones(8), torch.full((8,), TINY), torch.full((8,), TINY)
-    eager = _x_grad(_one_op_twice, x, t, c)
-    assert torch.equal(eager, torch.ones(8))
-    torch._dynamo.reset()
-    compiled = _x_grad(memcompile.compile(_one_op_twice), x, t, c)
-    assert torch.equal(compiled, eager)
+    assert torch.equal(_matches_eager(_one_op_twice, x, t, c), torch.ones(8))
 
 
 def _norm_and_residual(x: torch.Tensor) -> torch.Tensor:
@@ -77,10 +79,7 @@ def test_an_op_with_two_edges_into_one_input_leaves_it_whole() -> None:
     # second fragment adds them in that order too. A placeholder for rms_norm's read would add
     # its two first (caught by this test on the first version of the split).
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
-    eager = _x_grad(_norm_and_residual, x)
-    torch._dynamo.reset()
-    compiled = _x_grad(memcompile.compile(_norm_and_residual), x)
-    assert torch.equal(compiled, eager)
+    _matches_eager(_norm_and_residual, x)
 
 
 def _hand_norm_between_breaks(x: torch.Tensor) -> torch.Tensor:
@@ -94,10 +93,7 @@ def _hand_norm_between_breaks(x: torch.Tensor) -> torch.Tensor:
 
 def test_reads_through_an_op_returning_its_input_add_in_eager_order() -> None:
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
-    eager = _x_grad(_hand_norm_between_breaks, x)
-    torch._dynamo.reset()
-    compiled = _x_grad(memcompile.compile(_hand_norm_between_breaks), x)
-    assert torch.equal(compiled, eager)
+    _matches_eager(_hand_norm_between_breaks, x)
 
 
 class _Experts(nn.Module):
