@@ -159,12 +159,11 @@ class _Run(NamedTuple):
     returns: str
 
 
-def _edges(node: fx.Node, ph: fx.Node) -> _Run:
+def _edges(mode: FakeTensorMode, node: fx.Node, ph: fx.Node) -> _Run:
     """How ``node``'s backward adds into ``ph`` at the argument slots where it reads it:
-    ``node`` run on fake tensors of their own mode (Dynamo's shape environment stays
+    ``node`` run on fake tensors of the pass's own ``mode`` (Dynamo's shape environment stays
     untouched), a fresh leaf per slot. Each edge is one separate addition into ``ph``'s
     gradient in eager."""
-    mode = FakeTensorMode()
     leaves: dict[int, int] = {}  # id(leaf) -> slot
     slot = -1
 
@@ -218,13 +217,21 @@ def _edges(node: fx.Node, ph: fx.Node) -> _Run:
 Read = tuple[tuple[fx.Node, int], ...]
 
 
-def _arrivals(gm: fx.GraphModule, ph: fx.Node) -> list[Read] | None:
+class _Facts(NamedTuple):
+    """What every placeholder's analysis reads of the graph: node positions, the returned
+    nodes, and the fake mode the reading ops run in."""
+
+    order: dict[fx.Node, int]
+    returned: set[fx.Node]
+    mode: FakeTensorMode
+
+
+def _arrivals(facts: _Facts, ph: fx.Node) -> list[Read] | None:
     """Each read of ``ph`` that adds to its gradient, in the order eager adds them (the newest
     autograd node first, one node's edges in order); ``None`` when an op reads ``ph`` through
     several edges from one slot (a composite op: ``rms_norm``), mutates it, or cannot be run on
     fake tensors, as then no split reproduces eager's order."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    returned = set(_flat_args(gm.graph.output_node()))
+    order, returned = facts.order, facts.returned
     found: list[tuple[int, int, int, Read]] = []
 
     def visit(value: fx.Node, path: Read) -> None:
@@ -235,7 +242,7 @@ def _arrivals(gm: fx.GraphModule, ph: fx.Node) -> list[Read] | None:
                 continue
             if _mutates(user):
                 raise _Unknown(f"{user.name} mutates it")
-            run = _edges(user, value)
+            run = _edges(facts.mode, user, value)
             # The same tensor: its readers read ph. A returned view that is value's only
             # reader (``h.view(-1, d)`` at the top of an MoE block): eager adds all its
             # readers' contributions in the view's buffer, starting with the rest of the
@@ -302,11 +309,16 @@ def split_inputs_pass(
     (:class:`InputSplit`). ``gm`` itself is left as it is; with nothing to split it is returned.
     """
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    facts = _Facts(
+        order={n: i for i, n in enumerate(gm.graph.nodes)},
+        returned=set(_flat_args(gm.graph.output_node())),
+        mode=FakeTensorMode(),
+    )
     plans: list[tuple[int, list[Read]]] = []
     for pos, ph in enumerate(placeholders):
         if pos >= len(example_inputs) or not _splittable(ph, example_inputs[pos]):
             continue
-        arrival = _arrivals(gm, ph)
+        arrival = _arrivals(facts, ph)
         if arrival is not None and len(arrival) > 1:
             plans.append((pos, arrival))
     if not plans:
