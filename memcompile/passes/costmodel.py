@@ -204,7 +204,10 @@ def device_profile(name: str) -> DeviceProfile:
             )
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(profile.to_dict(), indent=2))
+                # Whole or not at all: processes calibrating at once (test workers) read it.
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(profile.to_dict(), indent=2))
+                os.replace(tmp, path)
             except OSError as e:  # a read-only home: calibrate again next process
                 log.debug("could not cache the CPU profile: %s", e)
     return _loaded["cpu"]
