@@ -98,7 +98,11 @@ class MemReport:
         step: the fragment calls of the step the prediction replays, e.g. ``("F0.fw", "F0.bw")``.
         steps_observed: complete training steps the backend has seen.
         fallbacks: frames Dynamo ran eagerly while this model ran.
-        over_budget: a budget is set and the step is predicted to exceed it (memcompile warned).
+        over_budget: a budget is set and the step is predicted to exceed it, or (CUDA) a step was
+            measured above it (memcompile warned).
+        measured_peak: CUDA with a budget: the highest device peak a training step was seen to
+            reach, ``torch.cuda.max_memory_allocated`` read at step boundaries
+            (``runtime/peakwatch.py``); ``None`` on the CPU, or before a step set a new peak.
         host_param_bytes: parameter bytes memcompile moved to the host tier (``offload_params``);
             they are not in ``resident_bytes``.
         pilot: the pilot's predictions and prefetches (``None`` with ``pilot="off"``); see
@@ -125,6 +129,7 @@ class MemReport:
     dynamic: str = ""
     recompile_limit_raised: tuple[int, int] | None = None
     replans: tuple[Replan, ...] = ()
+    measured_peak: int | None = None
 
     @property
     def eager_frames(self) -> int:
@@ -152,6 +157,7 @@ class MemReport:
             "config": self.config.to_dict(),
             "over_budget": self.over_budget,
             "predicted_peak": self.predicted_peak,
+            "measured_peak": self.measured_peak,
             "resident_bytes": self.resident_bytes,
             "host_param_bytes": self.host_param_bytes,
             "exact": self.exact,
@@ -176,6 +182,8 @@ class MemReport:
             budget = f", budget {format_bytes(self.budget)}" + (
                 " EXCEEDED" if self.over_budget else ""
             )
+        if self.measured_peak is not None:
+            budget += f", measured step peak {format_bytes(self.measured_peak)}"
         lines = [
             f"memcompile report: {len(self.fragments)} fragment(s), predicted step peak {peak} "
             f"({kind}){budget}, {len(self.fallbacks)} eager fallback(s)",
@@ -364,6 +372,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
         dynamic=compiler.dynamic,
         recompile_limit_raised=compiler.recompile_limit_raised,
         replans=tuple(compiler.replans),
+        measured_peak=compiler.peak_watch.measured if compiler.peak_watch is not None else None,
         over_budget=compiler.over_budget
         or (
             prediction is not None

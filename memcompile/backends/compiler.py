@@ -80,6 +80,7 @@ from memcompile.passes.step import StepPrediction, simulate_step
 from memcompile.passes.swap import swap_pass
 from memcompile.passes.workspace import clone_workspace, probe_workspaces
 from memcompile.runtime.measure import storage_sizes
+from memcompile.runtime.peakwatch import PeakWatch
 from memcompile.runtime.pinned import install_hooks as install_pinned_hooks
 from memcompile.runtime.store import (
     HOSTABLE_DEVICES,
@@ -981,6 +982,12 @@ class MemCompiler:
         self._open_blocks: dict[int, list[tuple[int, SizeKey]]] = {}
         self._checked_steps: set[tuple[Any, ...]] = set()
         self.over_budget = False
+        #: CUDA with a budget: each step's measured peak against it (runtime/peakwatch.py).
+        self.peak_watch: PeakWatch | None = None
+        self._compiled_in_step = False
+        # Whether a step over the budget was warned about, for steps that compiled (planning
+        # runs kernels on the device) and for those that did not: once each.
+        self._peak_warned: set[bool] = set()
         #: Re-planning rounds of steps predicted over budget (backends/replan.py), in order.
         self.replans: list[Replan] = []
         # Dynamo code object of each fragment (weakly): what reset_code drops to re-plan it.
@@ -1166,6 +1173,16 @@ class MemCompiler:
                 model = calling_compiled_module(ctx)
                 if model is not None:
                     self.model = weakref.ref(model)
+        self._compiled_in_step = True
+        if (
+            self.peak_watch is None
+            and self.config.budget is not None
+            and device is not None
+            and device.type == "cuda"
+        ):
+            self.peak_watch = PeakWatch(
+                self.config.budget, functools.partial(torch.cuda.max_memory_allocated, device)
+            )
         identity = fragment_identity(gm, example_inputs)
         awaiting = self._awaiting.get(identity.id)
         old, resident, saved_cap = awaiting.pop(0) if awaiting else (None, None, None)
@@ -1292,6 +1309,8 @@ class MemCompiler:
             self._open_blocks.clear()
             self._checked_steps.clear()
             self.over_budget = False
+            self.peak_watch = None
+            self._peak_warned.clear()
             self.steps_observed = 0
             self.replans.clear()
             self._codes.clear()
@@ -1570,7 +1589,44 @@ class MemCompiler:
         self._step_storages = []
         self._step_trains = False
         self._open_blocks.clear()
+        self._check_measured_peak()
         self._check_step_budget()
+
+    def _check_measured_peak(self) -> None:
+        # CUDA: what the allocator saw during the step that just ended (runtime/peakwatch.py).
+        watch, compiled = self.peak_watch, self._compiled_in_step
+        self._compiled_in_step = False
+        if watch is None:
+            return
+        peak = watch.step_boundary()
+        if peak is None:
+            return
+        self.over_budget = True
+        if compiled in self._peak_warned:
+            return
+        self._peak_warned.add(compiled)
+        eager = len(self.fallbacks)
+        why = (
+            f"{eager} frame(s) Dynamo runs eagerly (report(...).fallbacks), whose memory no plan "
+            "manages, or "
+            if eager
+            else ""
+        )
+        compiling = (
+            " (fragments were compiled during that step: planning measures kernels on the device)"
+            if compiled
+            else ""
+        )
+        warnings.warn(
+            f"memcompile: a training step reached {format_bytes(peak)} on the device "
+            f"(torch.cuda.max_memory_allocated), above budget={format_bytes(watch.budget)}"
+            f"{compiling}; what the plans do not see exceeds it: {why}memory the step's Python "
+            "code or the optimizer allocates between the compiled fragments. Warned once "
+            "(once more for a step without compiles); report(...).measured_peak keeps the "
+            "highest step peak",
+            MemoryBudgetWarning,
+            stacklevel=2,
+        )
 
     def _on_call_end(
         self,
