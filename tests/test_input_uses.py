@@ -8,6 +8,7 @@ import operator
 import warnings
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -17,8 +18,6 @@ import memcompile
 from memcompile import MemoryBudgetWarning
 from memcompile.passes.context import PassContext
 from memcompile.passes.input_uses import InputSplit, split_inputs_pass
-from memcompile.report import find_compiler
-from memcompile.runtime.store import is_host_placed
 
 # 1 + 2**-24 rounds to 1 (a tie, to even); 1 + 2**-23 is exact: which two add first shows.
 TINY = 2.0**-24
@@ -98,15 +97,12 @@ def test_reads_through_an_op_returning_its_input_add_in_eager_order() -> None:
     _matches_eager(_hand_norm_between_breaks, x)
 
 
-N = 1024
-
-
 class _SharedWeight(nn.Module):
     """A parameter each fragment reads twice (tied weights, a weight and its transpose)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.w = nn.Parameter(torch.ones(N))
+        self.w = nn.Parameter(torch.ones(8))
 
     def forward(self, a, b, c, d):
         y = self.w * a + self.w * b
@@ -114,52 +110,22 @@ class _SharedWeight(nn.Module):
         return y + self.w * c + self.w * d
 
 
-def _shared_weight_grads(**options: object) -> tuple[torch.Tensor, torch.Tensor, Any, int]:
-    """``w``'s gradient in eager and under memcompile with ``options``, the compiled model, and
-    the measured peak of a second step. Eager adds the second fragment's two contributions
-    (``d``'s first: the newest op), then the first one's."""
-    a, b, c = (torch.full((N,), TINY) for _ in range(3))
-    d = torch.ones(N)
-    model = _SharedWeight()
-    model(a, b, c, d).sum().backward()
-    eager = model.w.grad
-    model.zero_grad(set_to_none=True)
-    torch._dynamo.reset()
-    compiled = memcompile.compile(model, **options)
-    compiled(a, b, c, d).sum().backward()
-    assert model.w.grad is not None
-    got = model.w.grad
-    model.zero_grad(set_to_none=True)
-    peak = memcompile.measure_peak(
-        lambda: compiled(a, b, c, d).sum().backward(), resident=[model, a, b, c, d]
-    )
-    return eager, got, compiled, peak
-
-
+@pytest.mark.xfail(
+    strict=True,
+    reason="parameters are not split (passes/input_uses.py): the first fragment's two "
+    "contributions are summed in its graph before autograd adds them to the second's",
+)
 def test_a_parameter_read_twice_in_two_fragments_adds_up_in_eager_order() -> None:
-    eager, got, _, _ = _shared_weight_grads()
-    assert torch.equal(eager, torch.ones(N))  # ((1 + tiny) + tiny) + tiny: each rounds to 1
-    assert torch.equal(got, eager)
-    torch._dynamo.reset()
-    # AOTAutograd alone adds each fragment's two first: (1 + tiny) + (tiny + tiny).
+    # Eager: ((1 + tiny) + tiny) + tiny, each rounding to 1; memcompile, as aot_eager:
+    # (1 + tiny) + (tiny + tiny), one ulp above.
+    a, b, c = (torch.full((8,), TINY) for _ in range(3))
     model = _SharedWeight()
-    a, b, c = (torch.full((N,), TINY) for _ in range(3))
-    torch.compile(model, backend="aot_eager")(a, b, c, torch.ones(N)).sum().backward()
-    assert torch.equal(model.w.grad, torch.full((N,), 1 + 2 * TINY))
-
-
-def test_a_host_placed_parameter_is_fetched_through_its_aliases() -> None:
-    # Each read's alias is fetched from the host tier like the parameter itself; only the
-    # parameter moves there. The prediction equals the measured peak: an example alias made
-    # before the move kept the device copy alive, and the step's resident bytes counted it.
-    eager, got, compiled, peak = _shared_weight_grads(offload_params=True)
-    assert torch.equal(got, eager)
-    assert memcompile.report(compiled).predicted_peak == peak
-    comp, _ = find_compiler(compiled)
-    for record in comp.records():
-        assert record.plan is not None
-        assert len(record.plan.host_params) == 3  # w and the alias of each read
-    assert is_host_placed(compiled._orig_mod.w)
+    model(a, b, c, torch.ones(8)).sum().backward()
+    assert torch.equal(model.w.grad, torch.ones(8))
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    memcompile.compile(model)(a, b, c, torch.ones(8)).sum().backward()
+    assert torch.equal(model.w.grad, torch.ones(8))
 
 
 class _Experts(nn.Module):
@@ -263,18 +229,14 @@ def test_split_gives_each_read_its_own_placeholder_in_eager_order() -> None:
     out = split_inputs_pass(gm, PassContext(graph="dynamo"), example_inputs=example)
     assert gm.code == before  # Dynamo's own graph is left as it is
     pos = next(i for i, n in enumerate(names) if n.startswith("l_h"))
-    w = next(i for i, n in enumerate(names) if "parameters_w" in n)
-    assert w < pos  # Dynamo lists the parameter first
-    # w (a parameter) and h only: k has one read, s needs no gradient, m is mutated.
-    assert out.meta["memcompile_input_split"] == InputSplit((w, w, pos, pos, pos))
+    assert out.meta["memcompile_input_split"] == InputSplit((pos, pos, pos))  # h only
     phs = list(out.graph.find_nodes(op="placeholder"))
     assert [p.name for p in phs[: len(names)]] == names  # the others keep their positions
     # h is read by matmul, sin, mul (graph order); eager adds mul's contribution first (newest
     # op), then sin's, then matmul's. Autograd runs the newest alias node first: the aliases
-    # are made in the reverse order, and h itself is read by none. Likewise w: cos, matmul.
-    assert not phs[pos].users and not phs[w].users
-    readers = [_reader(p) for p in phs[len(names) :]]
-    assert readers == [operator.matmul, "cos", operator.matmul, "sin", operator.mul]
+    # are made in the reverse order, and h itself is read by none.
+    assert not phs[pos].users
+    assert [_reader(p) for p in phs[len(names) :]] == [operator.matmul, "sin", operator.mul]
     x = torch.randn(4, 4)
     assert InputSplit((0, 0)).expand([x])[2].data_ptr() == x.data_ptr()  # aliases
 
@@ -292,24 +254,21 @@ OPS = ("linear", "tanh", "mul", "add")
 
 class _BrokenNet(nn.Module):
     """A random DAG (as tests/test_planner_random.py) in two or three fragments: values made
-    before a graph break are read, often several times, after it. With ``shared`` linear
-    layers the fragments take turns with two of them: parameters read several times in one
-    fragment and in others."""
+    before a graph break are read, often several times, after it."""
 
-    def __init__(self, segments: list[list[tuple[str, int, int]]], shared: bool = False) -> None:
+    def __init__(self, segments: list[list[tuple[str, int, int]]]) -> None:
         super().__init__()
         torch.manual_seed(3)
         self.segments = segments
-        count = 2 if shared else sum(len(s) for s in segments)
-        self.linears = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(count))
-        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.linears = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for s in segments for _ in s)
+        self.linears.append(nn.Linear(WIDTH, WIDTH))
 
     def _segment(self, k: int, vals: list[torch.Tensor]) -> None:
         first = sum(len(s) for s in self.segments[:k])
         for i, (op, a, b) in enumerate(self.segments[k], start=first):
             u, v = vals[a % len(vals)], vals[b % len(vals)]
             if op == "linear":
-                vals.append(self.linears[i % len(self.linears)](u))
+                vals.append(self.linears[i](u))
             elif op == "tanh":
                 vals.append(u.tanh())
             else:
@@ -317,7 +276,7 @@ class _BrokenNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # No loop around the breaks (Dynamo would run the whole frame eagerly).
-        vals = [self.inp(x)]
+        vals = [self.linears[-1](x)]
         self._segment(0, vals)
         torch._dynamo.graph_break()
         self._segment(1, vals)
@@ -344,14 +303,11 @@ def _grads(model: nn.Module, fn: Any, x: torch.Tensor) -> list[torch.Tensor]:
 @given(
     segments=st.lists(segment, min_size=2, max_size=3),
     fraction=st.sampled_from([None, 0.4]),
-    shared=st.booleans(),
     on_host=st.booleans(),
 )
-def test_random_network_with_graph_breaks_is_bit_identical(
-    segments, fraction, shared, on_host
-) -> None:
+def test_random_network_with_graph_breaks_is_bit_identical(segments, fraction, on_host) -> None:
     x = torch.randn(64, WIDTH, generator=torch.Generator().manual_seed(1))
-    eager = _BrokenNet(segments, shared)
+    eager = _BrokenNet(segments)
     expected = _grads(eager, eager, x)
     options: dict[str, Any] = {"offload_params": True} if on_host else {}
     if fraction is not None:

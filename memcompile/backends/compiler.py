@@ -256,7 +256,7 @@ class _FragmentBuild:
     def __init__(self, compiler: MemCompiler, index: int, example_inputs: Sequence[Any]) -> None:
         self.compiler = compiler
         self.index = index
-        self.example_inputs = list(example_inputs)
+        self.example_inputs = example_inputs
         #: The fragment's device, read before any of its parameters moves to the host tier.
         self.device = _device_of(example_inputs)
         self.stats = FragmentStats()
@@ -269,12 +269,8 @@ class _FragmentBuild:
         self.size_slots: tuple[tuple[int, int, Any], ...] = ()
         self._profile_args: dict[str, Any] = {}
         self._sized_profiles: dict[SizeKey, FragmentProfile] = {}
-        # Inputs the graphs fetch from the host tier (host-placed parameters and their aliases).
+        # Inputs the graphs fetch from the host tier (host-placed parameters).
         self.hosted_inputs: tuple[int, ...] = ()
-        #: Position of each input that is an alias of another input -> that input's position
-        #: (one placeholder per read, passes/input_uses.py). An alias of a host-placed
-        #: parameter is fetched like it; only the parameter itself moves to the host tier.
-        self.alias_sources: dict[int, int] = {}
         # block key -> parameter storages (address -> bytes) of the calls with that key
         self.blocks: dict[int, dict[int, int]] = {}
         # block key -> storage address of each parameter/buffer input, by position
@@ -322,42 +318,22 @@ class _FragmentBuild:
 
     # -- host-placed parameters -------------------------------------------------------------
     def _host_placed(self) -> list[int]:
-        """Positions of inputs already in the host tier (placed by an earlier fragment), with
-        their aliases."""
-        placed = [
+        """Positions of inputs already in the host tier (placed by an earlier fragment)."""
+        return [
             i
             for i, t in enumerate(self.example_inputs)
-            if i not in self.alias_sources and isinstance(t, torch.Tensor) and is_host_placed(t)
+            if isinstance(t, torch.Tensor) and is_host_placed(t)
         ]
-        return self._with_aliases(placed)
-
-    def _with_aliases(self, positions: Sequence[int]) -> list[int]:
-        """``positions`` and the positions of the aliases of those inputs."""
-        chosen = set(positions)
-        return [*positions, *(j for j, i in self.alias_sources.items() if i in chosen)]
-
-    def _own_inputs(self, positions: Sequence[int]) -> tuple[int, ...]:
-        """``positions`` without the aliases (the tensors that move to the host tier)."""
-        return tuple(i for i in positions if i not in self.alias_sources)
-
-    def _realias(self, hosted: Sequence[int]) -> None:
-        """Point the example aliases of the parameters just moved to the host tier at their
-        host storage: the old ones would keep the device copies alive."""
-        inputs = self.example_inputs
-        for j, i in self.alias_sources.items():
-            if i in hosted:
-                inputs[j] = torch.ops.aten.alias.default(inputs[i])
 
     def _host_candidates(self, static: Sequence[int]) -> list[int]:
-        """Parameters of this fragment that may move to the host tier (CPU or CUDA leaf
-        parameters that cover their storage, see ``store.place_on_host``, not already there),
-        with their aliases."""
+        """Parameters of this fragment that may move to the host tier: CPU leaf parameters that
+        cover their storage (see ``store.place_on_host``), not already there."""
         out = []
         for i in static:
             t = self.example_inputs[i] if i < len(self.example_inputs) else None
             if isinstance(t, torch.nn.Parameter) and can_host_place(t) and not is_host_placed(t):
                 out.append(i)
-        return self._with_aliases(out)
+        return out
 
     def _fetch_params(
         self, joint: fx.GraphModule, num_fwd_outputs: int, primals: Sequence[int]
@@ -443,7 +419,7 @@ class _FragmentBuild:
             log.info(
                 "F%d: with %d parameters on the host the plan peaks at %s (%s without)",
                 self.index,
-                len(self._own_inputs(candidates)),
+                len(candidates),
                 format_bytes(plan2.predicted_peak),
                 format_bytes(plan.predicted_peak),
             )
@@ -481,13 +457,12 @@ class _FragmentBuild:
         if hosted:  # only now: an infeasible plan raised above with the parameters untouched
             with _disable_current_modes():  # partitioning runs under the fake mode
                 compiler.host_params_pinned |= device is not None and device.type == "cuda"
-                moved = sum(place_on_host(self.example_inputs[i]) for i in self._own_inputs(hosted))
-                self._realias(hosted)
+                moved = sum(place_on_host(self.example_inputs[i]) for i in hosted)
             compiler.host_param_bytes += moved
             log.info(
                 "F%d: %d parameters (%s) moved to the host tier",
                 self.index,
-                len(self._own_inputs(hosted)),
+                len(hosted),
                 format_bytes(moved),
             )
         if self.hosted_inputs:
@@ -802,9 +777,7 @@ class _FragmentBuild:
             else ()
         )
         guard = self._resident_guard() if kind == "forward" else None
-        # The host-placed inputs themselves, and the aliases the graph reads them through.
-        hosted = self._own_inputs(self.hosted_inputs) if kind == "forward" else ()
-        aliases = [(j, i) for j, i in self.alias_sources.items() if i in hosted]
+        hosted = self.hosted_inputs if kind == "forward" else ()
         compiler = self.compiler
         prefetcher = compiler.prefetcher  # the pilot (None: pilot="off"); dynamic/prefetch.py
         build = self
@@ -829,10 +802,6 @@ class _FragmentBuild:
                         compiler.host_param_bytes += place_on_host(args[i])
                     except ValueError as e:  # still correct: the graph fetches a device copy
                         log.warning("memcompile: F%d input %d stays on the device: %s", index, i, e)
-            # The aliases were made before the move: the graph reads the host copy through them
-            # too (autograd's edges are made already; this call's forward only reads the data).
-            for j, i in aliases:
-                args[j] = args[i]
 
         def run(args: list[Any]) -> Any:
             # Pass the same list through: the inner callable clears it (boxed convention).
@@ -1196,8 +1165,8 @@ class MemCompiler:
         )
         split = gm.meta.get("memcompile_input_split", InputSplit())
         compile_inputs = split.compile_inputs(example_inputs)
-        build = _FragmentBuild(self, index, split.expand(example_inputs))
-        build.alias_sources = split.aliases(len(example_inputs))
+        example_inputs = split.expand(example_inputs)
+        build = _FragmentBuild(self, index, example_inputs)
         if old is not None:
             build.stats = old.stats
             build.replan_resident = resident
