@@ -298,7 +298,7 @@ def _grads(model: nn.Module, fn: Any, x: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 @given(
     segments=st.lists(segment, min_size=2, max_size=3),

@@ -43,6 +43,17 @@ def test_a_step_counts_only_when_it_set_a_new_peak() -> None:
     assert watch.measured == 7000 and watch.exceeded == 1
 
 
+def test_a_counter_reset_during_a_step_still_shows_its_peak() -> None:
+    # torch.cuda.reset_peak_memory_stats() (memcompile.measure_peak calls it) lowers the
+    # counter: what it reads at the next boundary was reached after the reset, in that step.
+    counter = _Counter()
+    counter.rise_to(9000)
+    watch = PeakWatch(1000, counter)
+    counter.value = 3000  # reset, then the step reached 3000
+    assert watch.step_boundary() == 3000
+    assert watch.measured == 3000 and watch.exceeded == 1
+
+
 def test_a_peak_within_two_percent_of_the_budget_is_measured_not_exceeded() -> None:
     counter = _Counter()
     watch = PeakWatch(1000, counter)

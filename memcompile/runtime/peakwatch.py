@@ -10,7 +10,9 @@ and the next begins, and a step during which it rose above the budget is reporte
 
     step k starts:  m0 = max_memory_allocated()
     step k ends:    m1 = max_memory_allocated()
-    m1 > m0  ->  step k peaked at m1 (else at most m0: nothing new is known)
+    m1 > m0  ->  step k peaked at m1 (m1 = m0: nothing new is known)
+    m1 < m0  ->  someone reset the counter during step k (memcompile.measure_peak does): m1 was
+                 reached after that, within step k
     m1 > budget + 2 %  ->  warn once (the DESIGN's tolerance for a measured peak)
 
 The counter only rises, so a step that merely repeats an earlier step's peak adds nothing: the
@@ -61,7 +63,7 @@ class PeakWatch:
         it exceeded the budget."""
         now = self.read()
         start, self._start = self._start, now
-        if now <= start:
+        if now == start:  # no new peak (or a reset and the very same one: nothing to tell)
             return None
         self.measured = max(self.measured or 0, now)
         if now <= self.budget * (1 + TOLERANCE):
