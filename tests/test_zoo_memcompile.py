@@ -94,7 +94,9 @@ def test_multi_fragment_predictions_are_labelled_estimates() -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_bit_identical_to_eager_under_a_budget(name: str, fraction: float) -> None:
     """Every zoo model under budgets that force recomputation and swaps: the same losses and
-    parameters as eager after Adam steps, whether or not the plan fits (best_effort)."""
+    parameters as eager after Adam steps, whether or not the plan fits (best_effort), and a
+    predicted step peak within 3 % of the measured one (seen: within 1.5 %, TreeLSTM's
+    multi-fragment estimate the farthest)."""
     budget = int(predicted_peak(name) * fraction)
     torch._dynamo.reset()
 
@@ -119,3 +121,10 @@ def test_bit_identical_to_eager_under_a_budget(name: str, fraction: float) -> No
     assert rep.predicted_peak <= budget or (rep.over_budget and (warned or replanning)), rep
     if comp.single_fragment and fraction < 0.5:
         assert any(p.recomputed or p.swapped for p in plans), rep
+    batch = comp.batch(1)  # compiled for already: nothing compiles inside the measurement
+    comp.model.zero_grad(set_to_none=True)
+    measured = memcompile.measure_peak(
+        lambda: compiled(*batch).backward(), resident=[comp.model, batch]
+    )
+    predicted = memcompile.report(compiled).predicted_peak
+    assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
