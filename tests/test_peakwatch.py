@@ -1,6 +1,7 @@
 """Each step's measured device peak against the budget (runtime/peakwatch.py): what the plans
 do not see (eager frames, code between fragments) is told, not silent. The counter is CUDA's
-``max_memory_allocated``; here a stand-in drives it (tests/test_cuda.py has the real one)."""
+``max_memory_allocated``; here a stand-in drives it (the last test reads the real one on a
+GPU)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 A plan's prediction covers the compiled fragments. Frames Dynamo runs eagerly (an MoE's
 data-dependent expert loop), Python code between fragments and anything else the step allocates
 are not planned, so a step can exceed its budget although every fragment fits. On CUDA the
-allocator knows: ``torch.cuda.max_memory_allocated``. memcompile never resets that counter (it
+allocator knows: ``torch.cuda.max_memory_allocated``. The backend never resets that counter (it
 is the user's figure); it reads it when the first fragment compiles and wherever one step ends
 and the next begins, and a step during which it rose above the budget is reported once with a
 ``MemoryBudgetWarning`` and in ``report(compiled).measured_peak``:
