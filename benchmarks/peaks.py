@@ -1,14 +1,17 @@
 """Predicted vs measured device peak of one training step, for every zoo workload.
 
     OMP_NUM_THREADS=1 python benchmarks/peaks.py [--size small] [--workloads gpt,moe] [--out DIR]
+        [--budgets 0.7,0.4]
 
 Each workload runs in its own process (the CPU profiler and Dynamo's caches are per process):
 build at ``--size``, compile with memcompile (no budget: eager's saved set, eager inner compiler),
 train 3 warm-up steps, set gradients to None, then measure a step on the last warm-up batch (so
 nothing compiles inside the measurement) with the CPU profiler and
 compare with ``memcompile.report(...).predicted_peak``. Eager PyTorch's measured peak of the same
-step (a separate process) is shown beside it. Results go to ``benchmarks/results/peaks.{md,json}``
-with the command, the machine and the date.
+step (a separate process) is shown beside it. With ``--budgets``, each workload also runs under
+budgets of those fractions of its no-budget predicted peak (``on_infeasible="best_effort"``: a
+plan that cannot fit runs its smallest one), predicted vs measured again. Results go to
+``benchmarks/results/peaks_<size>.{md,json}`` with the command, the machine and the date.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from machine import describe_machine
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def run_one(name: str, size: str, mode: str) -> dict[str, Any]:
-    """Measure one workload in this process (``mode``: memcompile or eager)."""
+def run_one(name: str, size: str, mode: str, budget: int | None = None) -> dict[str, Any]:
+    """Measure one workload in this process (``mode``: memcompile or eager; ``budget``: bytes,
+    memcompile only)."""
     import torch
 
     import memcompile
@@ -37,7 +41,10 @@ def run_one(name: str, size: str, mode: str) -> dict[str, Any]:
 
     torch.manual_seed(0)
     wl = zoo.build(name, size=size, seed=0)
-    model = memcompile.compile(wl.model) if mode == "memcompile" else wl.model
+    options: dict[str, Any] = {}
+    if budget is not None:
+        options = {"budget": budget, "on_infeasible": "best_effort"}
+    model = memcompile.compile(wl.model, **options) if mode == "memcompile" else wl.model
     opt = torch.optim.SGD(wl.model.parameters(), lr=0.01)
     for step in range(3):
         wl.loss(model, step).backward()
@@ -52,6 +59,7 @@ def run_one(name: str, size: str, mode: str) -> dict[str, Any]:
         "mode": mode,
         "measured_peak": m.peak,
         "resident": m.resident_bytes,
+        "budget": budget,
     }
     if mode == "memcompile":
         rep = memcompile.report(model)
@@ -61,6 +69,7 @@ def run_one(name: str, size: str, mode: str) -> dict[str, Any]:
             fragments=len(rep.fragments),
             step_calls=len(rep.step),
             fallbacks=len(rep.fallbacks),
+            over_budget=rep.over_budget,
             per_fragment=[
                 {
                     "fragment": f.name,
@@ -76,9 +85,11 @@ def run_one(name: str, size: str, mode: str) -> dict[str, Any]:
     return out
 
 
-def _subprocess(name: str, size: str, mode: str) -> dict[str, Any]:
+def _subprocess(name: str, size: str, mode: str, budget: int | None = None) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, __file__, "--one", name, "--size", size, "--mode", mode]
+    if budget is not None:
+        cmd += ["--budget", str(budget)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         return {"workload": name, "mode": mode, "error": proc.stderr.strip().splitlines()[-1:]}
@@ -96,12 +107,24 @@ def main() -> None:
     p.add_argument("--size", default="small")
     p.add_argument("--workloads", default="")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument(
+        "--budgets",
+        default="",
+        help="comma-separated fractions of each workload's no-budget predicted peak to plan for",
+    )
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="memcompile", help=argparse.SUPPRESS)
+    p.add_argument("--budget", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.one, args.size, args.mode)))
+        print(json.dumps(run_one(args.one, args.size, args.mode, args.budget)))
         return
+    try:
+        fractions = [float(f) for f in args.budgets.split(",") if f]
+    except ValueError:
+        p.error(f"--budgets takes comma-separated fractions, e.g. 0.7,0.4; got {args.budgets!r}")
+    if any(not 0 < f <= 1 for f in fractions):
+        p.error(f"--budgets fractions must be in (0, 1]; got {args.budgets!r}")
 
     from memcompile import zoo
 
@@ -113,7 +136,13 @@ def main() -> None:
             _subprocess(name, args.size, "memcompile"),
             _subprocess(name, args.size, "eager"),
         )
-        rows.append({"memcompile": mc, "eager": eager})
+        budgeted = []
+        base = mc.get("predicted_peak")
+        for f in fractions if base else []:
+            print(f"{name} at {f:g}x ...", file=sys.stderr, flush=True)
+            row = _subprocess(name, args.size, "memcompile", budget=int(f * base))
+            budgeted.append({**row, "fraction": f})
+        rows.append({"memcompile": mc, "eager": eager, "budgets": budgeted})
 
     command = "OMP_NUM_THREADS=1 python " + " ".join(sys.argv)
     machine = describe_machine()
@@ -127,8 +156,9 @@ def main() -> None:
         f"- machine: {machine}, torch {torch.__version__}",
         f"- date: {date}",
         "- measured: CPU profiler (`memcompile.measure_peak`), absolute (resident parameters, "
-        "buffers, inputs + peak above them); one process per row and mode; no budget "
-        "(memcompile keeps eager's saved set)",
+        "buffers, inputs + peak above them); one process per row and mode; "
+        + ("first table: " if fractions else "")
+        + "no budget (memcompile keeps eager's saved set)",
         "",
         "| workload | fragments | calls/step | predicted MiB | measured MiB | error | exact model "
         "| eager measured MiB | fallbacks |",
@@ -146,6 +176,29 @@ def main() -> None:
             f"| {'yes' if mc['exact'] else 'no (estimate)'} | "
             f"{_mib(eg.get('measured_peak'))} | {mc['fallbacks']} |"
         )
+    if fractions:
+        lines += [
+            "",
+            "## Under budgets",
+            "",
+            "Budget: the fraction of the workload's no-budget predicted peak above, in bytes; "
+            "`on_infeasible='best_effort'` (a plan that cannot fit runs its smallest one and "
+            "says so: *over*).",
+            "",
+            "| workload | budget | budget MiB | predicted MiB | measured MiB | error | over |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            for b in r["budgets"]:
+                if "error" in b:
+                    lines.append(f"| {b['workload']} | {b['fraction']:g}x | error: {b['error']} |")
+                    continue
+                err = 100.0 * (b["predicted_peak"] - b["measured_peak"]) / b["measured_peak"]
+                lines.append(
+                    f"| {b['workload']} | {b['fraction']:g}x | {_mib(b['budget'])} "
+                    f"| {_mib(b['predicted_peak'])} | {_mib(b['measured_peak'])} | {err:+.2f}% "
+                    f"| {'over' if b['over_budget'] else ''} |"
+                )
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"peaks_{args.size}"
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
