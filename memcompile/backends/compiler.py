@@ -119,11 +119,13 @@ class CallStorages(NamedTuple):
             it returned.
         grad_inputs: its activation inputs whose gradients its backward makes (its profile's
             ``activation_grads``): input position -> storage address.
+        cache: bytes the pilot's prefetch cache held after it (a forward call's tail).
     """
 
     kept: ViewStorages
     outputs: ViewStorages
     grad_inputs: Mapping[int, int]
+    cache: int = 0
 
 
 _NO_STORAGES = CallStorages({}, {}, {})
@@ -843,6 +845,7 @@ class _FragmentBuild:
                 small_ints = compiler._on_call_end(index, kind, block, out, small_ints)
             if tail:  # the tail of a forward call: predict the next blocks, prefetch them
                 prefetcher.after(out, small_ints=small_ints)  # type: ignore[union-attr]
+                compiler._on_cache(prefetcher.cache.bytes)  # type: ignore[union-attr]
             return out
 
         run._boxed_call = True  # type: ignore[attr-defined]
@@ -1543,6 +1546,11 @@ class MemCompiler:
         for observer in self.block_observers:
             observer.on_block(self.steps_observed, index, kind, block, args)
 
+    def _on_cache(self, nbytes: int) -> None:
+        # The forward call just recorded left the prefetch cache holding nbytes (its tail ran).
+        if self._step_storages and nbytes:
+            self._step_storages[-1] = self._step_storages[-1]._replace(cache=nbytes)
+
     def _on_saved_outputs(self, storages: ViewStorages) -> None:
         # The forward call just recorded by _on_call returned these saved user outputs.
         if self._step_storages:
@@ -1704,6 +1712,7 @@ class MemCompiler:
                 ),
                 call_saved_outputs=[c.outputs for c in kept] if kept is not None else None,
                 call_input_grads=[c.grad_inputs for c in kept] if kept is not None else None,
+                call_cache=[c.cache for c in kept] if kept is not None else None,
             )
             if seq
             else None

@@ -97,6 +97,7 @@ def simulate_step(
     call_views: Sequence[Mapping[int, int]] | None = None,
     call_saved_outputs: Sequence[Mapping[int, int]] | None = None,
     call_input_grads: Sequence[Mapping[int, int]] | None = None,
+    call_cache: Sequence[int] | None = None,
 ) -> StepPrediction:
     """Replay ``sequence`` (fragment index, kind, block key) over ``profiles``.
 
@@ -130,6 +131,11 @@ def simulate_step(
             (every expert of a layer reads its expert input: their gradients are summed into
             the first, in place); it is released at the next backward that does not read it
             (the producer's, which counts it as its incoming gradient). ``None``: not held.
+        call_cache: bytes the pilot's prefetch cache held after each forward call (the next
+            blocks' host-placed parameters, copied late in its graph or at its tail;
+            ``dynamic/prefetch.py``), as measured in the step replayed: added to that call's
+            end state, when its graph has freed its transients (seen: an early-exit step
+            peaking at its first fragment's tail with 68,896 B of copies). ``None``: none.
     """
     for name, per_call in (
         ("call_profiles", call_profiles),
@@ -137,6 +143,7 @@ def simulate_step(
         ("call_views", call_views),
         ("call_saved_outputs", call_saved_outputs),
         ("call_input_grads", call_input_grads),
+        ("call_cache", call_cache),
     ):
         if per_call is not None and len(per_call) != len(sequence):
             raise ValueError(f"{name} has {len(per_call)} entries for {len(sequence)} calls")
@@ -197,6 +204,10 @@ def simulate_step(
             mine = sum(n for a, n in views.items() if view_refs.get(a) and a not in callers)
             own = prof.forward.peak_bytes
             p = base + saved + viewed - mine + grads + activations + own
+            cache = call_cache[i] if kind == "forward" and call_cache is not None else 0
+            if cache:
+                end = base + saved + viewed - mine + grads + activations + prof.forward.end_bytes
+                p = max(p, end + cache)
             if kind == "forward":
                 # The first forward's inputs are the caller's (in base): only later ones, which
                 # Python may drop while autograd keeps them, add to what is saved. An input two
