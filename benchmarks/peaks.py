@@ -100,6 +100,13 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.2f}"
 
 
+def _peaks(row: dict[str, Any]) -> str:
+    """The predicted, measured and error cells of a memcompile row."""
+    predicted, measured = row["predicted_peak"], row["measured_peak"]
+    err = 100.0 * (predicted - measured) / measured
+    return f"{_mib(predicted)} | {_mib(measured)} | {err:+.2f}%"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -169,10 +176,8 @@ def main() -> None:
         if "error" in mc:
             lines.append(f"| {mc['workload']} | error: {mc['error']} | | | | | | | |")
             continue
-        err = 100.0 * (mc["predicted_peak"] - mc["measured_peak"]) / mc["measured_peak"]
         lines.append(
-            f"| {mc['workload']} | {mc['fragments']} | {mc['step_calls']} "
-            f"| {_mib(mc['predicted_peak'])} | {_mib(mc['measured_peak'])} | {err:+.2f}% "
+            f"| {mc['workload']} | {mc['fragments']} | {mc['step_calls']} | {_peaks(mc)} "
             f"| {'yes' if mc['exact'] else 'no (estimate)'} | "
             f"{_mib(eg.get('measured_peak'))} | {mc['fallbacks']} |"
         )
@@ -193,10 +198,8 @@ def main() -> None:
                 if "error" in b:
                     lines.append(f"| {b['workload']} | {b['fraction']:g}x | error: {b['error']} |")
                     continue
-                err = 100.0 * (b["predicted_peak"] - b["measured_peak"]) / b["measured_peak"]
                 lines.append(
-                    f"| {b['workload']} | {b['fraction']:g}x | {_mib(b['budget'])} "
-                    f"| {_mib(b['predicted_peak'])} | {_mib(b['measured_peak'])} | {err:+.2f}% "
+                    f"| {b['workload']} | {b['fraction']:g}x | {_mib(b['budget'])} | {_peaks(b)} "
                     f"| {'over' if b['over_budget'] else ''} |"
                 )
     args.out.mkdir(parents=True, exist_ok=True)
