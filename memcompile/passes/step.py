@@ -203,11 +203,10 @@ def simulate_step(
             # Storages kept through views that this call reads are among its activations.
             mine = sum(n for a, n in views.items() if view_refs.get(a) and a not in callers)
             own = prof.forward.peak_bytes
-            p = base + saved + viewed - mine + grads + activations + own
+            # The cache fills at the call's end, when the graph holds only its end bytes.
             cache = call_cache[i] if kind == "forward" and call_cache is not None else 0
-            if cache:
-                end = base + saved + viewed - mine + grads + activations + prof.forward.end_bytes
-                p = max(p, end + cache)
+            during = max(own, prof.forward.end_bytes + cache) if cache else own
+            p = base + saved + viewed - mine + grads + activations + during
             if kind == "forward":
                 # The first forward's inputs are the caller's (in base): only later ones, which
                 # Python may drop while autograd keeps them, add to what is saved. An input two
