@@ -18,7 +18,12 @@ from memcompile.backends.compiler import MemCompiler
 from memcompile.backends.dynamo_hooks import dynamo_context
 from memcompile.backends.fallbacks import EagerFallbackWarning, Fallback
 from memcompile.config import MemConfig, parse_bytes
-from memcompile.errors import MemcompileError, MemoryBudgetError, MemoryBudgetWarning
+from memcompile.errors import (
+    GradientOrderWarning,
+    MemcompileError,
+    MemoryBudgetError,
+    MemoryBudgetWarning,
+)
 from memcompile.report import FragmentReport, MemReport, report
 from memcompile.runtime.measure import PeakMeasurement, measure, measure_peak
 
@@ -28,6 +33,7 @@ __all__ = [
     "EagerFallbackWarning",
     "Fallback",
     "FragmentReport",
+    "GradientOrderWarning",
     "MemCompiler",
     "MemConfig",
     "MemReport",

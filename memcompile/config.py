@@ -156,6 +156,12 @@ class MemConfig:
     device_profile: str = "auto"
     on_infeasible: Literal["error", "best_effort"] = "error"
     trace_path: str | None = None
+    #: Give each read of a parameter that a fragment reads several times its own gradient edge
+    #: (``passes/input_uses.py``), so its gradient adds up in eager's order also when the
+    #: fragment runs several times a step or another fragment reads the weight too. Off by
+    #: default: the fragment's backward then returns one gradient per read at once (an unrolled
+    #: recurrence: one per time step); memcompile warns where the summed order differs.
+    split_param_reads: bool = False
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | MemConfig | None = None) -> MemConfig:
@@ -216,6 +222,7 @@ class MemConfig:
                 "on_infeasible", o.get("on_infeasible", "error"), ("error", "best_effort")
             ),
             trace_path=_check_writable_path("trace_path", o.get("trace_path"), is_dir=False),
+            split_param_reads=_bool("split_param_reads", o.get("split_param_reads", False)),
         )
         cfg._check_landed()
         log.debug("memcompile config: %s", cfg)

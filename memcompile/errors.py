@@ -70,6 +70,12 @@ class MemoryBudgetWarning(UserWarning):
     built graphs exceed it): the step may peak above the budget."""
 
 
+class GradientOrderWarning(UserWarning):
+    """A parameter's gradient was added up in another order than eager's (its contributions
+    summed in a fragment's backward graph after another call added to it), so it may differ
+    from eager's in the last bits; ``split_param_reads=True`` adds them in eager's order."""
+
+
 class PilotWarning(UserWarning):
     """The dynamic-network pilot cannot use a saved model (missing, corrupt, or made for other
     features) and predicts with its Markov fallback until it has trained a new one."""

@@ -113,6 +113,9 @@ class MemReport:
         replans: re-planning rounds of steps predicted over budget, in order (see
             ``memcompile.backends.replan``); the last round of a step that still does not fit
             has ``fits == False``.
+        summed_param_grads: ``"F{i}: source"`` of each parameter a fragment reads several times
+            whose summed gradient a step added after another call's contribution: not eager's
+            order (``GradientOrderWarning``; ``split_param_reads=True`` splits them).
     """
 
     config: MemConfig
@@ -130,6 +133,7 @@ class MemReport:
     recompile_limit_raised: tuple[int, int] | None = None
     replans: tuple[Replan, ...] = ()
     measured_peak: int | None = None
+    summed_param_grads: tuple[str, ...] = ()
 
     @property
     def eager_frames(self) -> int:
@@ -172,6 +176,7 @@ class MemReport:
             ),
             "pilot": self.pilot.to_dict() if self.pilot is not None else None,
             "replans": [asdict(r) for r in self.replans],
+            "summed_param_grads": list(self.summed_param_grads),
         }
 
     def __str__(self) -> str:
@@ -223,6 +228,8 @@ class MemReport:
                 f"  re-planned {names} (round {r.round}, {r.calls}-call step): "
                 f"predicted {format_bytes(r.predicted_peak)} -> {after}"
             )
+        for name in self.summed_param_grads:
+            lines.append(f"  gradient summed out of eager's order: {name} (split_param_reads)")
         for fb in self.fallbacks:
             lines.append(f"  EAGER {fb.code}: {fb.kind}: {fb.reason}")
         return "\n".join(lines)
@@ -373,6 +380,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
         recompile_limit_raised=compiler.recompile_limit_raised,
         replans=tuple(compiler.replans),
         measured_peak=compiler.peak_watch.measured if compiler.peak_watch is not None else None,
+        summed_param_grads=tuple(compiler.summed_param_grads),
         over_budget=compiler.over_budget
         or (
             prediction is not None

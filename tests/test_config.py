@@ -42,7 +42,9 @@ def test_defaults_match_design_table() -> None:
     assert set(cfg.to_dict()) == {
         "budget", "recompute", "swap", "reorder", "offload_to", "disk_path", "offload_params",
         "pilot", "prefetch_depth", "inner", "device_profile", "on_infeasible", "trace_path",
+        "split_param_reads",
     }  # fmt: skip
+    assert cfg.split_param_reads is False
 
 
 def test_config_is_frozen() -> None:
@@ -69,6 +71,11 @@ BAD = [
     ({"recompute": "yes"}, TypeError, r"option 'recompute' must be True or False; got 'yes'"),
     ({"swap": 1}, TypeError, r"option 'swap' must be True or False; got 1"),
     ({"reorder": None}, TypeError, r"option 'reorder' must be True or False; got None"),
+    (
+        {"split_param_reads": "yes"},
+        TypeError,
+        r"option 'split_param_reads' must be True or False; got 'yes'",
+    ),
     (
         {"offload_to": "nvme"},
         ValueError,

@@ -18,6 +18,8 @@ import memcompile
 from memcompile import MemoryBudgetWarning
 from memcompile.passes.context import PassContext
 from memcompile.passes.input_uses import InputSplit, split_inputs_pass
+from memcompile.report import find_compiler
+from memcompile.runtime.store import is_host_placed
 
 # 1 + 2**-24 rounds to 1 (a tie, to even); 1 + 2**-23 is exact: which two add first shows.
 TINY = 2.0**-24
@@ -97,12 +99,15 @@ def test_reads_through_an_op_returning_its_input_add_in_eager_order() -> None:
     _matches_eager(_hand_norm_between_breaks, x)
 
 
+N = 1024
+
+
 class _SharedWeight(nn.Module):
     """A parameter each fragment reads twice (tied weights, a weight and its transpose)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.w = nn.Parameter(torch.ones(8))
+        self.w = nn.Parameter(torch.ones(N))
 
     def forward(self, a, b, c, d):
         y = self.w * a + self.w * b
@@ -110,22 +115,92 @@ class _SharedWeight(nn.Module):
         return y + self.w * c + self.w * d
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="parameters are not split (passes/input_uses.py): the first fragment's two "
-    "contributions are summed in its graph before autograd adds them to the second's",
-)
-def test_a_parameter_read_twice_in_two_fragments_adds_up_in_eager_order() -> None:
-    # Eager: ((1 + tiny) + tiny) + tiny, each rounding to 1; memcompile, as aot_eager:
-    # (1 + tiny) + (tiny + tiny), one ulp above.
-    a, b, c = (torch.full((8,), TINY) for _ in range(3))
+def _shared_weight_grads(**options: object) -> tuple[torch.Tensor, torch.Tensor, Any, int]:
+    """``w``'s gradient in eager and under memcompile with ``options`` (first step), the
+    compiled model, and the measured peak of a second step. Eager adds the second fragment's
+    two contributions (``d``'s first: the newest op), then the first one's."""
+    a, b, c = (torch.full((N,), TINY) for _ in range(3))
+    d = torch.ones(N)
     model = _SharedWeight()
-    model(a, b, c, torch.ones(8)).sum().backward()
-    assert torch.equal(model.w.grad, torch.ones(8))
+    model(a, b, c, d).sum().backward()
+    eager = model.w.grad
     model.zero_grad(set_to_none=True)
     torch._dynamo.reset()
-    memcompile.compile(model)(a, b, c, torch.ones(8)).sum().backward()
-    assert torch.equal(model.w.grad, torch.ones(8))
+    compiled = memcompile.compile(model, **options)
+    compiled(a, b, c, d).sum().backward()
+    assert model.w.grad is not None
+    got = model.w.grad
+    model.zero_grad(set_to_none=True)
+    peak = memcompile.measure_peak(
+        lambda: compiled(a, b, c, d).sum().backward(), resident=[model, a, b, c, d]
+    )
+    return eager, got, compiled, peak
+
+
+def test_a_parameter_summed_after_another_calls_contribution_is_warned_about() -> None:
+    # By default a parameter is not split (the memory cost of one gradient per read): the first
+    # fragment sums its two reads in its graph, after the second fragment's backward added to
+    # w: (1 + tiny) + (tiny + tiny), as aot_eager. Said once, naming the fragment and w.
+    with pytest.warns(memcompile.GradientOrderWarning, match=r"F0 reads parameter w ") as seen:
+        eager, got, compiled, _ = _shared_weight_grads()
+    assert torch.equal(eager, torch.ones(N))  # ((1 + tiny) + tiny) + tiny: each rounds to 1
+    assert torch.equal(got, torch.full((N,), 1 + 2 * TINY))
+    assert len([w for w in seen if w.category is memcompile.GradientOrderWarning]) == 1
+    rep = memcompile.report(compiled)
+    # F1's backward runs first: its in-graph sum is eager's first addition, so F1 is exact.
+    assert len(rep.summed_param_grads) == 1 and rep.summed_param_grads[0].startswith("F0: ")
+    assert "split_param_reads" in str(rep)
+    assert rep.to_dict()["summed_param_grads"] == list(rep.summed_param_grads)
+    torch._dynamo.reset()
+    model = _SharedWeight()
+    a, b, c = (torch.full((N,), TINY) for _ in range(3))
+    torch.compile(model, backend="aot_eager")(a, b, c, torch.ones(N)).sum().backward()
+    assert torch.equal(model.w.grad, got)
+
+
+def test_split_param_reads_adds_a_parameters_reads_up_in_eager_order() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memcompile.GradientOrderWarning)
+        eager, got, compiled, _ = _shared_weight_grads(split_param_reads=True)
+    assert torch.equal(got, eager)
+    assert memcompile.report(compiled).summed_param_grads == ()
+
+
+def test_a_host_placed_parameter_is_fetched_through_its_aliases() -> None:
+    # Each read's alias is fetched from the host tier like the parameter itself; only the
+    # parameter moves there. The prediction equals the measured peak: an example alias made
+    # before the move kept the device copy alive, and the step's resident bytes counted it.
+    eager, got, compiled, peak = _shared_weight_grads(offload_params=True, split_param_reads=True)
+    assert torch.equal(got, eager)
+    assert memcompile.report(compiled).predicted_peak == peak
+    comp, _ = find_compiler(compiled)
+    for record in comp.records():
+        assert record.plan is not None
+        assert len(record.plan.host_params) == 3  # w and the alias of each read
+    assert is_host_placed(compiled._orig_mod.w)
+
+
+def test_a_recurrence_summing_its_weight_in_one_call_is_exact_and_not_warned() -> None:
+    # The zoo GRU reads its recurrent weights once per time step in one fragment called once
+    # a step: nothing adds to those gradients before its backward, so the in-graph sum is
+    # eager's order (and no split is needed).
+    from memcompile import zoo
+
+    wl = zoo.build("gru", size="tiny")
+    ref = zoo.build("gru", size="tiny")
+    batch = wl.batch(0)
+    ref.model(*batch).backward()
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memcompile.GradientOrderWarning)
+        compiled = memcompile.compile(wl.model)
+        for _ in range(2):
+            wl.model.zero_grad(set_to_none=True)
+            compiled(*batch).backward()
+    comp, _ = find_compiler(compiled)
+    assert any(r.summed_params for r in comp.records())  # there are summed weights
+    for (name, p), q in zip(wl.model.named_parameters(), ref.model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
 
 
 class _Experts(nn.Module):
@@ -229,7 +304,9 @@ def test_split_gives_each_read_its_own_placeholder_in_eager_order() -> None:
     out = split_inputs_pass(gm, PassContext(graph="dynamo"), example_inputs=example)
     assert gm.code == before  # Dynamo's own graph is left as it is
     pos = next(i for i, n in enumerate(names) if n.startswith("l_h"))
-    assert out.meta["memcompile_input_split"] == InputSplit((pos, pos, pos))  # h only
+    w = next(i for i, n in enumerate(names) if "parameters_w" in n)
+    # h only (k has one read, s needs no gradient, m is mutated); w, a parameter, stays whole.
+    assert out.meta["memcompile_input_split"] == InputSplit((pos, pos, pos), summed=(w,))
     phs = list(out.graph.find_nodes(op="placeholder"))
     assert [p.name for p in phs[: len(names)]] == names  # the others keep their positions
     # h is read by matmul, sin, mul (graph order); eager adds mul's contribution first (newest
@@ -239,6 +316,30 @@ def test_split_gives_each_read_its_own_placeholder_in_eager_order() -> None:
     assert [_reader(p) for p in phs[len(names) :]] == [operator.matmul, "sin", operator.mul]
     x = torch.randn(4, 4)
     assert InputSplit((0, 0)).expand([x])[2].data_ptr() == x.data_ptr()  # aliases
+
+
+def test_split_param_reads_gives_a_parameter_one_placeholder_per_read() -> None:
+    h, k = (torch.randn(4, 4, requires_grad=True) for _ in range(2))
+    m = torch.randn(4, 4, requires_grad=True) * 1
+    gm, example = _dynamo_graph(_Reads(), h, k, m, torch.randn(4, 4))
+    names = [p.name for p in gm.graph.find_nodes(op="placeholder")]
+    out = split_inputs_pass(gm, PassContext(graph="dynamo"), example_inputs=example, params=True)
+    pos = next(i for i, n in enumerate(names) if n.startswith("l_h"))
+    w = next(i for i, n in enumerate(names) if "parameters_w" in n)
+    assert w < pos  # Dynamo lists the parameter first
+    assert out.meta["memcompile_input_split"] == InputSplit((w, w, pos, pos, pos))
+    assert InputSplit((w, w, pos, pos, pos)).aliases(len(names)) == {
+        len(names): w,
+        len(names) + 1: w,
+        len(names) + 2: pos,
+        len(names) + 3: pos,
+        len(names) + 4: pos,
+    }
+    phs = list(out.graph.find_nodes(op="placeholder"))
+    # w is read by matmul, then cos: eager adds cos's first, so its alias is made last.
+    assert not phs[w].users and not phs[pos].users
+    readers = [_reader(p) for p in phs[len(names) :]]
+    assert readers == [operator.matmul, "cos", operator.matmul, "sin", operator.mul]
 
 
 def test_nothing_to_split_returns_the_graph() -> None:
@@ -254,21 +355,24 @@ OPS = ("linear", "tanh", "mul", "add")
 
 class _BrokenNet(nn.Module):
     """A random DAG (as tests/test_planner_random.py) in two or three fragments: values made
-    before a graph break are read, often several times, after it."""
+    before a graph break are read, often several times, after it. With ``shared`` linear
+    layers the fragments take turns with two of them: parameters read several times in one
+    fragment and in others."""
 
-    def __init__(self, segments: list[list[tuple[str, int, int]]]) -> None:
+    def __init__(self, segments: list[list[tuple[str, int, int]]], shared: bool = False) -> None:
         super().__init__()
         torch.manual_seed(3)
         self.segments = segments
-        self.linears = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for s in segments for _ in s)
-        self.linears.append(nn.Linear(WIDTH, WIDTH))
+        count = 2 if shared else sum(len(s) for s in segments)
+        self.linears = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(count))
+        self.inp = nn.Linear(WIDTH, WIDTH)
 
     def _segment(self, k: int, vals: list[torch.Tensor]) -> None:
         first = sum(len(s) for s in self.segments[:k])
         for i, (op, a, b) in enumerate(self.segments[k], start=first):
             u, v = vals[a % len(vals)], vals[b % len(vals)]
             if op == "linear":
-                vals.append(self.linears[i](u))
+                vals.append(self.linears[i % len(self.linears)](u))
             elif op == "tanh":
                 vals.append(u.tanh())
             else:
@@ -276,7 +380,7 @@ class _BrokenNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # No loop around the breaks (Dynamo would run the whole frame eagerly).
-        vals = [self.linears[-1](x)]
+        vals = [self.inp(x)]
         self._segment(0, vals)
         torch._dynamo.graph_break()
         self._segment(1, vals)
@@ -304,12 +408,18 @@ def _grads(model: nn.Module, fn: Any, x: torch.Tensor) -> list[torch.Tensor]:
     segments=st.lists(segment, min_size=2, max_size=3),
     fraction=st.sampled_from([None, 0.4]),
     on_host=st.booleans(),
+    shared=st.booleans(),
 )
-def test_random_network_with_graph_breaks_is_bit_identical(segments, fraction, on_host) -> None:
+def test_random_network_with_graph_breaks_is_bit_identical(
+    segments, fraction, on_host, shared
+) -> None:
     x = torch.randn(64, WIDTH, generator=torch.Generator().manual_seed(1))
-    eager = _BrokenNet(segments)
+    eager = _BrokenNet(segments, shared)
     expected = _grads(eager, eager, x)
+    # Shared layers: parameters read several times in fragments that others read them in too.
     options: dict[str, Any] = {"offload_params": True} if on_host else {}
+    if shared:
+        options["split_param_reads"] = True
     if fraction is not None:
         peak = memcompile.measure_peak(lambda: eager(x).backward())
         eager.zero_grad(set_to_none=True)

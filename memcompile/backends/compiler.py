@@ -50,12 +50,18 @@ from memcompile.backends.fragments import (
     FragmentRecord,
     FragmentStats,
     fragment_identity,
+    parameter_name,
 )
 from memcompile.backends.inner import BoxedCallable, compile_inner, decompositions
 from memcompile.backends.replan import MAX_ROUNDS, Replan, decide_replan
 from memcompile.config import MemConfig
 from memcompile.dynamic.trace import small_int_outputs
-from memcompile.errors import MemoryBudgetError, MemoryBudgetWarning, format_bytes
+from memcompile.errors import (
+    GradientOrderWarning,
+    MemoryBudgetError,
+    MemoryBudgetWarning,
+    format_bytes,
+)
 from memcompile.passes.analysis import GraphProfile, bound_sizes
 from memcompile.passes.context import PassContext
 from memcompile.passes.costmodel import DeviceProfile, device_profile, resolve_profile_name
@@ -258,7 +264,7 @@ class _FragmentBuild:
     def __init__(self, compiler: MemCompiler, index: int, example_inputs: Sequence[Any]) -> None:
         self.compiler = compiler
         self.index = index
-        self.example_inputs = example_inputs
+        self.example_inputs = list(example_inputs)
         #: The fragment's device, read before any of its parameters moves to the host tier.
         self.device = _device_of(example_inputs)
         self.stats = FragmentStats()
@@ -271,8 +277,15 @@ class _FragmentBuild:
         self.size_slots: tuple[tuple[int, int, Any], ...] = ()
         self._profile_args: dict[str, Any] = {}
         self._sized_profiles: dict[SizeKey, FragmentProfile] = {}
-        # Inputs the graphs fetch from the host tier (host-placed parameters).
+        # Inputs the graphs fetch from the host tier (host-placed parameters and their aliases).
         self.hosted_inputs: tuple[int, ...] = ()
+        #: Position of each input that is an alias of another input -> that input's position
+        #: (one placeholder per read, passes/input_uses.py). An alias of a host-placed
+        #: parameter is fetched like it; only the parameter itself moves to the host tier.
+        self.alias_sources: dict[int, int] = {}
+        #: Positions of parameters several reads add a gradient to, summed in the backward
+        #: graph (not split): ``MemCompiler._check_param_grad_order`` watches them.
+        self.summed_params: tuple[int, ...] = ()
         # block key -> parameter storages (address -> bytes) of the calls with that key
         self.blocks: dict[int, dict[int, int]] = {}
         # block key -> storage address of each parameter/buffer input, by position
@@ -320,22 +333,42 @@ class _FragmentBuild:
 
     # -- host-placed parameters -------------------------------------------------------------
     def _host_placed(self) -> list[int]:
-        """Positions of inputs already in the host tier (placed by an earlier fragment)."""
-        return [
+        """Positions of inputs already in the host tier (placed by an earlier fragment), with
+        their aliases."""
+        placed = [
             i
             for i, t in enumerate(self.example_inputs)
-            if isinstance(t, torch.Tensor) and is_host_placed(t)
+            if i not in self.alias_sources and isinstance(t, torch.Tensor) and is_host_placed(t)
         ]
+        return self._with_aliases(placed)
+
+    def _with_aliases(self, positions: Sequence[int]) -> list[int]:
+        """``positions`` and the positions of the aliases of those inputs."""
+        chosen = set(positions)
+        return [*positions, *(j for j, i in self.alias_sources.items() if i in chosen)]
+
+    def _own_inputs(self, positions: Sequence[int]) -> tuple[int, ...]:
+        """``positions`` without the aliases (the tensors that move to the host tier)."""
+        return tuple(i for i in positions if i not in self.alias_sources)
+
+    def _realias(self, hosted: Sequence[int]) -> None:
+        """Point the example aliases of the parameters just moved to the host tier at their
+        host storage: the old ones would keep the device copies alive."""
+        inputs = self.example_inputs
+        for j, i in self.alias_sources.items():
+            if i in hosted:
+                inputs[j] = torch.ops.aten.alias.default(inputs[i])
 
     def _host_candidates(self, static: Sequence[int]) -> list[int]:
-        """Parameters of this fragment that may move to the host tier: CPU leaf parameters that
-        cover their storage (see ``store.place_on_host``), not already there."""
+        """Parameters of this fragment that may move to the host tier (CPU or CUDA leaf
+        parameters that cover their storage, see ``store.place_on_host``, not already there),
+        with their aliases."""
         out = []
         for i in static:
             t = self.example_inputs[i] if i < len(self.example_inputs) else None
             if isinstance(t, torch.nn.Parameter) and can_host_place(t) and not is_host_placed(t):
                 out.append(i)
-        return out
+        return self._with_aliases(out)
 
     def _fetch_params(
         self, joint: fx.GraphModule, num_fwd_outputs: int, primals: Sequence[int]
@@ -421,7 +454,7 @@ class _FragmentBuild:
             log.info(
                 "F%d: with %d parameters on the host the plan peaks at %s (%s without)",
                 self.index,
-                len(candidates),
+                len(self._own_inputs(candidates)),
                 format_bytes(plan2.predicted_peak),
                 format_bytes(plan.predicted_peak),
             )
@@ -459,12 +492,13 @@ class _FragmentBuild:
         if hosted:  # only now: an infeasible plan raised above with the parameters untouched
             with _disable_current_modes():  # partitioning runs under the fake mode
                 compiler.host_params_pinned |= device is not None and device.type == "cuda"
-                moved = sum(place_on_host(self.example_inputs[i]) for i in hosted)
+                moved = sum(place_on_host(self.example_inputs[i]) for i in self._own_inputs(hosted))
+                self._realias(hosted)
             compiler.host_param_bytes += moved
             log.info(
                 "F%d: %d parameters (%s) moved to the host tier",
                 self.index,
-                len(hosted),
+                len(self._own_inputs(hosted)),
                 format_bytes(moved),
             )
         if self.hosted_inputs:
@@ -779,7 +813,9 @@ class _FragmentBuild:
             else ()
         )
         guard = self._resident_guard() if kind == "forward" else None
-        hosted = self.hosted_inputs if kind == "forward" else ()
+        # The host-placed inputs themselves, and the aliases the graph reads them through.
+        hosted = self._own_inputs(self.hosted_inputs) if kind == "forward" else ()
+        aliases = [(j, i) for j, i in self.alias_sources.items() if i in hosted]
         compiler = self.compiler
         prefetcher = compiler.prefetcher  # the pilot (None: pilot="off"); dynamic/prefetch.py
         build = self
@@ -804,6 +840,10 @@ class _FragmentBuild:
                         compiler.host_param_bytes += place_on_host(args[i])
                     except ValueError as e:  # still correct: the graph fetches a device copy
                         log.warning("memcompile: F%d input %d stays on the device: %s", index, i, e)
+            # The aliases were made before the move: the graph reads the host copy through them
+            # too (autograd's edges are made already; this call's forward only reads the data).
+            for j, i in aliases:
+                args[j] = args[i]
 
         def run(args: list[Any]) -> Any:
             # Pass the same list through: the inner callable clears it (boxed convention).
@@ -953,6 +993,10 @@ class MemCompiler:
         self._last_kind = ""
         self._open_blocks: dict[int, list[tuple[int, SizeKey]]] = {}
         self._checked_steps: set[tuple[Any, ...]] = set()
+        self._order_checked_steps: set[tuple[StepEvent, ...]] = set()
+        #: ``F{i}: source`` of each parameter whose gradient a step added up in another order
+        #: than eager (summed in a fragment's backward after another call added to it).
+        self.summed_param_grads: list[str] = []
         self.over_budget = False
         #: CUDA with a budget: each step's measured peak against it (runtime/peakwatch.py).
         self.peak_watch: PeakWatch | None = None
@@ -1164,12 +1208,16 @@ class MemCompiler:
         # The graphs are planned and built with one placeholder per read of an input that
         # several ops read (its gradient then adds up in eager's order; passes/input_uses.py).
         gm = split_inputs_pass(
-            gm, PassContext(fragment=f"F{index}", graph="dynamo"), example_inputs=example_inputs
+            gm,
+            PassContext(fragment=f"F{index}", graph="dynamo"),
+            example_inputs=example_inputs,
+            params=self.config.split_param_reads,
         )
         split = gm.meta.get("memcompile_input_split", InputSplit())
         compile_inputs = split.compile_inputs(example_inputs)
-        example_inputs = split.expand(example_inputs)
-        build = _FragmentBuild(self, index, example_inputs)
+        build = _FragmentBuild(self, index, split.expand(example_inputs))
+        build.alias_sources = split.aliases(len(example_inputs))
+        build.summed_params = split.summed
         if old is not None:
             build.stats = old.stats
             build.replan_resident = resident
@@ -1247,6 +1295,7 @@ class MemCompiler:
             blocks=build.blocks,
             block_inputs=build.block_inputs,
             profile_at=build.profile_at if build.size_slots else None,
+            summed_params=build.summed_params,
         )
         return compiled, record
 
@@ -1568,6 +1617,53 @@ class MemCompiler:
         self._open_blocks.clear()
         self._check_measured_peak()
         self._check_step_budget()
+        self._check_param_grad_order()
+
+    def _check_param_grad_order(self) -> None:
+        # A parameter a fragment reads several times gets the reads' contributions summed in
+        # its backward graph (not split: passes/input_uses.py). Eager adds them one at a time
+        # to what earlier backward calls gave the same gradient, so where an earlier call of
+        # the step added to it first the association (and the last bits) differ. Once per new
+        # step composition (its calls and parameter sets); warned once per fragment parameter.
+        records = {r.index: r for r in self.records() if r.summed_params}
+        step = self.last_step
+        if not records or step in self._order_checked_steps:
+            return
+        if len(self._order_checked_steps) >= _MAX_CHECKED_STEPS:
+            self._order_checked_steps.clear()
+        self._order_checked_steps.add(step)
+        everyone = {r.index: r for r in self.records()}
+        added: set[int] = set()  # parameter storages some backward call added to so far
+        for index, kind, block in step:
+            if kind != "backward" or index not in everyone:
+                continue
+            inputs = everyone[index].block_inputs.get(block, {})
+            record = records.get(index)
+            if record is None:
+                added.update(inputs.values())
+                continue
+            for pos in record.summed_params:
+                address = inputs.get(pos)
+                if address is None or address not in added:
+                    continue
+                sources = record.identity.sources
+                source = parameter_name(sources[pos]) if pos < len(sources) else f"input {pos}"
+                name = f"{record.name}: {source}"
+                if name in self.summed_param_grads:
+                    continue
+                self.summed_param_grads.append(name)
+                warnings.warn(
+                    f"memcompile: {record.name} reads parameter {source} "
+                    "several times and sums those gradient contributions in its backward "
+                    "graph, after another backward call of the step already added to its "
+                    "gradient: eager adds them one at a time, so this gradient may differ from "
+                    "eager's in the last bits (as torch.compile's aot_eager does). "
+                    "options={'split_param_reads': True} adds them in eager's order, at the "
+                    "memory cost of one gradient per read at the end of the fragment's backward",
+                    GradientOrderWarning,
+                    stacklevel=2,
+                )
+            added.update(inputs.values())
 
     def _check_measured_peak(self) -> None:
         # CUDA: what the allocator saw during the step that just ended (runtime/peakwatch.py).

@@ -25,7 +25,13 @@ from memcompile.passes.analysis import target_name
 from memcompile.passes.fragment import FragmentProfile
 from memcompile.passes.plan import FragmentPlan
 
-__all__ = ["FragmentIdentity", "FragmentRecord", "FragmentStats", "fragment_identity"]
+__all__ = [
+    "FragmentIdentity",
+    "FragmentRecord",
+    "FragmentStats",
+    "fragment_identity",
+    "parameter_name",
+]
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 _DTYPES = {
@@ -90,6 +96,8 @@ class FragmentRecord:
             position): which gradients the calls of different fragments share.
         profile_at: for a graph with dynamic sizes, its profile at one call's size-symbol values
             (``None`` when its sizes are static).
+        summed_params: positions of the parameters it reads several times whose gradient
+            contributions its backward graph sums (not split).
     """
 
     index: int
@@ -110,6 +118,9 @@ class FragmentRecord:
     profile_at: Callable[[tuple[int, ...]], FragmentProfile | None] | None = field(
         default=None, compare=False, repr=False
     )
+    #: Positions of parameters several of its reads add a gradient to, summed in its backward
+    #: graph (``InputSplit.summed``, passes/input_uses.py).
+    summed_params: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
@@ -170,6 +181,14 @@ def _value_meta(v: Any) -> str:
     if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return f"{type(v).__name__}({v})"
     return type(v).__name__
+
+
+def parameter_name(source: str) -> str:
+    """A Dynamo source as the module's parameter name where it is one:
+    ``L['self']._modules['w_hh']._parameters['weight']`` -> ``w_hh.weight``."""
+    name = re.sub(r"\._(?:modules|parameters|buffers)\['([^']*)'\]", r".\1", source)
+    name = re.sub(r"^L\['self'\]\.", "", name)
+    return name or source
 
 
 def _source_name(node: fx.Node) -> str:

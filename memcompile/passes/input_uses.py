@@ -24,17 +24,24 @@ whose node runs first, so those contributions are added first, as eager adds the
 the new placeholders keeps every other input's position (host placement and the plans key on
 them).
 
+Parameters are split the same way when the ``split_param_reads`` option asks: a weight a
+fragment reads more than once (tied, or with its transpose) then gets one ``AliasBackward0``
+edge per read into its ``AccumulateGrad``. The aliases keep Dynamo's static-input marking (they
+share the parameter's storage); when the parameter moves to the host tier its aliases are
+fetched like it (``alias_sources`` in ``backends/compiler.py``), and only it moves.
+
 Left alone, summed in-graph as before (bit-identical to eager unless the rest of the step adds
 to the same gradient first; then as ``aot_eager``):
 
-* parameters and Dynamo's static inputs. A split returns one gradient per read at the end of
-  the backward instead of a running sum: an unrolled recurrence reads its weight once per time
-  step (the zoo GRU: its tiny step measured 791,016 B split against 328,424 B whole), a shared
-  transformer layer once per layer. And a split is needed only where the fragment's backward
-  runs after something else added to the weight's gradient (the same fragment called again
-  later in the step, or another fragment reading the weight), which is known once a step has
-  run, not when the fragment compiles. (Parameters that move to the host tier are also fetched
-  by position: an alias made before the move would keep the device copy alive.)
+* parameters and Dynamo's static inputs, by default. A split returns one gradient per read at
+  the end of the backward instead of a running sum: an unrolled recurrence reads its weight
+  once per time step (the zoo GRU: its tiny step measured 791,016 B split against 328,424 B
+  whole), a shared transformer layer once per layer. A split is needed only where the
+  fragment's backward runs after something else added to the weight's gradient (the same
+  fragment called again later in the step, or another fragment reading the weight), which is
+  known once a step has run, not when the fragment compiles: the parameters left summed are
+  ``InputSplit.summed``, and the compiler warns after a step where one of them got an earlier
+  contribution (``MemCompiler._check_param_grad_order``);
 * inputs the fragment mutates (aliased mutated inputs take AOTAutograd's synthetic-base path);
 * inputs one op reads through several autograd edges from one argument (``torch.rms_norm`` is
   ``x * rsqrt(x.pow(2).mean())``): no placeholder split reproduces eager's order there, and
@@ -82,14 +89,22 @@ _MUTATING = frozenset(
 @dataclass(frozen=True)
 class InputSplit:
     """The fragment's extra placeholders: ``sources[k]`` is the position of the input whose alias
-    feeds placeholder ``n + k`` (``n`` = the Dynamo graph's inputs)."""
+    feeds placeholder ``n + k`` (``n`` = the Dynamo graph's inputs); ``summed``: positions of
+    the parameters several reads add a gradient to that were not split (their contributions
+    are summed in the backward graph)."""
 
     sources: tuple[int, ...] = ()
+    summed: tuple[int, ...] = ()
 
     def expand(self, args: Sequence[Any]) -> list[Any]:
         """``args`` and one alias per extra placeholder, made in order (see the module doc)."""
         alias = torch.ops.aten.alias.default
         return [*args, *(alias(args[i]) for i in self.sources)]
+
+    def aliases(self, n: int) -> dict[int, int]:
+        """Position of each extra placeholder -> position of the input it aliases, for a graph
+        of ``n`` inputs before the split."""
+        return {n + k: i for k, i in enumerate(self.sources)}
 
     def compile_inputs(self, args: Sequence[Any]) -> list[Any]:
         """The example inputs to compile the split graph for: each extra placeholder's is the
@@ -119,12 +134,11 @@ def _mutates(node: fx.Node) -> bool:
     return name.endswith("_") and not name.startswith("_")
 
 
-def _splittable(ph: fx.Node, example: object) -> bool:
-    if not isinstance(example, torch.Tensor) or not example.requires_grad:
-        return False
-    if isinstance(example, torch.nn.Parameter):
-        return False
-    return not (ph.meta.get("tensor_dict") or {}).get("_dynamo_static_input_type")
+def _is_param(ph: fx.Node, example: object) -> bool:
+    """A parameter or one of Dynamo's static inputs (held by the module, not the step)."""
+    return isinstance(example, torch.nn.Parameter) or bool(
+        (ph.meta.get("tensor_dict") or {}).get("_dynamo_static_input_type")
+    )
 
 
 class _Unknown(Exception):
@@ -308,11 +322,17 @@ def _replace_slot(node: fx.Node, slot: int, new: fx.Node) -> None:
 
 
 def split_inputs_pass(
-    gm: fx.GraphModule, ctx: PassContext, *, example_inputs: Sequence[Any]
+    gm: fx.GraphModule,
+    ctx: PassContext,
+    *,
+    example_inputs: Sequence[Any],
+    params: bool = False,
 ) -> fx.GraphModule:
     """A copy of Dynamo's graph ``gm`` with one placeholder per read of each input that several
     reads add a gradient to (module doc); the split is ``meta["memcompile_input_split"]``
-    (:class:`InputSplit`). ``gm`` itself is left as it is; with nothing to split it is returned.
+    (:class:`InputSplit`). Parameters are split only with ``params``; without it those several
+    reads add to are listed in ``InputSplit.summed``. ``gm`` itself is left as it is; with
+    nothing to split it is returned (with the split in its ``meta`` when parameters are summed).
     """
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     facts = _Facts(
@@ -321,13 +341,21 @@ def split_inputs_pass(
         mode=FakeTensorMode(),
     )
     plans: list[tuple[int, list[Read]]] = []
+    summed: list[int] = []
     for pos, ph in enumerate(placeholders):
-        if pos >= len(example_inputs) or not _splittable(ph, example_inputs[pos]):
+        example = example_inputs[pos] if pos < len(example_inputs) else None
+        if not isinstance(example, torch.Tensor) or not example.requires_grad:
             continue
         arrival = _arrivals(facts, ph)
-        if arrival is not None and len(arrival) > 1:
+        if arrival is None or len(arrival) < 2:
+            continue
+        if _is_param(ph, example) and not params:
+            summed.append(pos)
+        else:
             plans.append((pos, arrival))
     if not plans:
+        if summed:
+            gm.meta["memcompile_input_split"] = InputSplit(summed=tuple(summed))
         return gm
     out = _copy(gm)
     nodes = dict(zip(gm.graph.nodes, out.graph.nodes, strict=True))
@@ -351,7 +379,7 @@ def split_inputs_pass(
             _replace_slot(nodes[op], slot, value)
             sources.append(pos)
         log.debug("%s: input %s: %d reads add to its gradient", ctx.fragment, ph.name, len(arrival))
-    out.meta["memcompile_input_split"] = InputSplit(tuple(sources))
+    out.meta["memcompile_input_split"] = InputSplit(tuple(sources), tuple(summed))
     out.graph.lint()
     out.recompile()
     return out
