@@ -166,6 +166,41 @@ def test_split_param_reads_adds_a_parameters_reads_up_in_eager_order() -> None:
     assert memcompile.report(compiled).summed_param_grads == ()
 
 
+class _TwiceRead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(N))
+
+    def forward(self, a, b):
+        return self.w * a + self.w * b
+
+
+def test_a_fragment_called_twice_a_step_is_warned_about_or_split() -> None:
+    # One fragment, two calls: the second call's backward adds to w first, then the first
+    # call's in-graph sum arrives. Eager: ((1 + tiny) + tiny) + tiny = 1.
+    a, b, c = (torch.full((N,), TINY) for _ in range(3))
+    d = torch.ones(N)
+
+    def step(block: Any) -> torch.Tensor:
+        # Two steps: a step's check runs when the next one starts.
+        module = block._orig_mod if hasattr(block, "_orig_mod") else block
+        for _ in range(2):
+            module.zero_grad(set_to_none=True)
+            (block(a, b) + block(c, d)).sum().backward()
+        return module.w.grad
+
+    eager = step(_TwiceRead())
+    assert torch.equal(eager, torch.ones(N))
+    torch._dynamo.reset()
+    with pytest.warns(memcompile.GradientOrderWarning, match=r"F0 reads parameter w "):
+        summed = step(memcompile.compile(_TwiceRead()))
+    assert torch.equal(summed, torch.full((N,), 1 + 2 * TINY))
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memcompile.GradientOrderWarning)
+        assert torch.equal(step(memcompile.compile(_TwiceRead(), split_param_reads=True)), eager)
+
+
 def test_a_host_placed_parameter_is_fetched_through_its_aliases() -> None:
     # Each read's alias is fetched from the host tier like the parameter itself; only the
     # parameter moves there. The prediction equals the measured peak: an example alias made

@@ -1625,6 +1625,8 @@ class MemCompiler:
         # to what earlier backward calls gave the same gradient, so where an earlier call of
         # the step added to it first the association (and the last bits) differ. Once per new
         # step composition (its calls and parameter sets); warned once per fragment parameter.
+        # Only fragment calls are seen: a frame Dynamo runs eagerly that adds to the same
+        # gradient first is not (it is warned about as an eager frame already).
         records = {r.index: r for r in self.records() if r.summed_params}
         step = self.last_step
         if not records or step in self._order_checked_steps:
