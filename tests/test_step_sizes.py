@@ -325,3 +325,48 @@ def test_step_prediction_counts_the_prefetch_cache_a_forward_leaves() -> None:
     assert any(call.cache for call in recorded)  # the scenario: the pilot prefetched
     predicted = memcompile.report(compiled).predicted_peak
     assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
+
+
+class _LossAndLogits(nn.Module):
+    """Returns the loss and the logits, as a Hugging Face causal LM does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 512)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.head(torch.tanh(self.inp(x)))
+        return nn.functional.cross_entropy(logits, target), logits.detach() * 2
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_step_prediction_counts_the_outputs_the_caller_still_holds(keep: bool) -> None:
+    # A loop that keeps only the loss drops the other outputs before the backward (HF's
+    # Trainer: its compute_loss returns the loss); the prediction once assumed every output
+    # held (a 128 KiB over-prediction on benchmarks/clients.py's Llama, 4 KiB on a toy).
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _LossAndLogits()
+    compiled = memcompile.compile(model)
+    x, target = torch.randn(256, 64), torch.randint(0, 512, (256,))
+    kept: list[torch.Tensor] = []
+
+    def step() -> None:
+        loss, logits = compiled(x, target)
+        if keep:
+            kept.append(logits)
+        del logits
+        loss.backward()
+        kept.clear()
+
+    for _ in range(2):
+        step()
+        model.zero_grad(set_to_none=True)
+    measured = memcompile.measure_peak(step, resident=[model, x, target])
+    comp, _ = find_compiler(compiled)
+    _, _, recorded = comp._current_step()
+    logits = 256 * 512 * 4  # the logits' copy: no gradient flows through it
+    assert recorded[0].held == 4 + (logits if keep else 0)  # the loss, held by its backward
+    rep = memcompile.report(compiled)
+    assert rep.exact and rep.predicted_peak == measured

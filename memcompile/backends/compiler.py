@@ -37,6 +37,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch import partitioners as P
 from torch._functorch.partitioners import default_partition
 from torch._logging._internal import trace_structured_artifact
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memcompile.backends.dynamo_hooks import (
@@ -126,12 +127,16 @@ class CallStorages(NamedTuple):
         grad_inputs: its activation inputs whose gradients its backward makes (its profile's
             ``activation_grads``): input position -> storage address.
         cache: bytes the pilot's prefetch cache held after it (a forward call's tail).
+        held: bytes of its held user outputs (``FragmentProfile.held_output_positions``) the
+            caller still held when the step's first backward began (the step's last forward
+            call; ``None``: not measured).
     """
 
     kept: ViewStorages
     outputs: ViewStorages
     grad_inputs: Mapping[int, int]
     cache: int = 0
+    held: int | None = None
 
 
 _NO_STORAGES = CallStorages({}, {}, {})
@@ -812,6 +817,11 @@ class _FragmentBuild:
             if kind == "forward" and self.profile is not None
             else ()
         )
+        held_out = (
+            self.profile.held_output_positions
+            if kind == "forward" and self.profile is not None
+            else ()
+        )
         guard = self._resident_guard() if kind == "forward" else None
         # The host-placed inputs themselves, and the aliases the graph reads them through.
         hosted = self._own_inputs(self.hosted_inputs) if kind == "forward" else ()
@@ -881,6 +891,8 @@ class _FragmentBuild:
                 small_ints = prefetcher.take_in_graph_small_ints()  # type: ignore[union-attr]
             if shared_out:  # saved outputs other fragments may save too (simulate_step)
                 compiler._on_saved_outputs(_view_storages(out, shared_out))
+            if held_out:  # does the caller still hold them when the backward begins?
+                compiler._on_held_outputs(out, held_out)
             if kind != "backward":  # observers see the outputs (a router's counts)
                 small_ints = compiler._on_call_end(index, kind, block, out, small_ints)
             if tail:  # the tail of a forward call: predict the next blocks, prefetch them
@@ -989,6 +1001,9 @@ class MemCompiler:
         #: Fragment index -> positions of activation inputs its backward reads, whole or through
         #: views (its profile's saved_input_positions and saved_view_inputs).
         self._call_reads: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        # The step's latest forward call with held outputs: its position in the step and weak
+        # references to those outputs' storages with their bytes (``_on_held_outputs``).
+        self._held_refs: tuple[int, list[tuple[StorageWeakRef, int]]] = (-1, [])
         self._step_trains = False
         self._last_kind = ""
         self._open_blocks: dict[int, list[tuple[int, SizeKey]]] = {}
@@ -1573,6 +1588,8 @@ class MemCompiler:
         if kind == "forward":
             self._open_blocks.setdefault(index, []).append((block, sizes))
         elif kind == "backward":
+            if self._last_kind != "backward":
+                self._check_held_outputs()
             # Backward calls come in reverse forward order: pair with the latest open forward
             # (its parameters, and the sizes its saved tensors have).
             opened = self._open_blocks.get(index)
@@ -1595,6 +1612,27 @@ class MemCompiler:
         for observer in self.block_observers:
             observer.on_block(self.steps_observed, index, kind, block, args)
 
+    def _on_held_outputs(self, outputs: Sequence[Any], positions: Sequence[int]) -> None:
+        # After a forward call (the step's latest): weak references to the storages of its
+        # user outputs the backward does not read, checked when the backward begins.
+        refs: dict[int, tuple[StorageWeakRef, int]] = {}
+        for j in positions:
+            t = outputs[j] if j < len(outputs) else None
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                refs.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
+        self._held_refs = (len(self._step) - 1, list(refs.values()))
+
+    def _check_held_outputs(self) -> None:
+        # The step's first backward: how much of its last forward's held outputs the caller
+        # still holds (a loop keeping only ``out.loss`` has dropped the logits by now).
+        at, refs = self._held_refs
+        self._held_refs = (-1, [])
+        if not 0 <= at < len(self._step_storages) or self._step[at][1] != "forward":
+            return
+        alive = sum(n for ref, n in refs if not ref.expired())
+        self._step_storages[at] = self._step_storages[at]._replace(held=alive)
+
     def _on_cache(self, nbytes: int) -> None:
         # The forward call just recorded left the prefetch cache holding nbytes (its tail ran).
         if self._step_storages and nbytes:
@@ -1615,6 +1653,7 @@ class MemCompiler:
         self._step_storages = []
         self._step_trains = False
         self._open_blocks.clear()
+        self._held_refs = (-1, [])
         self._check_measured_peak()
         self._check_step_budget()
         self._check_param_grad_order()
@@ -1811,6 +1850,7 @@ class MemCompiler:
                 call_saved_outputs=[c.outputs for c in kept] if kept is not None else None,
                 call_input_grads=[c.grad_inputs for c in kept] if kept is not None else None,
                 call_cache=[c.cache for c in kept] if kept is not None else None,
+                call_held=[c.held for c in kept] if kept is not None else None,
             )
             if seq
             else None

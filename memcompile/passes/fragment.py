@@ -95,6 +95,10 @@ class FragmentProfile:
             reference (measured: a 64 KiB incoming gradient freed right after its last reader).
             ``backward.peak_bytes`` holds them to the end, as for the step's first backward,
             whose gradient the engine's root holds (measured: the loss's).
+        held_output_positions: positions among the forward's outputs of the user outputs in
+            ``held_output_bytes``: the compiler checks at the step's first backward whether the
+            caller still holds them (a training loop that keeps only the loss drops the
+            logits), and the step's replay counts only those it does.
     """
 
     forward: GraphProfile
@@ -112,6 +116,7 @@ class FragmentProfile:
     saved_output_positions: tuple[int, ...] = ()
     activation_grads: tuple[tuple[int, int], ...] = ()
     backward_handed_peak: int | None = None
+    held_output_positions: tuple[int, ...] = ()
 
     @property
     def training(self) -> bool:
@@ -319,6 +324,12 @@ def profile_fragment(
         and any(s in bw_in_set for s in ids.ids_of(v))
     )
     held = sum(ids.nbytes(s) for s in dict.fromkeys(tracked_user) if s not in saved)
+    held_positions = tuple(
+        j
+        for j in range(num_mutated_inputs, num_mutated_inputs + num_user_outputs)
+        if isinstance(outs[j], torch.Tensor)
+        and any(s not in saved and s not in fw.persistent for s in ids.ids_of(outs[j]))
+    )
     user_ids = set(tracked_user)
     shared_outputs = tuple(
         j
@@ -384,4 +395,5 @@ def profile_fragment(
         saved_output_positions=shared_outputs,
         activation_grads=tuple(activation_grads),
         backward_handed_peak=_handed_peak(bw, {s for i in tangents for s in bw_tangent_ids[i]}),
+        held_output_positions=held_positions,
     )

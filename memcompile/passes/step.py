@@ -7,7 +7,9 @@ Replays the observed call sequence of one step (``F0.fw F1.fw … F1.bw F0.bw``)
     F.fw        peak = live + saved(earlier fragments) + F's activation inputs + F.forward peak
                 saved += F.saved + F.saved inputs (autograd keeps the inputs its backward reads;
                          by storage address when known: calls saving one storage hold it once)
-    F.bw        peak = live + held loss + saved(others) + grads so far
+    F.bw        peak = live + held outputs + saved(others) + grads so far
+                       (held outputs: the last forward's user outputs not saved for the
+                       backward, those the caller still held when the backward began)
                        + gradients of activation inputs autograd holds for their producer
                        + max(F.backward peak, F.backward end + accumulate)
                 (F.backward peak with its incoming gradients freed at their last use, but for
@@ -98,6 +100,7 @@ def simulate_step(
     call_saved_outputs: Sequence[Mapping[int, int]] | None = None,
     call_input_grads: Sequence[Mapping[int, int]] | None = None,
     call_cache: Sequence[int] | None = None,
+    call_held: Sequence[int | None] | None = None,
 ) -> StepPrediction:
     """Replay ``sequence`` (fragment index, kind, block key) over ``profiles``.
 
@@ -136,6 +139,10 @@ def simulate_step(
             ``dynamic/prefetch.py``), as measured in the step replayed: added to that call's
             end state, when its graph has freed its transients (seen: an early-exit step
             peaking at its first fragment's tail with 68,896 B of copies). ``None``: none.
+        call_held: bytes of each forward call's held outputs (``held_output_bytes``) that the
+            caller still held when the step's backward began, as measured in the step replayed
+            (a loop keeping only the loss drops the logits); ``None`` (for the sequence or a
+            call): not measured, all of them are held.
     """
     for name, per_call in (
         ("call_profiles", call_profiles),
@@ -144,6 +151,7 @@ def simulate_step(
         ("call_saved_outputs", call_saved_outputs),
         ("call_input_grads", call_input_grads),
         ("call_cache", call_cache),
+        ("call_held", call_held),
     ):
         if per_call is not None and len(per_call) != len(sequence):
             raise ValueError(f"{name} has {len(per_call)} entries for {len(sequence)} calls")
@@ -222,7 +230,8 @@ def simulate_step(
                     view_refs[address] = view_refs.get(address, 0) + 1
                 saved += outputs + inputs
                 open_saved.setdefault(index, []).append((outputs, inputs, views, outs, i))
-            held = prof.held_output_bytes
+            alive = call_held[i] if call_held is not None else None
+            held = prof.held_output_bytes if alive is None else min(alive, prof.held_output_bytes)
         else:  # backward
             bw = prof.backward
             if bw is None:
