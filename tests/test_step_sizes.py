@@ -6,6 +6,7 @@ through views counts once."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import pytest
@@ -370,3 +371,46 @@ def test_step_prediction_counts_the_outputs_the_caller_still_holds(keep: bool) -
     assert recorded[0].held == 4 + (logits if keep else 0)  # the loss, held by its backward
     rep = memcompile.report(compiled)
     assert rep.exact and rep.predicted_peak == measured
+
+
+def test_a_plan_is_made_again_without_the_outputs_the_caller_drops() -> None:
+    # Under a budget the first plan counts the logits as held through the backward and does
+    # not fit; the first step shows the loop drops them, so the fragment is planned again
+    # without them (and fits). A later step holding them again gets them planned back.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x, target = torch.randn(256, 64), torch.randint(0, 512, (256,))
+    model, ref = _LossAndLogits(), _LossAndLogits()
+    ref.load_state_dict(model.state_dict())
+    compiled = memcompile.compile(model, budget=1_299_034, on_infeasible="best_effort")
+    comp, _ = find_compiler(compiled)
+
+    def step(fn: Any, hold: bool) -> None:
+        loss, logits = fn(x, target)
+        kept = [logits] if hold else []
+        del logits
+        loss.backward()
+        kept.clear()
+
+    with pytest.warns(memcompile.MemoryBudgetWarning, match="F0 does not fit"):
+        step(compiled, False)
+    assert comp.records()[0].profile.held_output_bytes == 4 + 256 * 512 * 4
+    step(ref, False)
+    pairs = zip(model.parameters(), ref.parameters(), strict=True)
+    assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", memcompile.MemoryBudgetWarning)
+            step(compiled, False)
+    (record,) = comp.records()
+    assert record.plan.feasible and record.profile.held_output_bytes == 4  # the loss only
+    model.zero_grad(set_to_none=True)
+    measured = memcompile.measure_peak(lambda: step(compiled, False), resident=[model, x, target])
+    assert memcompile.report(compiled).predicted_peak == measured <= 1_299_034
+    for _ in range(2):  # held again: planned with them once more
+        model.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", memcompile.MemoryBudgetWarning)
+            step(compiled, True)
+    assert comp.records()[0].profile.held_output_bytes == 4 + 256 * 512 * 4

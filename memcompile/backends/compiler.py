@@ -54,7 +54,7 @@ from memcompile.backends.fragments import (
     parameter_name,
 )
 from memcompile.backends.inner import BoxedCallable, compile_inner, decompositions
-from memcompile.backends.replan import MAX_ROUNDS, Replan, decide_replan
+from memcompile.backends.replan import MAX_REPLANS, MAX_ROUNDS, Replan, decide_replan
 from memcompile.config import MemConfig
 from memcompile.dynamic.trace import small_int_outputs
 from memcompile.errors import (
@@ -304,6 +304,10 @@ class _FragmentBuild:
         #: A re-plan's cap on the bytes the plan holds from forward to backward (saved sets held
         #: while other fragments run); ``None``: no cap.
         self.replan_saved_cap: int | None = None
+        #: Positions among the forward's outputs of user outputs a step showed the caller drops
+        #: before the backward: planned and profiled as not held (``MemCompiler``'s
+        #: ``_check_dropped_outputs``).
+        self.dropped_outputs: frozenset[int] = frozenset()
 
     # -- AOTAutograd hooks -------------------------------------------------------------------
     def partition(
@@ -553,6 +557,7 @@ class _FragmentBuild:
             profile=compiler.cost_profile(primals),
             workspace=probe_workspaces(joint),
             clone_bytes=accumulate_clone_bytes(grads, primals, set(static), clone_workspace),
+            dropped_outputs=self.dropped_outputs,
         )
         resident = compiler.resident_bytes(self, host=host) + self._reserve(host)
         plan = plan_fragment(
@@ -680,6 +685,7 @@ class _FragmentBuild:
             num_user_outputs=user,
             forward_workspace=probe_workspaces(gm),
             backward_workspace=probe_workspaces(bw) if bw is not None else None,
+            dropped_outputs=self.dropped_outputs,
         )
 
     def size_key(self, args: Sequence[Any]) -> SizeKey:
@@ -1003,7 +1009,13 @@ class MemCompiler:
         self._call_reads: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         # The step's latest forward call with held outputs: its position in the step and weak
         # references to those outputs' storages with their bytes (``_on_held_outputs``).
-        self._held_refs: tuple[int, list[tuple[StorageWeakRef, int]]] = (-1, [])
+        self._held_refs: tuple[int, list[tuple[int, StorageWeakRef, int, int]]] = (-1, [])
+        # The step's last forward with held outputs: (fragment index, output positions the
+        # caller had dropped when the backward began, those it still held).
+        self._step_dropped: tuple[int, frozenset[int], frozenset[int]] | None = None
+        # Fragment identity -> output positions its plan assumes dropped before the backward.
+        self._dropped_outputs: dict[str, frozenset[int]] = {}
+        self._dropped_warned: set[str] = set()
         self._step_trains = False
         self._last_kind = ""
         self._open_blocks: dict[int, list[tuple[int, SizeKey]]] = {}
@@ -1233,6 +1245,7 @@ class MemCompiler:
         build = _FragmentBuild(self, index, split.expand(example_inputs))
         build.alias_sources = split.aliases(len(example_inputs))
         build.summed_params = split.summed
+        build.dropped_outputs = self._dropped_outputs.get(identity.id, frozenset())
         if old is not None:
             build.stats = old.stats
             build.replan_resident = resident
@@ -1357,6 +1370,12 @@ class MemCompiler:
             self._awaiting.clear()
             self._pending_codes.clear()
             self._warned_steps.clear()
+            self._order_checked_steps.clear()
+            self.summed_param_grads.clear()
+            self._held_refs = (-1, [])
+            self._step_dropped = None
+            self._dropped_outputs.clear()
+            self._dropped_warned.clear()
         for observer in self.block_observers:
             observer.reset()
         if self.prefetcher is not None:
@@ -1615,13 +1634,13 @@ class MemCompiler:
     def _on_held_outputs(self, outputs: Sequence[Any], positions: Sequence[int]) -> None:
         # After a forward call (the step's latest): weak references to the storages of its
         # user outputs the backward does not read, checked when the backward begins.
-        refs: dict[int, tuple[StorageWeakRef, int]] = {}
+        refs: list[tuple[int, StorageWeakRef, int, int]] = []
         for j in positions:
             t = outputs[j] if j < len(outputs) else None
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
-                refs.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
-        self._held_refs = (len(self._step) - 1, list(refs.values()))
+                refs.append((j, StorageWeakRef(storage), storage.data_ptr(), storage.nbytes()))
+        self._held_refs = (len(self._step) - 1, refs)
 
     def _check_held_outputs(self) -> None:
         # The step's first backward: how much of its last forward's held outputs the caller
@@ -1630,8 +1649,17 @@ class MemCompiler:
         self._held_refs = (-1, [])
         if not 0 <= at < len(self._step_storages) or self._step[at][1] != "forward":
             return
-        alive = sum(n for ref, n in refs if not ref.expired())
-        self._step_storages[at] = self._step_storages[at]._replace(held=alive)
+        alive: dict[int, int] = {}  # storage -> bytes
+        dead: list[int] = []
+        held: list[int] = []
+        for j, ref, address, nbytes in refs:
+            if ref.expired():
+                dead.append(j)
+            else:
+                held.append(j)
+                alive[address] = nbytes
+        self._step_storages[at] = self._step_storages[at]._replace(held=sum(alive.values()))
+        self._step_dropped = (self._step[at][0], frozenset(dead), frozenset(held))
 
     def _on_cache(self, nbytes: int) -> None:
         # The forward call just recorded left the prefetch cache holding nbytes (its tail ran).
@@ -1657,6 +1685,53 @@ class MemCompiler:
         self._check_measured_peak()
         self._check_step_budget()
         self._check_param_grad_order()
+        self._check_dropped_outputs()
+
+    def _check_dropped_outputs(self) -> None:
+        # Plans count a fragment's user outputs as held by the caller through its backward. A
+        # loop that keeps only the loss has dropped the rest (the logits) by then: once a step
+        # shows it, a plan the budget constrained (it recomputes, swaps, offloads or does not
+        # fit) is made again without them, which leaves it that much more room. A plan that
+        # assumed them dropped while a later step held them again is made again with them.
+        found, self._step_dropped = self._step_dropped, None
+        budget = self.config.budget
+        if found is None or budget is None:
+            return
+        index, dead, held = found
+        record = next((r for r in self.records() if r.index == index), None)
+        if record is None or record.plan is None or record.profile is None:
+            return
+        plan, key = record.plan, record.identity.id
+        assumed = self._dropped_outputs.get(key, frozenset())
+        again = assumed & held
+        if again:
+            wanted = assumed - held
+        else:
+            constrained = plan.recomputed or plan.swapped or plan.host_params or not plan.feasible
+            if not (dead - assumed) or not constrained:
+                return
+            wanted = assumed | dead
+        if self._code_of(index) is None or self._replan_counts.get(index, 0) >= MAX_REPLANS:
+            if again and key not in self._dropped_warned:
+                self._dropped_warned.add(key)
+                self.over_budget = True
+                warnings.warn(
+                    f"memcompile: {record.name}'s plan assumed the caller drops some of its "
+                    "outputs before the backward (as earlier steps did), but this step held "
+                    f"them: the step may exceed budget={format_bytes(budget)} by their size, "
+                    "and the fragment was re-planned too often to plan again",
+                    MemoryBudgetWarning,
+                    stacklevel=3,
+                )
+            return
+        self._dropped_outputs[key] = wanted
+        log.info(
+            "memcompile: %s: the caller %s output(s) %s before the backward; re-planning it",
+            record.name,
+            "holds" if again else "drops",
+            sorted(again or dead - assumed),
+        )
+        self._request_replan({index: None}, {r.index: r for r in self.records()}, {})
 
     def _check_param_grad_order(self) -> None:
         # A parameter a fragment reads several times gets the reads' contributions summed in
@@ -1991,14 +2066,14 @@ class MemCompiler:
 
     def _request_replan(
         self,
-        chosen: Mapping[int, int],
+        chosen: Mapping[int, int | None],
         records: Mapping[int, FragmentRecord],
         caps: Mapping[int, int | None],
     ) -> None:
-        """Drop the code of the fragments in ``chosen`` (index -> resident bytes to plan with;
-        ``caps``: index -> saved-set cap) before the model's next call. Every fragment of a
-        dropped code compiles again: those not chosen with the resident bytes and cap their
-        plan assumed (the same target)."""
+        """Drop the code of the fragments in ``chosen`` (index -> resident bytes to plan with,
+        ``None``: as a new fragment; ``caps``: index -> saved-set cap) before the model's next
+        call. Every fragment of a dropped code compiles again: those not chosen with the
+        resident bytes and cap their plan assumed (the same target)."""
         codes: dict[int, CodeType] = {}
         for i in chosen:
             code = self._code_of(i)

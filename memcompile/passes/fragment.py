@@ -238,6 +238,7 @@ def profile_fragment(
     forward_workspace: Mapping[str, int] | None = None,
     backward_workspace: Mapping[str, int] | None = None,
     clone_workspace: Callable[[torch.Tensor], int | None] | None = None,
+    dropped_outputs: Collection[int] = (),
 ) -> FragmentProfile:
     """Profile a fragment's graphs as AOTAutograd hands them to the inner compiler.
 
@@ -252,6 +253,9 @@ def profile_fragment(
             graph (see passes/workspace.py); ``None``: not measured (the profile says so).
         clone_workspace: measures the scratch of AccumulateGrad's copy of a gradient (a fake
             tensor) into its parameter's layout; counted with the largest such copy.
+        dropped_outputs: positions among the forward's outputs of user outputs the caller
+            drops before the backward: not in ``held_output_bytes`` (still listed in
+            ``held_output_positions``, so a step that holds them again is seen).
     """
     ids = StorageIds()
     placeholders = fw_gm.graph.find_nodes(op="placeholder")
@@ -323,13 +327,20 @@ def profile_fragment(
         and not covers_storage(v)
         and any(s in bw_in_set for s in ids.ids_of(v))
     )
-    held = sum(ids.nbytes(s) for s in dict.fromkeys(tracked_user) if s not in saved)
     held_positions = tuple(
         j
         for j in range(num_mutated_inputs, num_mutated_inputs + num_user_outputs)
         if isinstance(outs[j], torch.Tensor)
         and any(s not in saved and s not in fw.persistent for s in ids.ids_of(outs[j]))
     )
+    kept_user = {
+        s
+        for j in held_positions
+        if j not in dropped_outputs
+        for s in ids.ids_of(outs[j])
+        if s not in saved and s not in fw.persistent
+    }
+    held = sum(ids.nbytes(s) for s in kept_user)
     user_ids = set(tracked_user)
     shared_outputs = tuple(
         j

@@ -125,6 +125,9 @@ class JointModel:
         profile: the device profile that prices each node (roofline of FLOPs and bytes).
         workspace: measured kernel scratch per node name (``workspace.probe_workspaces``).
         clone_bytes: transient of AccumulateGrad's gradient copies (``FragmentProfile``'s).
+        dropped_outputs: positions among the forward's outputs of user outputs the caller
+            drops before the backward (seen in a step: a loop keeping only the loss); the
+            others are held from the forward's end through the backward.
     """
 
     def __init__(
@@ -136,6 +139,7 @@ class JointModel:
         profile: DeviceProfile,
         workspace: Mapping[str, int] | None = None,
         clone_bytes: int = 0,
+        dropped_outputs: Collection[int] = (),
     ) -> None:
         self.joint = joint
         self.num_fwd_outputs = num_fwd_outputs
@@ -217,12 +221,16 @@ class JointModel:
         self.clone_bytes = clone_bytes
         self.fw_outputs = [self.index[o] for o in fw_outs if isinstance(o, fx.Node)]
         self.bw_outputs = [self.index[o] for o in bw_outs if isinstance(o, fx.Node)]
-        # User-visible outputs (not new values of mutated inputs) are held by the caller.
+        # User-visible outputs (not new values of mutated inputs) are held by the caller, but
+        # for those a step showed dropped before the backward (``dropped_outputs``).
+        dropped = set(dropped_outputs)
         self.held_outputs = (
             frozenset(
                 s
-                for o, d in zip(fw_outs, fw_descs, strict=True)
-                if isinstance(o, fx.Node) and type(d).__name__ != "InputMutationAOTOutput"
+                for j, (o, d) in enumerate(zip(fw_outs, fw_descs, strict=True))
+                if isinstance(o, fx.Node)
+                and type(d).__name__ != "InputMutationAOTOutput"
+                and j not in dropped
                 for s in self.storages[self.index[o]]
             )
             - self.persistent

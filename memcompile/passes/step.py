@@ -231,7 +231,7 @@ def simulate_step(
                 saved += outputs + inputs
                 open_saved.setdefault(index, []).append((outputs, inputs, views, outs, i))
             alive = call_held[i] if call_held is not None else None
-            held = prof.held_output_bytes if alive is None else min(alive, prof.held_output_bytes)
+            held = prof.held_output_bytes if alive is None else alive
         else:  # backward
             bw = prof.backward
             if bw is None:
