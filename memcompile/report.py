@@ -116,6 +116,9 @@ class MemReport:
         summed_param_grads: ``"F{i}: source"`` of each parameter a fragment reads several times
             whose summed gradient a step added after another call's contribution: not eager's
             order (``GradientOrderWarning``; ``split_param_reads=True`` splits them).
+        dropped_outputs: ``"F{i}: outputs [j, ...]"`` of each fragment whose plan counts those
+            forward outputs as dropped by the caller before the backward, as steps showed (a
+            loop that keeps only the loss); the rest of its outputs count as held.
     """
 
     config: MemConfig
@@ -134,6 +137,7 @@ class MemReport:
     replans: tuple[Replan, ...] = ()
     measured_peak: int | None = None
     summed_param_grads: tuple[str, ...] = ()
+    dropped_outputs: tuple[str, ...] = ()
 
     @property
     def eager_frames(self) -> int:
@@ -177,6 +181,7 @@ class MemReport:
             "pilot": self.pilot.to_dict() if self.pilot is not None else None,
             "replans": [asdict(r) for r in self.replans],
             "summed_param_grads": list(self.summed_param_grads),
+            "dropped_outputs": list(self.dropped_outputs),
         }
 
     def __str__(self) -> str:
@@ -228,6 +233,8 @@ class MemReport:
                 f"  re-planned {names} (round {r.round}, {r.calls}-call step): "
                 f"predicted {format_bytes(r.predicted_peak)} -> {after}"
             )
+        for name in self.dropped_outputs:
+            lines.append(f"  planned as dropped before the backward: {name}")
         for name in self.summed_param_grads:
             lines.append(f"  gradient summed out of eager's order: {name} (split_param_reads)")
         for fb in self.fallbacks:
@@ -381,6 +388,11 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
         replans=tuple(compiler.replans),
         measured_peak=compiler.peak_watch.measured if compiler.peak_watch is not None else None,
         summed_param_grads=tuple(compiler.summed_param_grads),
+        dropped_outputs=tuple(
+            f"{r.name}: outputs {sorted(compiler.dropped_outputs_of(r))}"
+            for r in compiler.records()
+            if compiler.dropped_outputs_of(r)
+        ),
         over_budget=compiler.over_budget
         or (
             prediction is not None

@@ -407,7 +407,10 @@ def test_a_plan_is_made_again_without_the_outputs_the_caller_drops() -> None:
     assert record.plan.feasible and record.profile.held_output_bytes == 4  # the loss only
     model.zero_grad(set_to_none=True)
     measured = memcompile.measure_peak(lambda: step(compiled, False), resident=[model, x, target])
-    assert memcompile.report(compiled).predicted_peak == measured <= 1_299_034
+    rep = memcompile.report(compiled)
+    assert rep.predicted_peak == measured <= 1_299_034
+    assert rep.dropped_outputs == ("F0: outputs [1]",)  # the logits (the loss is output 0)
+    assert "planned as dropped before the backward: F0: outputs [1]" in str(rep)
     for _ in range(2):  # held again: planned with them once more
         model.zero_grad(set_to_none=True)
         with warnings.catch_warnings():

@@ -308,6 +308,9 @@ class _FragmentBuild:
         #: before the backward: planned and profiled as not held (``MemCompiler``'s
         #: ``_check_dropped_outputs``).
         self.dropped_outputs: frozenset[int] = frozenset()
+        #: Tensors the previous plan of this graph kept (a re-plan for dropped outputs): the
+        #: search starts from them too, so the new plan, with less held, is no worse.
+        self.replan_start: tuple[str, ...] = ()
 
     # -- AOTAutograd hooks -------------------------------------------------------------------
     def partition(
@@ -417,7 +420,7 @@ class _FragmentBuild:
         placed = self._host_placed() if aligned else []
         if placed:  # another fragment moved some of these parameters: fetch them here too
             joint = self._fetch_params(joint, num_fwd_outputs, placed)
-        model, plan = self._plan(joint, num_fwd_outputs, static)
+        model, plan = self._plan(joint, num_fwd_outputs, static, start=self.replan_start)
         mode = DROPOUT_REWRITE
         if config.budget is not None and config.recompute and mode != "never":
             # Dropout outputs (and all that is computed from them) become recomputable once
@@ -1246,6 +1249,10 @@ class MemCompiler:
         build.alias_sources = split.aliases(len(example_inputs))
         build.summed_params = split.summed
         build.dropped_outputs = self._dropped_outputs.get(identity.id, frozenset())
+        if old is not None and old.plan is not None and build.dropped_outputs:
+            build.replan_start = tuple(
+                d.tensor for d in old.plan.decisions if d.action != "recompute"
+            )
         if old is not None:
             build.stats = old.stats
             build.replan_resident = resident
@@ -1408,7 +1415,9 @@ class MemCompiler:
         frame = str(compile_id).split("/")[0] if compile_id is not None else None
         others = 0
         for r in self.records():
-            if r.compile_id.split("/")[0] == frame:
+            # Not itself: a fragment compiled again keeps its index (its old record is there
+            # until the new one replaces it).
+            if r.compile_id.split("/")[0] == frame or r.index == build.index:
                 continue
             storages.update(r.static_storages)
             if r.profile is not None and r.profile.training:
@@ -1660,6 +1669,9 @@ class MemCompiler:
                 alive[address] = nbytes
         self._step_storages[at] = self._step_storages[at]._replace(held=sum(alive.values()))
         self._step_dropped = (self._step[at][0], frozenset(dead), frozenset(held))
+        # Decided now, not at the step's end (the next step's first call): a re-plan then
+        # applies from the next model call on (the step after next, otherwise).
+        self._check_dropped_outputs()
 
     def _on_cache(self, nbytes: int) -> None:
         # The forward call just recorded left the prefetch cache holding nbytes (its tail ran).
@@ -1685,7 +1697,11 @@ class MemCompiler:
         self._check_measured_peak()
         self._check_step_budget()
         self._check_param_grad_order()
-        self._check_dropped_outputs()
+
+    def dropped_outputs_of(self, record: FragmentRecord) -> frozenset[int]:
+        """Positions among ``record``'s forward outputs its plan counts as dropped by the
+        caller before the backward (as steps showed); empty: all held."""
+        return self._dropped_outputs.get(record.identity.id, frozenset())
 
     def _check_dropped_outputs(self) -> None:
         # Plans count a fragment's user outputs as held by the caller through its backward. A
