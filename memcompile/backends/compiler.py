@@ -130,6 +130,9 @@ class CallStorages(NamedTuple):
         held: bytes of its held user outputs (``FragmentProfile.held_output_positions``) the
             caller still held when the step's first backward began (the step's last forward
             call; ``None``: not measured).
+        tangents: the step's first backward call: input positions of its incoming gradients
+            still alive after it returned, held by someone else (the engine's root holds the
+            loss's); ``None``: not measured.
     """
 
     kept: ViewStorages
@@ -137,6 +140,7 @@ class CallStorages(NamedTuple):
     grad_inputs: Mapping[int, int]
     cache: int = 0
     held: int | None = None
+    tangents: frozenset[int] | None = None
 
 
 _NO_STORAGES = CallStorages({}, {}, {})
@@ -831,6 +835,11 @@ class _FragmentBuild:
             if kind == "forward" and self.profile is not None
             else ()
         )
+        tangent_pos = (
+            tuple(pos for pos, _ in self.profile.tangent_storages)
+            if kind == "backward" and self.profile is not None
+            else ()
+        )
         guard = self._resident_guard() if kind == "forward" else None
         # The host-placed inputs themselves, and the aliases the graph reads them through.
         hosted = self._own_inputs(self.hosted_inputs) if kind == "forward" else ()
@@ -882,6 +891,18 @@ class _FragmentBuild:
                     for i in static
                     if isinstance(args[i], torch.Tensor)
                 }
+            # The step's first backward: which incoming gradients outlive the call (held by
+            # someone else through it); AOTAutograd's zeros for outputs without a gradient die
+            # inside it. One weak reference per incoming gradient, first backward only.
+            roots = (
+                [
+                    (pos, StorageWeakRef(args[pos].untyped_storage()))
+                    for pos in tangent_pos
+                    if pos < len(args) and isinstance(args[pos], torch.Tensor)
+                ]
+                if tangent_pos and compiler._last_kind != "backward"
+                else None
+            )
             on_call(index, kind, block, args, build.size_key(args) if sized else ())
             tail = prefetcher is not None and prefetcher.before(
                 compiler.steps_observed, index, kind, block, args, hosted, build.prefetch_reserve
@@ -893,6 +914,8 @@ class _FragmentBuild:
                 out = fn(args)
             if finish is not None:
                 finish()
+            if roots is not None:
+                compiler._on_root_tangents(frozenset(p for p, ref in roots if not ref.expired()))
             # The outputs' small integer values, read once for everyone: by the graph's pilot
             # op when it ran (the same values), else by the first observer that wants them.
             small_ints = None
@@ -1651,6 +1674,12 @@ class MemCompiler:
                 refs.append((j, StorageWeakRef(storage), storage.data_ptr(), storage.nbytes()))
         self._held_refs = (len(self._step) - 1, refs)
 
+    def _on_root_tangents(self, held: frozenset[int]) -> None:
+        # After the step's first backward call (the latest recorded): its incoming gradients
+        # that someone else held through it.
+        if self._step_storages and self._step and self._step[-1][1] == "backward":
+            self._step_storages[-1] = self._step_storages[-1]._replace(tangents=held)
+
     def _check_held_outputs(self) -> None:
         # The step's first backward: how much of its last forward's held outputs the caller
         # still holds (a loop keeping only ``out.loss`` has dropped the logits by now).
@@ -1942,6 +1971,7 @@ class MemCompiler:
                 call_input_grads=[c.grad_inputs for c in kept] if kept is not None else None,
                 call_cache=[c.cache for c in kept] if kept is not None else None,
                 call_held=[c.held for c in kept] if kept is not None else None,
+                call_tangents=[c.tangents for c in kept] if kept is not None else None,
             )
             if seq
             else None

@@ -99,6 +99,11 @@ class FragmentProfile:
             ``held_output_bytes``: the compiler checks at the step's first backward whether the
             caller still holds them (a training loop that keeps only the loss drops the
             logits), and the step's replay counts only those it does.
+        tangent_storages: ``(position, storage ids)`` of each incoming gradient among the
+            backward's inputs: ``backward.peak_bytes`` holds them all to the end; the step's
+            first backward holds only those someone else holds too (the engine's root holds the
+            loss's; AOTAutograd's zeros for outputs that got no gradient die at their last
+            reader), see :meth:`backward_peak_holding`.
     """
 
     forward: GraphProfile
@@ -117,6 +122,7 @@ class FragmentProfile:
     activation_grads: tuple[tuple[int, int], ...] = ()
     backward_handed_peak: int | None = None
     held_output_positions: tuple[int, ...] = ()
+    tangent_storages: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def training(self) -> bool:
@@ -137,6 +143,15 @@ class FragmentProfile:
                 self.held_output_bytes + self.backward.end_bytes + self.clone_bytes
             )
         return peaks
+
+    def backward_peak_holding(self, held: Collection[int]) -> int:
+        """The backward's peak (as ``backward.peak_bytes``) with only the incoming gradients at
+        input positions ``held`` held to the end, the others freed after their last reader."""
+        if self.backward is None:
+            raise ValueError("an inference fragment has no backward")
+        keep = {s for pos, sids in self.tangent_storages if pos in held for s in sids}
+        free = {s for pos, sids in self.tangent_storages if pos not in held for s in sids}
+        return _handed_peak(self.backward, free - keep)
 
     def step_peak(self) -> int:
         """Absolute device peak of a step whose only fragment is this one (grads start as None)."""
@@ -407,4 +422,5 @@ def profile_fragment(
         activation_grads=tuple(activation_grads),
         backward_handed_peak=_handed_peak(bw, {s for i in tangents for s in bw_tangent_ids[i]}),
         held_output_positions=held_positions,
+        tangent_storages=tuple((i, tuple(bw_tangent_ids[i])) for i in tangents),
     )

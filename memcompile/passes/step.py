@@ -101,6 +101,7 @@ def simulate_step(
     call_input_grads: Sequence[Mapping[int, int]] | None = None,
     call_cache: Sequence[int] | None = None,
     call_held: Sequence[int | None] | None = None,
+    call_tangents: Sequence[frozenset[int] | None] | None = None,
 ) -> StepPrediction:
     """Replay ``sequence`` (fragment index, kind, block key) over ``profiles``.
 
@@ -143,6 +144,10 @@ def simulate_step(
             caller still held when the step's backward began, as measured in the step replayed
             (a loop keeping only the loss drops the logits); ``None`` (for the sequence or a
             call): not measured, all of them are held.
+        call_tangents: for the step's first backward call, the input positions of the incoming
+            gradients someone else held through it (the engine's root holds the loss's), as
+            measured in the step replayed; the others (AOTAutograd's zeros for outputs that
+            got no gradient) die at their last reader. ``None``: all held to the end.
     """
     for name, per_call in (
         ("call_profiles", call_profiles),
@@ -152,6 +157,7 @@ def simulate_step(
         ("call_input_grads", call_input_grads),
         ("call_cache", call_cache),
         ("call_held", call_held),
+        ("call_tangents", call_tangents),
     ):
         if per_call is not None and len(per_call) != len(sequence):
             raise ValueError(f"{name} has {len(per_call)} entries for {len(sequence)} calls")
@@ -274,7 +280,11 @@ def simulate_step(
             # Incoming gradients another backward made die at their last use; the step's first
             # backward's (the loss's) is held by the engine's root (fragment.py).
             handed = prof.backward_handed_peak
-            bw_peak = bw.peak_bytes if first_backward or handed is None else handed
+            if first_backward:
+                root = call_tangents[i] if call_tangents is not None else None
+                bw_peak = bw.peak_bytes if root is None else prof.backward_peak_holding(root)
+            else:
+                bw_peak = bw.peak_bytes if handed is None else handed
             first_backward = False
             own = max(bw_peak, bw.end_bytes + accumulate)
             p = base + held + others + inputs + viewed + grads + held_input_grads + own
