@@ -1036,9 +1036,6 @@ class MemCompiler:
         # The step's latest forward call with held outputs: its position in the step and weak
         # references to those outputs' storages with their bytes (``_on_held_outputs``).
         self._held_refs: tuple[int, list[tuple[int, StorageWeakRef, int, int]]] = (-1, [])
-        # The step's last forward with held outputs: (fragment index, output positions the
-        # caller had dropped when the backward began, those it still held).
-        self._step_dropped: tuple[int, frozenset[int], frozenset[int]] | None = None
         # Fragment identity -> output positions its plan assumes dropped before the backward.
         self._dropped_outputs: dict[str, frozenset[int]] = {}
         self._dropped_warned: set[str] = set()
@@ -1403,7 +1400,6 @@ class MemCompiler:
             self._order_checked_steps.clear()
             self.summed_param_grads.clear()
             self._held_refs = (-1, [])
-            self._step_dropped = None
             self._dropped_outputs.clear()
             self._dropped_warned.clear()
         for observer in self.block_observers:
@@ -1697,10 +1693,9 @@ class MemCompiler:
                 held.append(j)
                 alive[address] = nbytes
         self._step_storages[at] = self._step_storages[at]._replace(held=sum(alive.values()))
-        self._step_dropped = (self._step[at][0], frozenset(dead), frozenset(held))
         # Decided now, not at the step's end (the next step's first call): a re-plan then
         # applies from the next model call on (the step after next, otherwise).
-        self._check_dropped_outputs()
+        self._check_dropped_outputs(self._step[at][0], frozenset(dead), frozenset(held))
 
     def _on_cache(self, nbytes: int) -> None:
         # The forward call just recorded left the prefetch cache holding nbytes (its tail ran).
@@ -1732,17 +1727,19 @@ class MemCompiler:
         caller before the backward (as steps showed); empty: all held."""
         return self._dropped_outputs.get(record.identity.id, frozenset())
 
-    def _check_dropped_outputs(self) -> None:
-        # Plans count a fragment's user outputs as held by the caller through its backward. A
-        # loop that keeps only the loss has dropped the rest (the logits) by then: once a step
-        # shows it, a plan the budget constrained (it recomputes, swaps, offloads or does not
-        # fit) is made again without them, which leaves it that much more room. A plan that
-        # assumed them dropped while a later step held them again is made again with them.
-        found, self._step_dropped = self._step_dropped, None
+    def _check_dropped_outputs(
+        self, index: int, dead: frozenset[int], held: frozenset[int]
+    ) -> None:
+        # F{index}'s output positions the caller had dropped when the backward began (dead),
+        # and those it still held. Plans count a fragment's user outputs as held by the caller
+        # through its backward; a loop that keeps only the loss has dropped the rest (the
+        # logits) by then. Once a step shows it, a plan the budget constrained (it recomputes,
+        # swaps, offloads or does not fit) is made again without them, which leaves it that
+        # much more room; a plan that assumed them dropped while a later step held them again
+        # is made again with them.
         budget = self.config.budget
-        if found is None or budget is None:
+        if budget is None:
             return
-        index, dead, held = found
         record = next((r for r in self.records() if r.index == index), None)
         if record is None or record.plan is None or record.profile is None:
             return
