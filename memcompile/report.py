@@ -119,6 +119,9 @@ class MemReport:
         dropped_outputs: ``"F{i}: outputs [j, ...]"`` of each fragment whose plan counts those
             forward outputs as dropped by the caller before the backward, as steps showed (a
             loop that keeps only the loss); the rest of its outputs count as held.
+        released_tangents: ``"F{i}: [tangents_k, ...]"`` of each fragment whose plan counts
+            those incoming gradients as freed after their last reader, as steps showed (no one
+            else holds them: AOTAutograd's zeros for an output that got no gradient).
     """
 
     config: MemConfig
@@ -138,6 +141,7 @@ class MemReport:
     measured_peak: int | None = None
     summed_param_grads: tuple[str, ...] = ()
     dropped_outputs: tuple[str, ...] = ()
+    released_tangents: tuple[str, ...] = ()
 
     @property
     def eager_frames(self) -> int:
@@ -182,6 +186,7 @@ class MemReport:
             "replans": [asdict(r) for r in self.replans],
             "summed_param_grads": list(self.summed_param_grads),
             "dropped_outputs": list(self.dropped_outputs),
+            "released_tangents": list(self.released_tangents),
         }
 
     def __str__(self) -> str:
@@ -235,6 +240,8 @@ class MemReport:
             )
         for name in self.dropped_outputs:
             lines.append(f"  planned as dropped before the backward: {name}")
+        for name in self.released_tangents:
+            lines.append(f"  incoming gradients planned as freed early: {name}")
         for name in self.summed_param_grads:
             lines.append(f"  gradient summed out of eager's order: {name} (split_param_reads)")
         for fb in self.fallbacks:
@@ -392,6 +399,11 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
             f"{r.name}: outputs {sorted(compiler.dropped_outputs_of(r))}"
             for r in compiler.records()
             if compiler.dropped_outputs_of(r)
+        ),
+        released_tangents=tuple(
+            f"{r.name}: {sorted(compiler.released_tangents_of(r))}"
+            for r in compiler.records()
+            if compiler.released_tangents_of(r)
         ),
         over_budget=compiler.over_budget
         or (

@@ -467,4 +467,11 @@ def test_zeros_for_an_output_without_a_gradient_die_at_their_last_reader() -> No
     )
     held = first_backward.tangents
     assert held is not None and len(held) == 1  # the loss's
-    assert memcompile.report(compiled).predicted_peak == measured
+    rep = memcompile.report(compiled)
+    assert rep.predicted_peak == measured
+    # The plan (it recomputes: the budget constrains it) was made again with the zeros freed
+    # early, and the logits dropped: both seen in the first step.
+    (released,) = rep.released_tangents
+    assert released.startswith("F0: ['tangents_") and released.count("tangents_") == 1
+    assert record.profile.released and "incoming gradients planned as freed early" in str(rep)
+    assert rep.dropped_outputs == ("F0: outputs [1]",)

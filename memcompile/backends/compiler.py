@@ -315,6 +315,10 @@ class _FragmentBuild:
         #: Tensors the previous plan of this graph kept (a re-plan for dropped outputs): the
         #: search starts from them too, so the new plan, with less held, is no worse.
         self.replan_start: tuple[str, ...] = ()
+        #: Names of incoming gradients a step showed no one else holds through the backward
+        #: (AOTAutograd's zeros for outputs without a gradient): planned and profiled as freed
+        #: after their last reader.
+        self.released_tangents: frozenset[str] = frozenset()
 
     # -- AOTAutograd hooks -------------------------------------------------------------------
     def partition(
@@ -565,6 +569,7 @@ class _FragmentBuild:
             workspace=probe_workspaces(joint),
             clone_bytes=accumulate_clone_bytes(grads, primals, set(static), clone_workspace),
             dropped_outputs=self.dropped_outputs,
+            released_tangents=self.released_tangents,
         )
         resident = compiler.resident_bytes(self, host=host) + self._reserve(host)
         plan = plan_fragment(
@@ -693,6 +698,7 @@ class _FragmentBuild:
             forward_workspace=probe_workspaces(gm),
             backward_workspace=probe_workspaces(bw) if bw is not None else None,
             dropped_outputs=self.dropped_outputs,
+            released_tangents=self.released_tangents,
         )
 
     def size_key(self, args: Sequence[Any]) -> SizeKey:
@@ -900,7 +906,7 @@ class _FragmentBuild:
                     for pos in tangent_pos
                     if pos < len(args) and isinstance(args[pos], torch.Tensor)
                 ]
-                if tangent_pos and compiler._last_kind != "backward"
+                if kind == "backward" and compiler._last_kind != "backward"
                 else None
             )
             on_call(index, kind, block, args, build.size_key(args) if sized else ())
@@ -915,7 +921,8 @@ class _FragmentBuild:
             if finish is not None:
                 finish()
             if roots is not None:
-                compiler._on_root_tangents(frozenset(p for p, ref in roots if not ref.expired()))
+                held = frozenset(p for p, ref in roots if not ref.expired())
+                compiler._after_first_backward(index, held)
             # The outputs' small integer values, read once for everyone: by the graph's pilot
             # op when it ran (the same values), else by the first observer that wants them.
             small_ints = None
@@ -1036,6 +1043,11 @@ class MemCompiler:
         # The step's latest forward call with held outputs: its position in the step and weak
         # references to those outputs' storages with their bytes (``_on_held_outputs``).
         self._held_refs: tuple[int, list[tuple[int, StorageWeakRef, int, int]]] = (-1, [])
+        # What the step's first backward found of its last forward's held outputs: (fragment
+        # index, positions the caller had dropped, positions it still held).
+        self._step_dropped: tuple[int, frozenset[int], frozenset[int]] | None = None
+        # Fragment identity -> incoming gradients (names) its plan assumes no one else holds.
+        self._released_tangents: dict[str, frozenset[str]] = {}
         # Fragment identity -> output positions its plan assumes dropped before the backward.
         self._dropped_outputs: dict[str, frozenset[int]] = {}
         self._dropped_warned: set[str] = set()
@@ -1269,7 +1281,12 @@ class MemCompiler:
         build.alias_sources = split.aliases(len(example_inputs))
         build.summed_params = split.summed
         build.dropped_outputs = self._dropped_outputs.get(identity.id, frozenset())
-        if old is not None and old.plan is not None and build.dropped_outputs:
+        build.released_tangents = self._released_tangents.get(identity.id, frozenset())
+        if (
+            old is not None
+            and old.plan is not None
+            and (build.dropped_outputs or build.released_tangents)
+        ):
             build.replan_start = tuple(
                 d.tensor for d in old.plan.decisions if d.action != "recompute"
             )
@@ -1402,6 +1419,8 @@ class MemCompiler:
             self._held_refs = (-1, [])
             self._dropped_outputs.clear()
             self._dropped_warned.clear()
+            self._step_dropped = None
+            self._released_tangents.clear()
         for observer in self.block_observers:
             observer.reset()
         if self.prefetcher is not None:
@@ -1670,11 +1689,25 @@ class MemCompiler:
                 refs.append((j, StorageWeakRef(storage), storage.data_ptr(), storage.nbytes()))
         self._held_refs = (len(self._step) - 1, refs)
 
-    def _on_root_tangents(self, held: frozenset[int]) -> None:
-        # After the step's first backward call (the latest recorded): its incoming gradients
-        # that someone else held through it.
+    def _after_first_backward(self, index: int, held: frozenset[int]) -> None:
+        # After the step's first backward call (the latest recorded, of F{index}): its
+        # incoming gradients (input positions) that someone else held through it. With what
+        # the call's start found of the last forward's outputs, decide on re-plans.
         if self._step_storages and self._step and self._step[-1][1] == "backward":
             self._step_storages[-1] = self._step_storages[-1]._replace(tangents=held)
+        outputs, self._step_dropped = self._step_dropped, None
+        record = next((r for r in self.records() if r.index == index), None)
+        tangents: tuple[int, frozenset[str], frozenset[str]] | None = None
+        if record is not None and record.profile is not None:
+            prof = record.profile
+            positions = [p for p, _ in prof.tangent_storages]
+            names = dict(zip(positions, prof.tangent_names, strict=True))
+            tangents = (
+                index,
+                frozenset(n for p, n in names.items() if p not in held),
+                frozenset(n for p, n in names.items() if p in held),
+            )
+        self._check_observed(outputs, tangents)
 
     def _check_held_outputs(self) -> None:
         # The step's first backward: how much of its last forward's held outputs the caller
@@ -1693,9 +1726,10 @@ class MemCompiler:
                 held.append(j)
                 alive[address] = nbytes
         self._step_storages[at] = self._step_storages[at]._replace(held=sum(alive.values()))
-        # Decided now, not at the step's end (the next step's first call): a re-plan then
-        # applies from the next model call on (the step after next, otherwise).
-        self._check_dropped_outputs(self._step[at][0], frozenset(dead), frozenset(held))
+        # Decided at the end of this backward call, with its incoming gradients: not at the
+        # step's end (the next step's first call), so a re-plan applies from the next model
+        # call on (the step after next, otherwise).
+        self._step_dropped = (self._step[at][0], frozenset(dead), frozenset(held))
 
     def _on_cache(self, nbytes: int) -> None:
         # The forward call just recorded left the prefetch cache holding nbytes (its tail ran).
@@ -1727,53 +1761,81 @@ class MemCompiler:
         caller before the backward (as steps showed); empty: all held."""
         return self._dropped_outputs.get(record.identity.id, frozenset())
 
-    def _check_dropped_outputs(
-        self, index: int, dead: frozenset[int], held: frozenset[int]
+    def released_tangents_of(self, record: FragmentRecord) -> frozenset[str]:
+        """Names of ``record``'s incoming gradients its plan counts as freed after their last
+        reader (no one else held them, as steps showed); empty: all held to the end."""
+        return self._released_tangents.get(record.identity.id, frozenset())
+
+    def _check_observed(
+        self,
+        outputs: tuple[int, frozenset[int], frozenset[int]] | None,
+        tangents: tuple[int, frozenset[str], frozenset[str]] | None,
     ) -> None:
-        # F{index}'s output positions the caller had dropped when the backward began (dead),
-        # and those it still held. Plans count a fragment's user outputs as held by the caller
-        # through its backward; a loop that keeps only the loss has dropped the rest (the
-        # logits) by then. Once a step shows it, a plan the budget constrained (it recomputes,
-        # swaps, offloads or does not fit) is made again without them, which leaves it that
-        # much more room; a plan that assumed them dropped while a later step held them again
-        # is made again with them.
+        # What the step's first backward showed a plan assumes wrongly. ``outputs``: the last
+        # forward's fragment, its user-output positions the caller had dropped when the
+        # backward began, and those it still held; ``tangents``: the first backward's
+        # fragment, its incoming gradients (names) no one else held through it, and those
+        # someone did. Plans count user outputs as held by the caller through the backward (a
+        # loop that keeps only the loss has dropped the logits by then) and incoming gradients
+        # as held to its end (only the loss's is, by the engine's root: AOTAutograd's zeros for
+        # an output that got no gradient die at their last reader). A plan the budget
+        # constrained (it recomputes, swaps, offloads or does not fit) is made again without
+        # what is not held, which leaves it that much more room; a plan that assumed something
+        # not held that a later step holds again is made again with it.
         budget = self.config.budget
         if budget is None:
             return
-        record = next((r for r in self.records() if r.index == index), None)
-        if record is None or record.plan is None or record.profile is None:
-            return
-        plan, key = record.plan, record.identity.id
-        assumed = self._dropped_outputs.get(key, frozenset())
-        again = assumed & held
-        if again:
-            wanted = assumed - held
-        else:
-            constrained = plan.recomputed or plan.swapped or plan.host_params or not plan.feasible
-            if not (dead - assumed) or not constrained:
-                return
-            wanted = assumed | dead
-        if self._code_of(index) is None or self._replan_counts.get(index, 0) >= MAX_REPLANS:
-            if again and key not in self._dropped_warned:
-                self._dropped_warned.add(key)
-                self.over_budget = True
-                warnings.warn(
-                    f"memcompile: {record.name}'s plan assumed the caller drops some of its "
-                    "outputs before the backward (as earlier steps did), but this step held "
-                    f"them: the step may exceed budget={format_bytes(budget)} by their size, "
-                    "and the fragment was re-planned too often to plan again",
-                    MemoryBudgetWarning,
-                    stacklevel=3,
-                )
-            return
-        self._dropped_outputs[key] = wanted
-        log.info(
-            "memcompile: %s: the caller %s output(s) %s before the backward; re-planning it",
-            record.name,
-            "holds" if again else "drops",
-            sorted(again or dead - assumed),
+        records = {r.index: r for r in self.records()}
+        chosen: dict[int, int | None] = {}
+        findings = (
+            (outputs, self._dropped_outputs, "output(s)"),
+            (tangents, self._released_tangents, "incoming gradient(s)"),
         )
-        self._request_replan({index: None}, {r.index: r for r in self.records()}, {})
+        for found, table, what in findings:
+            if found is None:
+                continue
+            index, free, held = found
+            record = records.get(index)
+            if record is None or record.plan is None or record.profile is None:
+                continue
+            plan, key = record.plan, record.identity.id
+            assumed: frozenset[Any] = table.get(key, frozenset())
+            again = assumed & held
+            if again:
+                wanted = assumed - held
+            else:
+                constrained = (
+                    plan.recomputed or plan.swapped or plan.host_params or not plan.feasible
+                )
+                if not (free - assumed) or not constrained:
+                    continue
+                wanted = assumed | free
+            if index not in chosen and (
+                self._code_of(index) is None or self._replan_counts.get(index, 0) >= MAX_REPLANS
+            ):
+                if again and key not in self._dropped_warned:
+                    self._dropped_warned.add(key)
+                    self.over_budget = True
+                    warnings.warn(
+                        f"memcompile: {record.name}'s plan assumed some of its {what} are not "
+                        "held through its backward (as earlier steps showed), but this step "
+                        f"held them: the step may exceed budget={format_bytes(budget)} by "
+                        "their size, and the fragment was re-planned too often to plan again",
+                        MemoryBudgetWarning,
+                        stacklevel=3,
+                    )
+                continue
+            table[key] = wanted
+            chosen[index] = None
+            log.info(
+                "memcompile: %s: %s %s %s through the backward; re-planning it",
+                record.name,
+                what,
+                sorted(again or free - assumed),
+                "held again" if again else "not held",
+            )
+        if chosen:
+            self._request_replan(chosen, records, {})
 
     def _check_param_grad_order(self) -> None:
         # A parameter a fragment reads several times gets the reads' contributions summed in

@@ -100,10 +100,15 @@ class FragmentProfile:
             caller still holds them (a training loop that keeps only the loss drops the
             logits), and the step's replay counts only those it does.
         tangent_storages: ``(position, storage ids)`` of each incoming gradient among the
-            backward's inputs: ``backward.peak_bytes`` holds them all to the end; the step's
-            first backward holds only those someone else holds too (the engine's root holds the
-            loss's; AOTAutograd's zeros for outputs that got no gradient die at their last
-            reader), see :meth:`backward_peak_holding`.
+            backward's inputs. ``backward.peak_bytes`` holds them to the end but for the
+            ``released`` ones (freed after their last reader); the step's first backward holds
+            only those someone else holds too (the engine's root holds the loss's;
+            AOTAutograd's zeros for outputs that got no gradient die at their last reader), see
+            :meth:`backward_peak_holding`.
+        tangent_names: the backward graph's placeholder name of each of those
+            (``tangents_1``, ...: the joint graph's names too).
+        released: positions of the incoming gradients profiled as freed after their last
+            reader (``profile_fragment``'s ``released_tangents``).
     """
 
     forward: GraphProfile
@@ -123,6 +128,8 @@ class FragmentProfile:
     backward_handed_peak: int | None = None
     held_output_positions: tuple[int, ...] = ()
     tangent_storages: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    tangent_names: tuple[str, ...] = ()
+    released: tuple[int, ...] = ()
 
     @property
     def training(self) -> bool:
@@ -149,9 +156,23 @@ class FragmentProfile:
         input positions ``held`` held to the end, the others freed after their last reader."""
         if self.backward is None:
             raise ValueError("an inference fragment has no backward")
+        released = set(self.released)
         keep = {s for pos, sids in self.tangent_storages if pos in held for s in sids}
-        free = {s for pos, sids in self.tangent_storages if pos not in held for s in sids}
-        return _handed_peak(self.backward, free - keep)
+        free = {
+            s
+            for pos, sids in self.tangent_storages
+            if pos not in held and pos not in released
+            for s in sids
+        }
+        # One profiled as freed early but held now: its bytes on top (an upper bound).
+        again = {
+            s
+            for pos, sids in self.tangent_storages
+            if pos in held and pos in released
+            for s in sids
+        }
+        extra = sum(st.nbytes for st in self.backward.storages if st.id in again)
+        return _handed_peak(self.backward, free - keep) + extra
 
     def step_peak(self) -> int:
         """Absolute device peak of a step whose only fragment is this one (grads start as None)."""
@@ -254,6 +275,7 @@ def profile_fragment(
     backward_workspace: Mapping[str, int] | None = None,
     clone_workspace: Callable[[torch.Tensor], int | None] | None = None,
     dropped_outputs: Collection[int] = (),
+    released_tangents: Collection[str] = (),
 ) -> FragmentProfile:
     """Profile a fragment's graphs as AOTAutograd hands them to the inner compiler.
 
@@ -271,6 +293,10 @@ def profile_fragment(
         dropped_outputs: positions among the forward's outputs of user outputs the caller
             drops before the backward: not in ``held_output_bytes`` (still listed in
             ``held_output_positions``, so a step that holds them again is seen).
+        released_tangents: names of incoming gradients (backward placeholders) no one else
+            holds through the backward (a step showed it: AOTAutograd's zeros for an output
+            that got no gradient), freed after their last reader; the others are held to the
+            end (the loss's, which the engine's root holds).
     """
     ids = StorageIds()
     placeholders = fw_gm.graph.find_nodes(op="placeholder")
@@ -304,10 +330,11 @@ def profile_fragment(
         if not set(ids.ids_of(p.meta.get("val"))) & (fw_out_ids | fw.persistent)
     ]
     bw_tangent_ids = {i: ids.ids_of(bw_placeholders[i].meta.get("val")) for i in tangents}
+    held_tangents = [i for i in tangents if bw_placeholders[i].name not in released_tangents]
     bw = profile_graph(
         bw_gm,
         kind="backward",
-        held_inputs=tangents,
+        held_inputs=held_tangents,
         persistent_storages=fw.persistent,
         ids=ids,
         workspace=backward_workspace,
@@ -420,7 +447,11 @@ def profile_fragment(
         saved_input_positions=saved_positions,
         saved_output_positions=shared_outputs,
         activation_grads=tuple(activation_grads),
-        backward_handed_peak=_handed_peak(bw, {s for i in tangents for s in bw_tangent_ids[i]}),
+        backward_handed_peak=_handed_peak(
+            bw, {s for i in held_tangents for s in bw_tangent_ids[i]}
+        ),
         held_output_positions=held_positions,
         tangent_storages=tuple((i, tuple(bw_tangent_ids[i])) for i in tangents),
+        tangent_names=tuple(bw_placeholders[i].name for i in tangents),
+        released=tuple(i for i in tangents if i not in held_tangents),
     )

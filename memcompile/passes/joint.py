@@ -128,6 +128,9 @@ class JointModel:
         dropped_outputs: positions among the forward's outputs of user outputs the caller
             drops before the backward (seen in a step: a loop keeping only the loss); the
             others are held from the forward's end through the backward.
+        released_tangents: names of incoming gradients (``tangents_k``) no one else holds
+            through the backward (a step showed it: AOTAutograd's zeros for an output that got
+            no gradient): freed after their last reader, the others held to the end.
     """
 
     def __init__(
@@ -140,6 +143,7 @@ class JointModel:
         workspace: Mapping[str, int] | None = None,
         clone_bytes: int = 0,
         dropped_outputs: Collection[int] = (),
+        released_tangents: Collection[str] = (),
     ) -> None:
         self.joint = joint
         self.num_fwd_outputs = num_fwd_outputs
@@ -224,6 +228,7 @@ class JointModel:
         # User-visible outputs (not new values of mutated inputs) are held by the caller, but
         # for those a step showed dropped before the backward (``dropped_outputs``).
         dropped = set(dropped_outputs)
+        self.released_tangents = frozenset(released_tangents)
         self.held_outputs = (
             frozenset(
                 s
@@ -541,11 +546,13 @@ class JointModel:
                 self, fw_order, lambda o: self._replay(o, (), fw_keep), fw_result
             )
         fw_peak, _, _, fw_live = fw_result
-        tangents = [i for i in bw_inputs if self.kind[i] == _TANGENT]
+        entering = [i for i in bw_inputs if self.kind[i] == _TANGENT]
+        # Held to the end: all but those no one else holds (they die after their last reader).
+        tangents = [i for i in entering if self.nodes[i].name not in self.released_tangents]
         held = self.held_outputs - used_saved
         held_bytes = sum(self.nbytes[s] for s in held)
         bw_entry = [s for s in used_saved if s not in swaps]
-        bw_entry += [s for i in tangents for s in self.storages[i]]
+        bw_entry += [s for i in entering for s in self.storages[i]]
         bw_keep = {s for i in self.bw_outputs for s in self.storages[i]}
         bw_result = self._replay(order, bw_entry, bw_keep, held_nodes=tangents, late=swaps.keys())
         if schedule:
