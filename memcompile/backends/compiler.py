@@ -1048,6 +1048,8 @@ class MemCompiler:
         self._step_dropped: tuple[int, frozenset[int], frozenset[int]] | None = None
         # Fragment identity -> incoming gradients (names) its plan assumes no one else holds.
         self._released_tangents: dict[str, frozenset[str]] = {}
+        # Fragment index -> re-plans made for what a first backward showed (_check_observed).
+        self._observed_replans: dict[int, int] = {}
         # Fragment identity -> output positions its plan assumes dropped before the backward.
         self._dropped_outputs: dict[str, frozenset[int]] = {}
         self._dropped_warned: set[str] = set()
@@ -1421,6 +1423,7 @@ class MemCompiler:
             self._dropped_warned.clear()
             self._step_dropped = None
             self._released_tangents.clear()
+            self._observed_replans.clear()
         for observer in self.block_observers:
             observer.reset()
         if self.prefetcher is not None:
@@ -1811,7 +1814,7 @@ class MemCompiler:
                     continue
                 wanted = assumed | free
             if index not in chosen and (
-                self._code_of(index) is None or self._replan_counts.get(index, 0) >= MAX_REPLANS
+                self._code_of(index) is None or self._observed_replans.get(index, 0) >= MAX_REPLANS
             ):
                 if again and key not in self._dropped_warned:
                     self._dropped_warned.add(key)
@@ -1835,7 +1838,9 @@ class MemCompiler:
                 "held again" if again else "not held",
             )
         if chosen:
-            self._request_replan(chosen, records, {})
+            # Counted apart from the budget's re-plans (``MAX_REPLANS`` each): these follow
+            # what the caller does, not the step's composition.
+            self._request_replan(chosen, records, {}, counts=self._observed_replans)
 
     def _check_param_grad_order(self) -> None:
         # A parameter a fragment reads several times gets the reads' contributions summed in
@@ -2174,11 +2179,14 @@ class MemCompiler:
         chosen: Mapping[int, int | None],
         records: Mapping[int, FragmentRecord],
         caps: Mapping[int, int | None],
+        *,
+        counts: dict[int, int] | None = None,
     ) -> None:
         """Drop the code of the fragments in ``chosen`` (index -> resident bytes to plan with,
         ``None``: as a new fragment; ``caps``: index -> saved-set cap) before the model's next
         call. Every fragment of a dropped code compiles again: those not chosen with the
-        resident bytes and cap their plan assumed (the same target)."""
+        resident bytes and cap their plan assumed (the same target). ``counts``: the re-plan
+        counter to add to (default: the budget re-plans', which also marks them re-planned)."""
         codes: dict[int, CodeType] = {}
         for i in chosen:
             code = self._code_of(i)
@@ -2192,8 +2200,11 @@ class MemCompiler:
             cap = r.plan.saved_cap if r.plan is not None else None
             if index in chosen:
                 resident, cap = chosen[index], caps.get(index, cap)
-                self._replan_counts[index] = self._replan_counts.get(index, 0) + 1
-                self._replanned.add(index)
+                if counts is None:
+                    self._replan_counts[index] = self._replan_counts.get(index, 0) + 1
+                    self._replanned.add(index)
+                else:
+                    counts[index] = counts.get(index, 0) + 1
             elif r.plan is not None:
                 resident = r.plan.resident_bytes - self._reserves.get(index, 0)
             else:
