@@ -1755,6 +1755,7 @@ class MemCompiler:
         self._step_trains = False
         self._open_blocks.clear()
         self._held_refs = (-1, [])
+        self._step_dropped = None
         self._check_measured_peak()
         self._check_step_budget()
         self._check_param_grad_order()
