@@ -113,9 +113,11 @@ class MemReport:
         replans: re-planning rounds of steps predicted over budget, in order (see
             ``memcompile.backends.replan``); the last round of a step that still does not fit
             has ``fits == False``.
-        summed_param_grads: ``"F{i}: source"`` of each parameter a fragment reads several times
-            whose summed gradient a step added after another call's contribution: not eager's
-            order (``GradientOrderWarning``; ``split_param_reads=True`` splits them).
+        summed_grads: ``"F{i}: source"`` of each input whose several contributions a
+            fragment's backward graph sums (a parameter read several times; an input an op
+            reads through several edges) after another call of the step added to its
+            gradient: not eager's order (``GradientOrderWarning``; ``split_param_reads=True``
+            splits the parameters).
         dropped_outputs: ``"F{i}: outputs [j, ...]"`` of each fragment whose plan counts those
             forward outputs as dropped by the caller before the backward, as steps showed (a
             loop that keeps only the loss); the rest of its outputs count as held.
@@ -139,7 +141,7 @@ class MemReport:
     recompile_limit_raised: tuple[int, int] | None = None
     replans: tuple[Replan, ...] = ()
     measured_peak: int | None = None
-    summed_param_grads: tuple[str, ...] = ()
+    summed_grads: tuple[str, ...] = ()
     dropped_outputs: tuple[str, ...] = ()
     released_tangents: tuple[str, ...] = ()
 
@@ -184,7 +186,7 @@ class MemReport:
             ),
             "pilot": self.pilot.to_dict() if self.pilot is not None else None,
             "replans": [asdict(r) for r in self.replans],
-            "summed_param_grads": list(self.summed_param_grads),
+            "summed_grads": list(self.summed_grads),
             "dropped_outputs": list(self.dropped_outputs),
             "released_tangents": list(self.released_tangents),
         }
@@ -242,8 +244,8 @@ class MemReport:
             lines.append(f"  planned as dropped before the backward: {name}")
         for name in self.released_tangents:
             lines.append(f"  incoming gradients planned as freed early: {name}")
-        for name in self.summed_param_grads:
-            lines.append(f"  gradient summed out of eager's order: {name} (split_param_reads)")
+        for name in self.summed_grads:
+            lines.append(f"  gradient summed out of eager's order: {name}")
         for fb in self.fallbacks:
             lines.append(f"  EAGER {fb.code}: {fb.kind}: {fb.reason}")
         return "\n".join(lines)
@@ -394,7 +396,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
         recompile_limit_raised=compiler.recompile_limit_raised,
         replans=tuple(compiler.replans),
         measured_peak=compiler.peak_watch.measured if compiler.peak_watch is not None else None,
-        summed_param_grads=tuple(compiler.summed_param_grads),
+        summed_grads=tuple(compiler.summed_grads),
         dropped_outputs=tuple(
             f"{r.name}: outputs {sorted(compiler.dropped_outputs_of(r))}"
             for r in compiler.records()

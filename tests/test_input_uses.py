@@ -85,6 +85,35 @@ def test_an_op_with_two_edges_into_one_input_leaves_it_whole() -> None:
     _matches_eager(_norm_and_residual, x)
 
 
+def _norm_read_by_two(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    h = x.sin()
+    torch._dynamo.graph_break()
+    y = torch.rms_norm(h, (h.shape[-1],)) * 3 + h
+    torch._dynamo.graph_break()
+    return y + h * c  # this fragment's backward adds to h's gradient first
+
+
+def test_several_edges_summed_after_another_contribution_are_warned_about() -> None:
+    # The middle fragment sums rms_norm's two edges and the residual's into h in its graph;
+    # the last fragment's backward added to h before it: not eager's order, and no split
+    # can fix it. Without that earlier contribution (the test above) nothing is said.
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    c = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    compiled = memcompile.compile(_norm_read_by_two)
+    with pytest.warns(memcompile.GradientOrderWarning, match="an op reads through several"):
+        for _ in range(2):
+            _x_grad(compiled, x, c)
+    (name,) = memcompile.report(compiled).summed_grads
+    assert name.startswith("F1: ")
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memcompile.GradientOrderWarning)
+        compiled = memcompile.compile(_norm_and_residual)
+        for _ in range(2):
+            _x_grad(compiled, x)
+
+
 def _hand_norm_between_breaks(x: torch.Tensor) -> torch.Tensor:
     h = x.sin()
     torch._dynamo.graph_break()
@@ -148,9 +177,9 @@ def test_a_parameter_summed_after_another_calls_contribution_is_warned_about() -
     assert len([w for w in seen if w.category is memcompile.GradientOrderWarning]) == 1
     rep = memcompile.report(compiled)
     # F1's backward runs first: its in-graph sum is eager's first addition, so F1 is exact.
-    assert len(rep.summed_param_grads) == 1 and rep.summed_param_grads[0].startswith("F0: ")
-    assert "split_param_reads" in str(rep)
-    assert rep.to_dict()["summed_param_grads"] == list(rep.summed_param_grads)
+    assert len(rep.summed_grads) == 1 and rep.summed_grads[0].startswith("F0: ")
+    assert "gradient summed out of eager's order: F0: w" in str(rep)
+    assert rep.to_dict()["summed_grads"] == list(rep.summed_grads)
     torch._dynamo.reset()
     model = _SharedWeight()
     a, b, c = (torch.full((N,), TINY) for _ in range(3))
@@ -163,7 +192,7 @@ def test_split_param_reads_adds_a_parameters_reads_up_in_eager_order() -> None:
         warnings.simplefilter("error", memcompile.GradientOrderWarning)
         eager, got, compiled, _ = _shared_weight_grads(split_param_reads=True)
     assert torch.equal(got, eager)
-    assert memcompile.report(compiled).summed_param_grads == ()
+    assert memcompile.report(compiled).summed_grads == ()
 
 
 class _TwiceRead(nn.Module):
@@ -233,7 +262,7 @@ def test_a_recurrence_summing_its_weight_in_one_call_is_exact_and_not_warned() -
             wl.model.zero_grad(set_to_none=True)
             compiled(*batch).backward()
     comp, _ = find_compiler(compiled)
-    assert any(r.summed_params for r in comp.records())  # there are summed weights
+    assert any(r.summed_inputs for r in comp.records())  # there are summed weights
     for (name, p), q in zip(wl.model.named_parameters(), ref.model.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
 

@@ -292,9 +292,9 @@ class _FragmentBuild:
         #: (one placeholder per read, passes/input_uses.py). An alias of a host-placed
         #: parameter is fetched like it; only the parameter itself moves to the host tier.
         self.alias_sources: dict[int, int] = {}
-        #: Positions of parameters several reads add a gradient to, summed in the backward
-        #: graph (not split): ``MemCompiler._check_param_grad_order`` watches them.
-        self.summed_params: tuple[int, ...] = ()
+        #: Positions of inputs whose several contributions the backward graph sums (parameters
+        #: not split, several-edge reads): ``MemCompiler._check_grad_order`` watches them.
+        self.summed_inputs: tuple[int, ...] = ()
         # block key -> parameter storages (address -> bytes) of the calls with that key
         self.blocks: dict[int, dict[int, int]] = {}
         # block key -> storage address of each parameter/buffer input, by position
@@ -1058,9 +1058,9 @@ class MemCompiler:
         self._open_blocks: dict[int, list[tuple[int, SizeKey]]] = {}
         self._checked_steps: set[tuple[Any, ...]] = set()
         self._order_checked_steps: set[tuple[StepEvent, ...]] = set()
-        #: ``F{i}: source`` of each parameter whose gradient a step added up in another order
-        #: than eager (summed in a fragment's backward after another call added to it).
-        self.summed_param_grads: list[str] = []
+        #: ``F{i}: source`` of each input whose gradient a step added up in another order than
+        #: eager (summed in a fragment's backward after another call added to it).
+        self.summed_grads: list[str] = []
         self.over_budget = False
         #: CUDA with a budget: each step's measured peak against it (runtime/peakwatch.py).
         self.peak_watch: PeakWatch | None = None
@@ -1281,7 +1281,7 @@ class MemCompiler:
         compile_inputs = split.compile_inputs(example_inputs)
         build = _FragmentBuild(self, index, split.expand(example_inputs))
         build.alias_sources = split.aliases(len(example_inputs))
-        build.summed_params = split.summed
+        build.summed_inputs = split.summed
         build.dropped_outputs = self._dropped_outputs.get(identity.id, frozenset())
         build.released_tangents = self._released_tangents.get(identity.id, frozenset())
         if (
@@ -1369,7 +1369,7 @@ class MemCompiler:
             blocks=build.blocks,
             block_inputs=build.block_inputs,
             profile_at=build.profile_at if build.size_slots else None,
-            summed_params=build.summed_params,
+            summed_inputs=build.summed_inputs,
         )
         return compiled, record
 
@@ -1417,7 +1417,7 @@ class MemCompiler:
             self._pending_codes.clear()
             self._warned_steps.clear()
             self._order_checked_steps.clear()
-            self.summed_param_grads.clear()
+            self.summed_grads.clear()
             self._held_refs = (-1, [])
             self._dropped_outputs.clear()
             self._dropped_warned.clear()
@@ -1758,7 +1758,7 @@ class MemCompiler:
         self._step_dropped = None
         self._check_measured_peak()
         self._check_step_budget()
-        self._check_param_grad_order()
+        self._check_grad_order()
 
     def dropped_outputs_of(self, record: FragmentRecord) -> frozenset[int]:
         """Positions among ``record``'s forward outputs its plan counts as dropped by the
@@ -1843,15 +1843,18 @@ class MemCompiler:
             # what the caller does, not the step's composition.
             self._request_replan(chosen, records, {}, counts=self._observed_replans)
 
-    def _check_param_grad_order(self) -> None:
-        # A parameter a fragment reads several times gets the reads' contributions summed in
-        # its backward graph (not split: passes/input_uses.py). Eager adds them one at a time
-        # to what earlier backward calls gave the same gradient, so where an earlier call of
-        # the step added to it first the association (and the last bits) differ. Once per new
-        # step composition (its calls and parameter sets); warned once per fragment parameter.
-        # Only fragment calls are seen: a frame Dynamo runs eagerly that adds to the same
-        # gradient first is not (it is warned about as an eager frame already).
-        records = {r.index: r for r in self.records() if r.summed_params}
+    def _check_grad_order(self) -> None:
+        # An input whose several contributions a fragment's backward graph sums (a parameter
+        # read several times, not split; an input an op reads through several autograd edges,
+        # torch.rms_norm: passes/input_uses.py): eager adds them one at a time to what earlier
+        # backward calls gave the same gradient, so where an earlier call of the step added to
+        # it first the association (and the last bits) differ. Inputs by storage: parameters
+        # by their call's parameter set, activations by the addresses their forward call saw
+        # (an activation's address could be reused within the step: then this warns when it
+        # need not). Once per new step composition; warned once per fragment input. Only
+        # fragment calls are seen: a frame Dynamo runs eagerly that adds to the same gradient
+        # first is not (it is warned about as an eager frame already).
+        records = {r.index: r for r in self.records() if r.summed_inputs}
         step = self.last_step
         if not records or step in self._order_checked_steps:
             return
@@ -1859,37 +1862,56 @@ class MemCompiler:
             self._order_checked_steps.clear()
         self._order_checked_steps.add(step)
         everyone = {r.index: r for r in self.records()}
-        added: set[int] = set()  # parameter storages some backward call added to so far
-        for index, kind, block in step:
+        storages = self.last_step_storages
+        opened: dict[int, list[Mapping[int, int]]] = {}  # fragment -> its open forwards' grads
+        added: set[int] = set()  # storages some backward call added a gradient to so far
+        for k, (index, kind, block) in enumerate(step):
+            if kind == "forward":
+                grads = storages[k].grad_inputs if k < len(storages) else {}
+                opened.setdefault(index, []).append(grads)
             if kind != "backward" or index not in everyone:
                 continue
-            inputs = everyone[index].block_inputs.get(block, {})
+            stack = opened.get(index)
+            inputs = dict(stack.pop() if stack else {})  # activations, then parameters
+            inputs.update(everyone[index].block_inputs.get(block, {}))
             record = records.get(index)
-            if record is None:
-                added.update(inputs.values())
-                continue
-            for pos in record.summed_params:
-                address = inputs.get(pos)
-                if address is None or address not in added:
-                    continue
-                sources = record.identity.sources
-                source = parameter_name(sources[pos]) if pos < len(sources) else f"input {pos}"
-                name = f"{record.name}: {source}"
-                if name in self.summed_param_grads:
-                    continue
-                self.summed_param_grads.append(name)
-                warnings.warn(
-                    f"memcompile: {record.name} reads parameter {source} "
-                    "several times and sums those gradient contributions in its backward "
-                    "graph, after another backward call of the step already added to its "
-                    "gradient: eager adds them one at a time, so this gradient may differ from "
-                    "eager's in the last bits (as torch.compile's aot_eager does). "
-                    "options={'split_param_reads': True} adds them in eager's order, at the "
-                    "memory cost of one gradient per read at the end of the fragment's backward",
-                    GradientOrderWarning,
-                    stacklevel=2,
-                )
+            if record is not None:
+                for pos in record.summed_inputs:
+                    address = inputs.get(pos)
+                    if address is not None and address in added:
+                        self._warn_grad_order(record, pos)
             added.update(inputs.values())
+
+    def _warn_grad_order(self, record: FragmentRecord, pos: int) -> None:
+        sources = record.identity.sources
+        source = parameter_name(sources[pos]) if pos < len(sources) else f"input {pos}"
+        name = f"{record.name}: {source}"
+        if name in self.summed_grads:
+            return
+        self.summed_grads.append(name)
+        if pos in record.static_inputs:
+            what = (
+                f"reads parameter {source} several times and sums those gradient "
+                "contributions in its backward graph"
+            )
+            fix = (
+                "options={'split_param_reads': True} adds them in eager's order, at the "
+                "memory cost of one gradient per read at the end of the fragment's backward"
+            )
+        else:
+            what = (
+                f"sums the gradient contributions of its input {source}, which an op reads "
+                "through several autograd edges (torch.rms_norm), in its backward graph"
+            )
+            fix = "no option splits such reads"
+        warnings.warn(
+            f"memcompile: {record.name} {what}, after another backward call of the step "
+            "already added to its gradient: eager adds them one at a time, so this gradient "
+            "may differ from eager's in the last bits (as torch.compile's aot_eager does); "
+            f"{fix}",
+            GradientOrderWarning,
+            stacklevel=3,
+        )
 
     def _check_measured_peak(self) -> None:
         # CUDA: what the allocator saw during the step that just ended (runtime/peakwatch.py).

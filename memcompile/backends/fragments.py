@@ -96,8 +96,9 @@ class FragmentRecord:
             position): which gradients the calls of different fragments share.
         profile_at: for a graph with dynamic sizes, its profile at one call's size-symbol values
             (``None`` when its sizes are static).
-        summed_params: positions of the parameters it reads several times whose gradient
-            contributions its backward graph sums (not split).
+        summed_inputs: positions of the inputs whose several gradient contributions its
+            backward graph sums: parameters read several times (not split), inputs an op
+            reads through several autograd edges.
     """
 
     index: int
@@ -118,9 +119,9 @@ class FragmentRecord:
     profile_at: Callable[[tuple[int, ...]], FragmentProfile | None] | None = field(
         default=None, compare=False, repr=False
     )
-    #: Positions of parameters several of its reads add a gradient to, summed in its backward
-    #: graph (``InputSplit.summed``, passes/input_uses.py).
-    summed_params: tuple[int, ...] = ()
+    #: Positions of inputs whose several contributions its backward graph sums
+    #: (``InputSplit.summed``, passes/input_uses.py).
+    summed_inputs: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:

@@ -41,11 +41,12 @@ to the same gradient first; then as ``aot_eager``):
   fragment called again later in the step, or another fragment reading the weight), which is
   known once a step has run, not when the fragment compiles: the parameters left summed are
   ``InputSplit.summed``, and the compiler warns after a step where one of them got an earlier
-  contribution (``MemCompiler._check_param_grad_order``);
+  contribution (``MemCompiler._check_grad_order``);
 * inputs the fragment mutates (aliased mutated inputs take AOTAutograd's synthetic-base path);
 * inputs one op reads through several autograd edges from one argument (``torch.rms_norm`` is
   ``x * rsqrt(x.pow(2).mean())``): no placeholder split reproduces eager's order there, and
-  splitting the other reads would break what is exact today (nothing else adds first).
+  splitting the other reads would break what is exact today (nothing else adds first). They
+  are in ``InputSplit.summed`` too, and warned about the same way.
 
 Reads that add nothing (``h.size()``, ``h.detach()``) keep ``h``.
 """
@@ -90,8 +91,9 @@ _MUTATING = frozenset(
 class InputSplit:
     """The fragment's extra placeholders: ``sources[k]`` is the position of the input whose alias
     feeds placeholder ``n + k`` (``n`` = the Dynamo graph's inputs); ``summed``: positions of
-    the parameters several reads add a gradient to that were not split (their contributions
-    are summed in the backward graph)."""
+    the inputs whose several contributions the backward graph sums: parameters several reads
+    add a gradient to that were not split, and inputs an op reads through several autograd
+    edges (``rms_norm``)."""
 
     sources: tuple[int, ...] = ()
     summed: tuple[int, ...] = ()
@@ -143,6 +145,11 @@ def _is_param(ph: fx.Node, example: object) -> bool:
 
 class _Unknown(Exception):
     """A value the fake run cannot stand in for (an unbacked size, a module call)."""
+
+
+class _SeveralEdges(_Unknown):
+    """An op reads the input through several autograd edges from one argument slot: its
+    contributions are summed in the backward graph, whatever the split."""
 
 
 def _hint(v: object) -> object:
@@ -246,11 +253,12 @@ class _Facts(NamedTuple):
     mode: FakeTensorMode
 
 
-def _arrivals(facts: _Facts, ph: fx.Node) -> list[Read] | None:
+def _arrivals(facts: _Facts, ph: fx.Node) -> tuple[list[Read] | None, bool]:
     """Each read of ``ph`` that adds to its gradient, in the order eager adds them (the newest
     autograd node first, one node's edges in order); ``None`` when an op reads ``ph`` through
     several edges from one slot (a composite op: ``rms_norm``), mutates it, or cannot be run on
-    fake tensors, as then no split reproduces eager's order."""
+    fake tensors, as then no split reproduces eager's order. The flag: it was several edges
+    (the backward graph then sums them)."""
     order, returned = facts.order, facts.returned
     found: list[tuple[int, int, int, Read]] = []
 
@@ -276,16 +284,16 @@ def _arrivals(facts: _Facts, ph: fx.Node) -> list[Read] | None:
             edges = run.edges
             slots = [slot for _, _, slot in edges]
             if len(slots) != len(set(slots)):
-                raise _Unknown(f"{user.name} reads it through several edges")
+                raise _SeveralEdges(f"{user.name} reads it through several edges")
             found.extend((order[user], seq, i, (*path, (user, slot))) for seq, i, slot in edges)
 
     try:
         visit(ph, ())
     except Exception as e:  # any op: a split is only ever an option
         log.debug("%s not split: %s", ph.name, e)
-        return None
+        return None, isinstance(e, _SeveralEdges)
     found.sort(key=lambda f: (-f[0], -f[1], f[2]))
-    return [read for *_, read in found]
+    return [read for *_, read in found], False
 
 
 def _flat_args(node: fx.Node) -> list[fx.Node]:
@@ -346,7 +354,9 @@ def split_inputs_pass(
         example = example_inputs[pos] if pos < len(example_inputs) else None
         if not isinstance(example, torch.Tensor) or not example.requires_grad:
             continue
-        arrival = _arrivals(facts, ph)
+        arrival, several = _arrivals(facts, ph)
+        if several:  # summed in the graph, split or not
+            summed.append(pos)
         if arrival is None or len(arrival) < 2:
             continue
         if _is_param(ph, example) and not params:
