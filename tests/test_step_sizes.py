@@ -474,4 +474,11 @@ def test_zeros_for_an_output_without_a_gradient_die_at_their_last_reader() -> No
     (released,) = rep.released_tangents
     assert released.startswith("F0: ['tangents_") and released.count("tangents_") == 1
     assert record.profile.released and "incoming gradients planned as freed early" in str(rep)
+    # Profiled with the zeros freed early: holding only the loss's is that profile; holding
+    # them all again (a later step) adds their bytes on top, an upper bound.
+    prof = record.profile
+    assert prof.backward is not None
+    assert prof.backward_peak_holding(held) == prof.backward.peak_bytes
+    everything = {pos for pos, _ in prof.tangent_storages}
+    assert prof.backward_peak_holding(everything) == prof.backward.peak_bytes + 256 * 512 * 4
     assert rep.dropped_outputs == ("F0: outputs [1]",)
