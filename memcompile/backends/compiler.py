@@ -1699,7 +1699,10 @@ class MemCompiler:
         if self._step_storages and self._step and self._step[-1][1] == "backward":
             self._step_storages[-1] = self._step_storages[-1]._replace(tangents=held)
         outputs, self._step_dropped = self._step_dropped, None
-        record = next((r for r in self.records() if r.index == index), None)
+        if self.config.budget is None:  # nothing to re-plan: the replay reads the above
+            return
+        records = {r.index: r for r in self.records()}
+        record = records.get(index)
         tangents: tuple[int, frozenset[str], frozenset[str]] | None = None
         if record is not None and record.profile is not None:
             prof = record.profile
@@ -1710,7 +1713,7 @@ class MemCompiler:
                 frozenset(n for p, n in names.items() if p not in held),
                 frozenset(n for p, n in names.items() if p in held),
             )
-        self._check_observed(outputs, tangents)
+        self._check_observed(outputs, tangents, records)
 
     def _check_held_outputs(self) -> None:
         # The step's first backward: how much of its last forward's held outputs the caller
@@ -1774,6 +1777,7 @@ class MemCompiler:
         self,
         outputs: tuple[int, frozenset[int], frozenset[int]] | None,
         tangents: tuple[int, frozenset[str], frozenset[str]] | None,
+        records: Mapping[int, FragmentRecord],
     ) -> None:
         # What the step's first backward showed a plan assumes wrongly. ``outputs``: the last
         # forward's fragment, its user-output positions the caller had dropped when the
@@ -1787,9 +1791,7 @@ class MemCompiler:
         # what is not held, which leaves it that much more room; a plan that assumed something
         # not held that a later step holds again is made again with it.
         budget = self.config.budget
-        if budget is None:
-            return
-        records = {r.index: r for r in self.records()}
+        assert budget is not None, "called with a budget only"
         chosen: dict[int, int | None] = {}
         findings = (
             (outputs, self._dropped_outputs, "output(s)"),
@@ -1854,14 +1856,14 @@ class MemCompiler:
         # need not). Once per new step composition; warned once per fragment input. Only
         # fragment calls are seen: a frame Dynamo runs eagerly that adds to the same gradient
         # first is not (it is warned about as an eager frame already).
-        records = {r.index: r for r in self.records() if r.summed_inputs}
+        everyone = {r.index: r for r in self.records()}
+        records = {i: r for i, r in everyone.items() if r.summed_inputs}
         step = self.last_step
         if not records or step in self._order_checked_steps:
             return
         if len(self._order_checked_steps) >= _MAX_CHECKED_STEPS:
             self._order_checked_steps.clear()
         self._order_checked_steps.add(step)
-        everyone = {r.index: r for r in self.records()}
         storages = self.last_step_storages
         opened: dict[int, list[Mapping[int, int]]] = {}  # fragment -> its open forwards' grads
         added: set[int] = set()  # storages some backward call added a gradient to so far
