@@ -70,6 +70,30 @@ def test_one_ops_contributions_keep_argument_order() -> None:
     assert torch.equal(_matches_eager(_one_op_twice, x, t, c), torch.ones(8))
 
 
+def _mutates_between_breaks(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor
+) -> torch.Tensor:
+    h = x * 1
+    z = h * c  # an older reader of h: its contribution is added last
+    torch._dynamo.graph_break()
+    y = h * a + h * b  # read twice before the mutation: summed in the backward graph
+    h.mul_(1)  # the newest op on h: eager adds its contribution (1) first
+    y = y + h
+    torch._dynamo.graph_break()
+    return y + z
+
+
+def test_a_mutated_inputs_summed_reads_add_in_eager_order() -> None:
+    # eager: ((1 + tiny) + tiny) + tiny = 1; the fragment's two reads summed first would give
+    # 1 + 2 tiny. A mutated input is not split: nothing newer than the fragment reads the
+    # value before the mutation, so no contribution comes before the fragment's own.
+    x = torch.ones(8)
+    a, b, c = (torch.full((8,), TINY) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memcompile.GradientOrderWarning)
+        assert torch.equal(_matches_eager(_mutates_between_breaks, x, a, b, c), torch.ones(8))
+
+
 def _norm_and_residual(x: torch.Tensor) -> torch.Tensor:
     h = x.sin()
     torch._dynamo.graph_break()

@@ -42,7 +42,13 @@ to the same gradient first; then as ``aot_eager``):
   known once a step has run, not when the fragment compiles: the parameters left summed are
   ``InputSplit.summed``, and the compiler warns after a step where one of them got an earlier
   contribution (``MemCompiler._check_grad_order``);
-* inputs the fragment mutates (aliased mutated inputs take AOTAutograd's synthetic-base path);
+* inputs the fragment mutates (aliased mutated inputs take AOTAutograd's synthetic-base path).
+  Nothing can add to such an input's gradient before the fragment's backward does: every op
+  newer than the fragment reads the mutated value, whose gradient reaches the fragment's
+  backward as an incoming gradient, and the version before the mutation is read only by older
+  ops, whose backward runs later. The backward graph adds the fragment's own contributions in
+  the order AOTAutograd's trace of autograd added them, eager's (tested with values whose sum
+  shows the order);
 * inputs one op reads through several autograd edges from one argument (``torch.rms_norm`` is
   ``x * rsqrt(x.pow(2).mean())``): no placeholder split reproduces eager's order there, and
   splitting the other reads would break what is exact today (nothing else adds first). They
