@@ -71,6 +71,7 @@ from memcompile.passes.fragment import FragmentProfile, accumulate_clone_bytes, 
 from memcompile.passes.inplace import in_place_pass
 from memcompile.passes.input_uses import InputSplit, split_inputs_pass
 from memcompile.passes.joint import JointModel
+from memcompile.passes.losshead import CHUNKS as LOSS_HEAD_CHUNKS
 from memcompile.passes.losshead import loss_head_pass
 from memcompile.passes.params import param_fetch_pass
 from memcompile.passes.partition import partition_pass
@@ -409,8 +410,10 @@ class _FragmentBuild:
         config, compiler = self.compiler.config, self.compiler
         ctx = PassContext(fragment=f"F{self.index}", graph="joint")
         if LOSS_HEAD_IN_PLACE:
-            # Costs no time (the same kernels, a block of rows at a time): always.
-            joint = loss_head_pass(joint, ctx)
+            # The same kernels in place: always. Without a budget in one block (no time on top
+            # of eager's); under one, in blocks of rows (less scratch, a few calls more).
+            chunks = 1 if config.budget is None else LOSS_HEAD_CHUNKS
+            joint = loss_head_pass(joint, ctx, max_chunks=chunks)
         if ELEMENTWISE_IN_PLACE and config.inner == "eager":
             joint = in_place_pass(joint, ctx)  # the same kernels, writing into dying gradients
         # Host placement needs the joint graph's primals to be the fragment's inputs, in order

@@ -6,7 +6,7 @@ log-softmax, the NLL gradient and the logits' gradient together in the backward:
 
     joint graph before                               after
       logits = view(mm(h, w_t), [N, V])                logits = view(mm(h, w_t), [N, V])
-      lsm = _log_softmax(logits, 1, False)   # +NxV    lsm = memcompile.log_softmax_(logits, 1, 16)
+      lsm = _log_softmax(logits, 1, False)   # +NxV    lsm = memcompile.log_softmax_(logits, 1)
       loss, tw = nll_loss_forward(lsm, t, w, r, ii)    loss, tw = nll_loss_forward(lsm, ...)
       ...                                              ...
       g = nll_loss_backward(go, lsm, t, w, r, ii, tw)  # +NxV
@@ -17,8 +17,12 @@ log-softmax, the NLL gradient and the logits' gradient together in the backward:
 
 so one ``N x V`` buffer serves the whole head (GPT bench size: 48 MiB of eager's 196 MiB step
 peak become 16 MiB plus ``1/16`` of it as scratch). The ops (``runtime/losshead.py``) run the
-aten kernels a block of rows at a time; the values are bit-identical. The matmuls and the loss's
-reduction over rows are untouched (chunking them would change the order of a sum).
+aten kernels in place; the values are bit-identical. The forward needs no scratch; the backward
+makes the NLL gradient a block of rows at a time, ``chunks`` blocks. Each block costs a few
+kernel calls, so the count is the knob ``max_chunks`` (1 without a budget: the head then costs
+no time, and still holds one ``N x V`` buffer less in each direction than eager), lowered so a
+block is at least :data:`MIN_BLOCK_BYTES`. The matmuls and the loss's reduction over rows are
+untouched (chunking them would change the order of a sum).
 
 Where the rewrite applies, each half on its own:
 
@@ -52,15 +56,19 @@ from memcompile.passes.rebuild import rebuilt_module, refresh_view, storage_refs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CHUNKS", "LossHeadRewrite", "loss_head_pass"]
+__all__ = ["CHUNKS", "MIN_BLOCK_BYTES", "LossHeadRewrite", "loss_head_pass"]
 
 aten = torch.ops.aten
 _FORWARD = torch.ops.memcompile.log_softmax_.default
 _BACKWARD = torch.ops.memcompile.nll_log_softmax_backward_.default
 
-#: Blocks of rows per call: scratch is 1/CHUNKS of the head (2/CHUNKS in the backward), and
-#: the kernels run CHUNKS times (launches on a GPU: few enough not to matter next to the matmul).
+#: Most blocks of rows a backward head runs in (a budget's knob): its scratch is 1/CHUNKS of
+#: the head, and its kernels run CHUNKS times.
 CHUNKS = 16
+
+#: Fewest bytes in a block: below this the kernel calls' fixed cost (a few microseconds each,
+#: three per block) stops being small next to the block's own work.
+MIN_BLOCK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -153,17 +161,31 @@ def _backward_match(gm: fx.GraphModule, lsm: fx.Node) -> tuple[fx.Node, fx.Node]
     return g, gl
 
 
-def _workspace(val: torch.Tensor, *, backward: bool) -> int:
+def _chunks(val: torch.Tensor, max_chunks: int) -> int:
+    """Blocks for a backward head of ``val``'s size: at most ``max_chunks``, each at least
+    :data:`MIN_BLOCK_BYTES` (one block for a smaller head)."""
     rows, _ = sym_to_int(val.shape[0])
     cols, _ = sym_to_int(val.shape[1])
-    return kernels.workspace_bytes(rows, cols * val.element_size(), CHUNKS, backward=backward)
+    return max(1, min(max_chunks, rows, rows * cols * val.element_size() // MIN_BLOCK_BYTES))
 
 
-def loss_head_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+def _workspace(val: torch.Tensor, chunks: int) -> int:
+    rows, _ = sym_to_int(val.shape[0])
+    cols, _ = sym_to_int(val.shape[1])
+    return kernels.workspace_bytes(rows, cols * val.element_size(), chunks, backward=True)
+
+
+def loss_head_pass(
+    gm: fx.GraphModule, ctx: PassContext, *, max_chunks: int = CHUNKS
+) -> fx.GraphModule:
     """A copy of the joint graph ``gm`` with its cross-entropy heads computed in place (see the
     module docstring), or ``gm`` itself when there is none. ``gm`` is not changed; the copy
     shares the fake values of every node it keeps. The rewrites are in the result's
-    ``meta['memcompile_loss_heads']`` (a tuple of :class:`LossHeadRewrite`)."""
+    ``meta['memcompile_loss_heads']`` (a tuple of :class:`LossHeadRewrite`). ``max_chunks``:
+    the most blocks of rows a backward head runs in (fewer where a block would be smaller than
+    :data:`MIN_BLOCK_BYTES`)."""
+    if max_chunks < 1:
+        raise ValueError(f"loss_head_pass: max_chunks must be >= 1; got {max_chunks}")
     forward: set[fx.Node] = set()
     backward: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}  # lsm_bw -> (lsm, nll_bw)
     for n in gm.graph.nodes:
@@ -202,7 +224,7 @@ def loss_head_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             x = n.args[0]
             assert isinstance(x, fx.Node)
             val = env[x].meta["val"]
-            make(n, _FORWARD, (env[x], n.args[1], CHUNKS), val, _workspace(val, backward=False))
+            make(n, _FORWARD, (env[x], n.args[1]), val, 0)
             rewrites.setdefault(n, ["", ""])[0] = env[n].name
             continue
         if n in backward:
@@ -215,7 +237,8 @@ def loss_head_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 lambda a: env[a],
             )
             val = env[saved].meta["val"]
-            make(n, _BACKWARD, (*args, n.args[2], CHUNKS), val, _workspace(val, backward=True))
+            chunks = _chunks(val, max_chunks)
+            make(n, _BACKWARD, (*args, n.args[2], chunks), val, _workspace(val, chunks))
             rewrites.setdefault(lsm, ["", ""])[1] = env[n].name
             continue
         env[n] = new.node_copy(n, lambda a: env[a])

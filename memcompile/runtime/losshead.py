@@ -1,22 +1,26 @@
-"""In-place, row-chunked kernels for a classifier's loss head (log-softmax + NLL).
+"""In-place kernels for a classifier's loss head (log-softmax + NLL).
 
 Cross-entropy over a large vocabulary is the largest transient of a language model's step: for
 ``N`` tokens and ``V`` classes the logits, their log-softmax and, in the backward, the gradient
 of the NLL and of the log-softmax are ``N x V`` each. Eager holds two of them in the forward and
 three in the backward (GPT bench size: 16 MiB each, 48 MiB of a 196 MiB step peak). These ops
-compute the same values a block of rows at a time into the buffer the result replaces:
+compute the same values into the buffer the result replaces:
 
-    lsm = torch.ops.memcompile.log_softmax_(logits, dim, chunks)        # logits' memory
+    lsm = torch.ops.memcompile.log_softmax_(logits, dim)                 # logits' memory
     g   = torch.ops.memcompile.nll_log_softmax_backward_(
               lsm, grad_out, target, weight, reduction, ignore_index, total_weight, dim, chunks)
                                                                          # lsm's memory
 
-Bit-identity: every value is the aten kernel's own, run on a block of rows
-(``aten._log_softmax``, ``aten.nll_loss_backward``, ``aten._log_softmax_backward_data``): a
-row's result does not depend on the other rows, and the NLL gradient is ``-weight /
-total_weight`` at the target, with ``total_weight`` the forward's. The forward's loss reduction
-(a sum over all rows) is left to ``aten.nll_loss_forward`` as it was. Scratch: one block of rows
-in the forward, two in the backward (:func:`workspace_bytes`).
+Bit-identity: every value is the aten kernel's own (``aten._log_softmax``,
+``aten.nll_loss_backward``, ``aten._log_softmax_backward_data``), written through their ``out=``
+variants into the memory they read. Both row kernels read a row's element before they write it
+(the log-softmax reads the row for its maximum and sum first), so the result is the one a fresh
+buffer gets (``tests/test_losshead.py`` checks it bit for bit). The forward runs once over the
+whole tensor and needs no scratch. The backward runs ``chunks`` blocks of rows: each block's
+NLL gradient (``nll_loss_backward``'s ``N x V`` output, ``-weight / total_weight`` at the target,
+with ``total_weight`` the forward's) is one block of scratch. More blocks, less scratch, more
+kernel calls: the graph pass picks the count. The forward's loss reduction (a sum over all rows)
+is left to ``aten.nll_loss_forward`` as it was.
 
 The backward overwrites the saved log-softmax, which is safe only when the graph is not kept for
 another backward: under ``retain_graph=True`` it writes a new buffer instead, and warns once,
@@ -42,7 +46,7 @@ __all__ = ["log_softmax_", "nll_log_softmax_backward_", "row_block", "workspace_
 aten = torch.ops.aten
 
 _lib = torch.library.Library("memcompile", "FRAGMENT")
-_lib.define("log_softmax_(Tensor(a!) self, int dim, int chunks) -> Tensor(a!)")
+_lib.define("log_softmax_(Tensor(a!) self, int dim) -> Tensor(a!)")
 _lib.define(
     "nll_log_softmax_backward_(Tensor(a!) self, Tensor grad_output, Tensor target, "
     "Tensor? weight, int reduction, SymInt ignore_index, Tensor total_weight, int dim, "
@@ -58,9 +62,9 @@ def row_block(rows: int, chunks: int) -> int:
 
 
 def workspace_bytes(rows: int, row_bytes: int, chunks: int, *, backward: bool) -> int:
-    """Scratch of one call: one block of rows (forward), two (backward: the NLL gradient's and
-    the log-softmax gradient's)."""
-    return (2 if backward else 1) * row_block(rows, chunks) * row_bytes
+    """Scratch of one call: none in the forward (in place), one block of rows in the backward
+    (its NLL gradient)."""
+    return row_block(rows, chunks) * row_bytes if backward else 0
 
 
 def _rows(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -72,13 +76,10 @@ def _rows(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x
 
 
-def log_softmax_(x: torch.Tensor, dim: int, chunks: int) -> torch.Tensor:
-    """``x`` overwritten with ``aten._log_softmax(x, dim, False)``, a block of rows at a time."""
+def log_softmax_(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` overwritten with ``aten._log_softmax(x, dim, False)``."""
     rows = _rows(x, dim)
-    step = row_block(rows.shape[0], chunks)
-    for start in range(0, rows.shape[0], step):
-        block = rows[start : start + step]
-        block.copy_(aten._log_softmax(block, 1, False))
+    aten._log_softmax.out(rows, 1, False, out=rows)
     return x
 
 
@@ -119,7 +120,7 @@ def nll_log_softmax_backward_(
         g = aten.nll_loss_backward(
             grad_output, block, target[start:stop], weight, reduction, ignore_index, total_weight
         )
-        out[start:stop].copy_(aten._log_softmax_backward_data(g, block, 1, block.dtype))
+        aten._log_softmax_backward_data.out(g, block, 1, block.dtype, out=out[start:stop])
         del g
     return out
 
