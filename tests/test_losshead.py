@@ -4,6 +4,7 @@ peak drops by the buffers it no longer allocates."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -15,7 +16,9 @@ import memcompile
 import memcompile.backends.compiler as compiler_mod
 from memcompile import zoo
 from memcompile.passes.context import PassContext
-from memcompile.passes.losshead import loss_head_pass
+from memcompile.passes.costmodel import device_profile
+from memcompile.passes.losshead import loss_head_pass, min_block_bytes
+from memcompile.report import find_compiler
 
 from helpers import capture_module, train_under_budget
 
@@ -110,45 +113,56 @@ def test_pass_rewrites_both_halves_of_a_cross_entropy_head():
     assert aten.nll_loss_backward.default not in targets
     (rw,) = out.meta["memcompile_loss_heads"]
     assert rw.forward and rw.backward
-    # The new nodes state their scratch: none in the forward; the backward's NLL gradient, the
-    # whole 64 x 512 head in one block (smaller than MIN_BLOCK_BYTES).
+    # The new nodes state their scratch: none in the forward; in the backward one block of the
+    # NLL gradient, a 16th of the 64 x 512 head.
     ws = {n.name: n.meta.get("memcompile_workspace") for n in out.graph.nodes}
-    assert ws[rw.forward] == 0 and ws[rw.backward] == 64 * 512 * 4
+    assert ws[rw.forward] == 0 and ws[rw.backward] == 4 * 512 * 4
 
 
-def test_pass_runs_the_backward_in_blocks_of_at_least_min_block_bytes(monkeypatch):
-    import memcompile.passes.losshead as pass_mod
-
+def test_pass_runs_the_backward_in_blocks_of_at_least_min_block_bytes():
     torch.manual_seed(0)
     joint = capture_module(_Head(), *_batch())["joint"]
     ctx = PassContext(fragment="F0", graph="joint")
     head = 64 * 512 * 4  # 128 KiB
-    monkeypatch.setattr(pass_mod, "MIN_BLOCK_BYTES", 16 * 1024)
-    for max_chunks, chunks in ((16, 8), (4, 4), (1, 1)):
-        out = loss_head_pass(joint, ctx, max_chunks=max_chunks)
+    cases = ((16, 0, 16), (16, 16 * 1024, 8), (4, 16 * 1024, 4), (16, head, 1), (16, 2 * head, 1))
+    for max_chunks, min_block, chunks in cases:
+        out = loss_head_pass(joint, ctx, max_chunks=max_chunks, min_block_bytes=min_block)
         (rw,) = out.meta["memcompile_loss_heads"]
         node = next(n for n in out.graph.nodes if n.name == rw.backward)
         assert node.args[-1] == chunks
         assert node.meta["memcompile_workspace"] == head // chunks
     with pytest.raises(ValueError, match="max_chunks must be >= 1; got 0"):
         loss_head_pass(joint, ctx, max_chunks=0)
+    with pytest.raises(ValueError, match="min_block_bytes must be >= 0; got -1"):
+        loss_head_pass(joint, ctx, min_block_bytes=-1)
 
 
-@pytest.mark.parametrize(("budget", "expected"), [(None, 1), (10**9, 16)])
-def test_the_head_runs_in_one_block_without_a_budget(monkeypatch, budget, expected):
-    # No budget: the rewrite must cost no time, so no blocks; a budget may use them.
+def test_blocks_without_a_budget_cost_at_most_5_percent_of_their_traffic():
+    # 3 calls of launch_overhead against 4 bytes moved per byte of the block.
+    cpu = dataclasses.replace(device_profile("h100"), launch_overhead=1e-5, memory_bandwidth=2e10)
+    assert abs(min_block_bytes(cpu) - 3_000_000) <= 1  # 3 x 10 us = 5 % of 4 x 3 MB at 20 GB/s
+    # An H100's launches are cheap but its memory is fast: a block would need ~200 MB.
+    assert min_block_bytes(device_profile("h100")) > 100 * 2**20
+
+
+@pytest.mark.parametrize("budget", [None, 10**9])
+def test_the_head_uses_the_free_block_size_only_without_a_budget(monkeypatch, budget):
+    # No budget: the rewrite must cost no time, so blocks are as big as that needs; a budget
+    # takes the 16 blocks of least scratch.
     seen: list[int] = []
     real = compiler_mod.loss_head_pass
 
-    def spy(gm, ctx, *, max_chunks):
-        seen.append(max_chunks)
-        return real(gm, ctx, max_chunks=max_chunks)
+    def spy(gm, ctx, *, min_block_bytes):
+        seen.append(min_block_bytes)
+        return real(gm, ctx, min_block_bytes=min_block_bytes)
 
     monkeypatch.setattr(compiler_mod, "loss_head_pass", spy)
     torch._dynamo.reset()
     compiled = memcompile.compile(_Head(), budget=budget)
     compiled(*_batch()).backward()
-    assert seen == [expected]
+    free = min_block_bytes(find_compiler(compiled)[0].cost_profile(list(_batch())))
+    assert free > 0
+    assert seen == [free if budget is None else 0]
 
 
 def test_pass_leaves_logits_alone_when_the_model_returns_them():

@@ -152,6 +152,39 @@ def test_treelstm_step_prediction_is_within_three_percent_of_the_measured_peak(o
     assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
 
 
+def test_only_the_steps_latest_held_output_call_takes_weak_references(monkeypatch) -> None:
+    # A tree's cell graphs run hundreds of times a step, each with held outputs (h, c); the
+    # step's first backward checks only the latest such call (the classifier's). After the
+    # first step only that fragment's calls take weak references, and it is still measured.
+    import memcompile.backends.compiler as compiler_mod
+
+    made: list[int] = []
+    real = compiler_mod.StorageWeakRef
+
+    def counting(storage: Any) -> Any:
+        made.append(1)
+        return real(storage)
+
+    monkeypatch.setattr(compiler_mod, "StorageWeakRef", counting)
+    torch._dynamo.reset()
+    wl = zoo.build("treelstm", size="tiny")
+    compiled = memcompile.compile(wl.model)
+    comp = None
+    per_step = []
+    for step in range(3):
+        made.clear()
+        wl.model.zero_grad(set_to_none=True)
+        wl.loss(compiled, step).backward()
+        per_step.append(len(made))
+        comp, _ = find_compiler(compiled)
+        held = [(i, c.held) for i, c in enumerate(comp._step_storages) if c.held is not None]
+        assert len(held) == 1, held  # the latest held-output call, measured every step
+    assert comp is not None and len(comp._last_forwards) == 1
+    calls = len(comp._step)
+    assert per_step[0] > calls // 2  # the first step: every forward call with held outputs
+    assert per_step[1] <= 4 and per_step[2] <= 4  # then: the last one (and the loss's root)
+
+
 # -- the replay itself, on profiles made by hand ---------------------------------------------
 
 

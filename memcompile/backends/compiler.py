@@ -71,8 +71,7 @@ from memcompile.passes.fragment import FragmentProfile, accumulate_clone_bytes, 
 from memcompile.passes.inplace import in_place_pass
 from memcompile.passes.input_uses import InputSplit, split_inputs_pass
 from memcompile.passes.joint import JointModel
-from memcompile.passes.losshead import CHUNKS as LOSS_HEAD_CHUNKS
-from memcompile.passes.losshead import loss_head_pass
+from memcompile.passes.losshead import loss_head_pass, min_block_bytes
 from memcompile.passes.params import param_fetch_pass
 from memcompile.passes.partition import partition_pass
 from memcompile.passes.pilot_prefetch import (
@@ -410,10 +409,11 @@ class _FragmentBuild:
         config, compiler = self.compiler.config, self.compiler
         ctx = PassContext(fragment=f"F{self.index}", graph="joint")
         if LOSS_HEAD_IN_PLACE:
-            # The same kernels in place: always. Without a budget in one block (no time on top
-            # of eager's); under one, in blocks of rows (less scratch, a few calls more).
-            chunks = 1 if config.budget is None else LOSS_HEAD_CHUNKS
-            joint = loss_head_pass(joint, ctx, max_chunks=chunks)
+            # The same kernels in place: always. Under a budget in 16 blocks of rows (least
+            # scratch); without one in blocks big enough that their calls cost no time.
+            free = min_block_bytes(compiler.cost_profile(self.example_inputs))
+            min_block = 0 if config.budget is not None else free
+            joint = loss_head_pass(joint, ctx, min_block_bytes=min_block)
         if ELEMENTWISE_IN_PLACE and config.inner == "eager":
             joint = in_place_pass(joint, ctx)  # the same kernels, writing into dying gradients
         # Host placement needs the joint graph's primals to be the fragment's inputs, in order
@@ -934,7 +934,7 @@ class _FragmentBuild:
             if shared_out:  # saved outputs other fragments may save too (simulate_step)
                 compiler._on_saved_outputs(_view_storages(out, shared_out))
             if held_out:  # does the caller still hold them when the backward begins?
-                compiler._on_held_outputs(out, held_out)
+                compiler._on_held_outputs(index, out, held_out)
             if kind != "backward":  # observers see the outputs (a router's counts)
                 small_ints = compiler._on_call_end(index, kind, block, out, small_ints)
             if tail:  # the tail of a forward call: predict the next blocks, prefetch them
@@ -1046,6 +1046,13 @@ class MemCompiler:
         # The step's latest forward call with held outputs: its position in the step and weak
         # references to those outputs' storages with their bytes (``_on_held_outputs``).
         self._held_refs: tuple[int, list[tuple[int, StorageWeakRef, int, int]]] = (-1, [])
+        #: Fragments that made a step's latest forward call with held outputs, the one its first
+        #: backward checks: only their calls take those weak references (empty: every
+        #: fragment's, until a backward shows which; a tree's cells, called hundreds of times
+        #: a step, then take none). ``_latest_held``: (position in the step, fragment) of the
+        #: step's latest such call so far.
+        self._last_forwards: set[int] = set()
+        self._latest_held: tuple[int, int] = (-1, -1)
         # What the step's first backward found of its last forward's held outputs: (fragment
         # index, positions the caller had dropped, positions it still held).
         self._step_dropped: tuple[int, frozenset[int], frozenset[int]] | None = None
@@ -1422,6 +1429,8 @@ class MemCompiler:
             self._order_checked_steps.clear()
             self.summed_grads.clear()
             self._held_refs = (-1, [])
+            self._last_forwards.clear()
+            self._latest_held = (-1, -1)
             self._dropped_outputs.clear()
             self._dropped_warned.clear()
             self._step_dropped = None
@@ -1684,16 +1693,25 @@ class MemCompiler:
         for observer in self.block_observers:
             observer.on_block(self.steps_observed, index, kind, block, args)
 
-    def _on_held_outputs(self, outputs: Sequence[Any], positions: Sequence[int]) -> None:
-        # After a forward call (the step's latest): weak references to the storages of its
-        # user outputs the backward does not read, checked when the backward begins.
+    def _on_held_outputs(
+        self, index: int, outputs: Sequence[Any], positions: Sequence[int]
+    ) -> None:
+        # After a forward call of F{index} with held outputs (the step's latest such call so
+        # far): weak references to the storages of its user outputs the backward does not
+        # read, checked when the backward begins. Taken only by the fragments a backward
+        # showed to make a step's latest such call (by every fragment until one did).
+        at = len(self._step) - 1
+        self._latest_held = (at, index)
+        last = self._last_forwards
+        if last and index not in last:
+            return
         refs: list[tuple[int, StorageWeakRef, int, int]] = []
         for j in positions:
             t = outputs[j] if j < len(outputs) else None
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 refs.append((j, StorageWeakRef(storage), storage.data_ptr(), storage.nbytes()))
-        self._held_refs = (len(self._step) - 1, refs)
+        self._held_refs = (at, refs)
 
     def _after_first_backward(self, index: int, held: frozenset[int]) -> None:
         # After the step's first backward call (the latest recorded, of F{index}): its
@@ -1722,7 +1740,13 @@ class MemCompiler:
         # The step's first backward: how much of its last forward's held outputs the caller
         # still holds (a loop keeping only ``out.loss`` has dropped the logits by now).
         at, refs = self._held_refs
+        (latest, index), self._latest_held = self._latest_held, (-1, -1)
         self._held_refs = (-1, [])
+        if latest < 0:
+            return
+        self._last_forwards.add(index)
+        if at != latest:  # that call took no references: its fragment does from now on
+            return
         if not 0 <= at < len(self._step_storages) or self._step[at][1] != "forward":
             return
         alive: dict[int, int] = {}  # storage -> bytes
@@ -1761,6 +1785,7 @@ class MemCompiler:
         self._step_trains = False
         self._open_blocks.clear()
         self._held_refs = (-1, [])
+        self._latest_held = (-1, -1)
         self._step_dropped = None
         self._check_measured_peak()
         self._check_step_budget()

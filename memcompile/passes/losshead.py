@@ -18,11 +18,13 @@ log-softmax, the NLL gradient and the logits' gradient together in the backward:
 so one ``N x V`` buffer serves the whole head (GPT bench size: 48 MiB of eager's 196 MiB step
 peak become 16 MiB plus ``1/16`` of it as scratch). The ops (``runtime/losshead.py``) run the
 aten kernels in place; the values are bit-identical. The forward needs no scratch; the backward
-makes the NLL gradient a block of rows at a time, ``chunks`` blocks. Each block costs a few
-kernel calls, so the count is the knob ``max_chunks`` (1 without a budget: the head then costs
-no time, and still holds one ``N x V`` buffer less in each direction than eager), lowered so a
-block is at least :data:`MIN_BLOCK_BYTES`. The matmuls and the loss's reduction over rows are
-untouched (chunking them would change the order of a sum).
+makes the NLL gradient a block of rows at a time, ``chunks`` blocks: at most ``max_chunks``,
+and each at least ``min_block_bytes``. Each block costs a few kernel calls; without a budget the
+compiler asks for blocks whose calls cost at most 5 % of the block's own memory traffic
+(:func:`min_block_bytes`: 4 MiB on this VM's CPU profile, 200 MB on an H100's), so the head costs
+no time and still holds at least one ``N x V`` buffer less in each direction than eager. The
+matmuls and the loss's reduction over rows are untouched (chunking them would change the order
+of a sum).
 
 Where the rewrite applies, each half on its own:
 
@@ -41,6 +43,7 @@ node, as in ``params.py``. Each new node's scratch is in ``meta['memcompile_work
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,23 +55,36 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import memcompile.runtime.losshead as kernels
 from memcompile.passes.analysis import sym_to_int
 from memcompile.passes.context import PassContext
+from memcompile.passes.costmodel import DeviceProfile
 from memcompile.passes.rebuild import rebuilt_module, refresh_view, storage_refs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CHUNKS", "MIN_BLOCK_BYTES", "LossHeadRewrite", "loss_head_pass"]
+__all__ = ["CHUNKS", "LossHeadRewrite", "loss_head_pass", "min_block_bytes"]
 
 aten = torch.ops.aten
 _FORWARD = torch.ops.memcompile.log_softmax_.default
 _BACKWARD = torch.ops.memcompile.nll_log_softmax_backward_.default
 
-#: Most blocks of rows a backward head runs in (a budget's knob): its scratch is 1/CHUNKS of
-#: the head, and its kernels run CHUNKS times.
+#: Most blocks of rows a backward head runs in: its scratch is 1/CHUNKS of the head, and its
+#: kernels run CHUNKS times.
 CHUNKS = 16
 
-#: Fewest bytes in a block: below this the kernel calls' fixed cost (a few microseconds each,
-#: three per block) stops being small next to the block's own work.
-MIN_BLOCK_BYTES = 1 << 20
+#: Kernel calls per backward block (the NLL gradient's fill and scatter, the log-softmax
+#: gradient), and the bytes each block's kernels move per byte of the block (the NLL gradient
+#: written, then read with the log-softmax, the result written).
+_CALLS_PER_BLOCK = 3
+_TRAFFIC_PER_BYTE = 4
+#: The share of a block's own time its calls' fixed cost may add without a budget.
+_FREE_SHARE = 0.05
+
+
+def min_block_bytes(profile: DeviceProfile) -> int:
+    """The smallest backward block whose kernel calls' fixed cost (``launch_overhead`` each)
+    is at most 5 % of the time its memory traffic takes on ``profile``: smaller blocks would
+    cost time a plan without a budget must not spend."""
+    fixed = _CALLS_PER_BLOCK * profile.launch_overhead
+    return math.ceil(fixed * profile.memory_bandwidth / (_FREE_SHARE * _TRAFFIC_PER_BYTE))
 
 
 @dataclass(frozen=True)
@@ -161,12 +177,14 @@ def _backward_match(gm: fx.GraphModule, lsm: fx.Node) -> tuple[fx.Node, fx.Node]
     return g, gl
 
 
-def _chunks(val: torch.Tensor, max_chunks: int) -> int:
-    """Blocks for a backward head of ``val``'s size: at most ``max_chunks``, each at least
-    :data:`MIN_BLOCK_BYTES` (one block for a smaller head)."""
+def _chunks(val: torch.Tensor, max_chunks: int, min_block: int) -> int:
+    """Blocks for a backward head of ``val``'s size: at most ``max_chunks`` and one per row,
+    each at least ``min_block`` bytes (one block for a smaller head)."""
     rows, _ = sym_to_int(val.shape[0])
     cols, _ = sym_to_int(val.shape[1])
-    return max(1, min(max_chunks, rows, rows * cols * val.element_size() // MIN_BLOCK_BYTES))
+    nbytes = rows * cols * val.element_size()
+    by_size = nbytes // min_block if min_block > 0 else max_chunks
+    return max(1, min(max_chunks, rows, by_size))
 
 
 def _workspace(val: torch.Tensor, chunks: int) -> int:
@@ -176,16 +194,18 @@ def _workspace(val: torch.Tensor, chunks: int) -> int:
 
 
 def loss_head_pass(
-    gm: fx.GraphModule, ctx: PassContext, *, max_chunks: int = CHUNKS
+    gm: fx.GraphModule, ctx: PassContext, *, max_chunks: int = CHUNKS, min_block_bytes: int = 0
 ) -> fx.GraphModule:
     """A copy of the joint graph ``gm`` with its cross-entropy heads computed in place (see the
     module docstring), or ``gm`` itself when there is none. ``gm`` is not changed; the copy
     shares the fake values of every node it keeps. The rewrites are in the result's
     ``meta['memcompile_loss_heads']`` (a tuple of :class:`LossHeadRewrite`). ``max_chunks``:
-    the most blocks of rows a backward head runs in (fewer where a block would be smaller than
-    :data:`MIN_BLOCK_BYTES`)."""
+    the most blocks of rows a backward head runs in; ``min_block_bytes``: the fewest bytes in
+    one (fewer blocks where they would be smaller; 0: ``max_chunks`` blocks)."""
     if max_chunks < 1:
         raise ValueError(f"loss_head_pass: max_chunks must be >= 1; got {max_chunks}")
+    if min_block_bytes < 0:
+        raise ValueError(f"loss_head_pass: min_block_bytes must be >= 0; got {min_block_bytes}")
     forward: set[fx.Node] = set()
     backward: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}  # lsm_bw -> (lsm, nll_bw)
     for n in gm.graph.nodes:
@@ -237,7 +257,7 @@ def loss_head_pass(
                 lambda a: env[a],
             )
             val = env[saved].meta["val"]
-            chunks = _chunks(val, max_chunks)
+            chunks = _chunks(val, max_chunks, min_block_bytes)
             make(n, _BACKWARD, (*args, n.args[2], chunks), val, _workspace(val, chunks))
             rewrites.setdefault(lsm, ["", ""])[1] = env[n].name
             continue
