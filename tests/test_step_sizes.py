@@ -406,6 +406,20 @@ def test_step_prediction_counts_the_outputs_the_caller_still_holds(keep: bool) -
     assert rep.exact and rep.predicted_peak == measured
 
 
+def test_the_budget_error_names_the_outputs_counted_as_held() -> None:
+    # The budget the re-plan below fits once the first step shows the logits dropped: at the
+    # first compile no plan fits, and the error says what to try.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    compiled = memcompile.compile(_LossAndLogits(), budget=1_299_034)
+    x, target = torch.randn(256, 64), torch.randint(0, 512, (256,))
+    with pytest.raises(memcompile.MemoryBudgetError) as err:
+        compiled(x, target)
+    message = str(err.value)
+    assert "counts F0's outputs (512.00 KiB) as held by the caller" in message, message
+    assert "on_infeasible='best_effort'" in message
+
+
 def test_a_plan_is_made_again_without_the_outputs_the_caller_drops() -> None:
     # Under a budget the first plan counts the logits as held through the backward and does
     # not fit; the first step shows the loop drops them, so the fragment is planned again

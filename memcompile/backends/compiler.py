@@ -509,7 +509,10 @@ class _FragmentBuild:
             )
             plan = self._rematerialize(fw, bw, plan, split)
         if not plan.feasible:
-            compiler.infeasible(self, plan, hosted=bool(hosted), host_peak=host_peak)
+            held = sum(model.nbytes[s] for s in model.held_outputs)
+            compiler.infeasible(
+                self, plan, hosted=bool(hosted), host_peak=host_peak, held_outputs=held
+            )
         self.hosted_inputs = tuple(hosted) + tuple(placed)
         compiler.planned_reserve(self, tuple(hosted) + tuple(placed))
         if hosted:  # only now: an infeasible plan raised above with the parameters untouched
@@ -1504,10 +1507,13 @@ class MemCompiler:
         *,
         hosted: bool = False,
         host_peak: int | None = None,
+        held_outputs: int = 0,
     ) -> None:
         """No plan fits: raise MemoryBudgetError, or warn (``on_infeasible="best_effort"``).
         ``hosted``: the plan keeps this fragment's parameters on the host; ``host_peak``: the
-        smallest peak found with them there, when that was tried and did not help."""
+        smallest peak found with them there, when that was tried and did not help;
+        ``held_outputs``: bytes of the user outputs the plan counts as held by the caller
+        through the backward."""
         budget = self.config.budget
         assert budget is not None
         tips = [f"enable {k}=True" for k in ("recompute", "swap") if not getattr(self.config, k)]
@@ -1548,6 +1554,15 @@ class MemCompiler:
                 f"of which {format_bytes(untaken)} is the model's parameters and buffers that no "
                 "fragment compiled so far reads (those of frames Dynamo runs eagerly stay on "
                 "the device: see the EagerFallbackWarning)"
+            )
+        if held_outputs >= plan.predicted_peak // 100 and not build.dropped_outputs:
+            # Step 1 cannot know what the caller keeps; the first backward shows it.
+            tips.append(
+                f"the plan counts F{build.index}'s outputs ({format_bytes(held_outputs)}) as "
+                "held by the caller through the backward, as a loop that keeps the logits "
+                "does: if yours drops them before backward(), on_infeasible='best_effort' runs "
+                "the smallest plan for the first step and plans again without them once its "
+                "backward shows it"
             )
         if build.prefetch_reserve:
             tips.append(
