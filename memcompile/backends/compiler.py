@@ -227,6 +227,12 @@ def _frame_location(frame: Any) -> str:
     return f"{frame.name} ({frame.filename}:{frame.lineno})" if frame is not None else "<unknown>"
 
 
+def _code_location(code: CodeType | None) -> str:
+    if code is None:
+        return "<unknown>"
+    return f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
+
+
 def _compiling_code() -> CodeType | None:
     """The code object Dynamo is compiling (``None`` outside a Dynamo compile)."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
@@ -1363,7 +1369,9 @@ class MemCompiler:
         record = FragmentRecord(
             index=build.index,
             identity=identity,
-            code=_frame_location(stack[0] if stack else None),
+            # Dynamo gives no user stack for some graphs (a return at the top level of a
+            # resume function): the code object it compiles still says where it is.
+            code=_frame_location(stack[0]) if stack else _code_location(_compiling_code()),
             reason=reason[0] if reason else "",
             break_at=_frame_location(stack[-1] if stack else None),
             compile_id=str(compile_id) if compile_id is not None else "",

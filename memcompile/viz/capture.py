@@ -7,9 +7,13 @@
 
 ``collect`` compiles the workload twice when ``before`` is set: first with no budget and torch's
 own order (``reorder=False``, the "before" curves and ``before_peak``), then with the requested
-options. Each compile is one step (forward, backward); with ``measure`` one more step of the
-planned model is measured (``memcompile.measure``). Gradients are set to ``None`` before every
-step, as the predictions assume. The snapshot is read from ``memcompile.report`` only.
+options. Each compile is one step (forward, backward). A budgeted model may be planned again
+after a step (a multi-fragment step predicted over budget, outputs the caller drops:
+``backends/replan.py``), and Dynamo then compiles those fragments again in the next step: the
+planned model runs more steps until one compiles nothing (at most :data:`SETTLE_STEPS`), so the
+snapshot and the measurement describe the plans training runs with. With ``measure`` one more
+step is measured (``memcompile.measure``). Gradients are set to ``None`` before every step, as
+the predictions assume. The snapshot is read from ``memcompile.report`` only.
 
 A budget ``"N%"`` is relative to the step without a plan: resident bytes plus N % of what the step
 allocates above them (``resident + N/100 * (before_peak - resident)``), the convention of
@@ -29,7 +33,11 @@ from memcompile.zoo.base import Workload
 
 log = logging.getLogger(__name__)
 
-__all__ = ["collect", "resolve_budget"]
+__all__ = ["SETTLE_STEPS", "collect", "resolve_budget"]
+
+#: Steps after the first that ``collect`` runs at most, until one compiles nothing (re-plans
+#: take up to two rounds per fragment for the budget and two for what a step shows).
+SETTLE_STEPS = 6
 
 
 def resolve_budget(
@@ -92,6 +100,32 @@ def _run_step(wl: Workload, options: dict[str, Any]) -> tuple[Any, Any]:
     return compiled, find_compiler(compiled)[0]
 
 
+def _settle(wl: Workload, compiled: Any) -> int:
+    """Run training steps of ``compiled`` until one compiles no graph (re-plans done), at most
+    :data:`SETTLE_STEPS`; returns the steps run. Warns if it is still compiling then."""
+    stats = torch._dynamo.utils.counters["stats"]
+    for n in range(1, SETTLE_STEPS + 1):
+        before = stats["unique_graphs"]
+        _zero_grads(wl.model)
+        try:
+            wl.loss(compiled, 0).backward()
+        except Exception as e:
+            budget_error = _unwrap_budget_error(e)
+            if budget_error is not None:
+                raise budget_error from None
+            raise
+        if stats["unique_graphs"] == before:
+            log.info("collect %s: plans settled after %d more step(s)", wl.name, n)
+            return n
+    log.warning(
+        "memcompile inspect: %s still compiled in its %d-th step; the snapshot describes the "
+        "plans of that step",
+        wl.name,
+        SETTLE_STEPS + 1,
+    )
+    return SETTLE_STEPS
+
+
 def _step_calls(seq: tuple[tuple[int, str, int], ...]) -> tuple[StepCall, ...]:
     # Block keys are parameter addresses: renumber them per fragment in first-seen order, so the
     # snapshot is the same in every run.
@@ -141,6 +175,8 @@ def collect(
     )
     compiled, compiler = _run_step(wl, {**options, "budget": resolved})
     log.info("collect %s: budget %s", wl.name, resolved)
+    if resolved is not None:
+        _settle(wl, compiled)
     measured = None
     if measure:
         _zero_grads(wl.model)
