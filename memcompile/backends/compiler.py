@@ -83,7 +83,7 @@ from memcompile.passes.plan import FragmentPlan
 from memcompile.passes.planner import plan_fragment
 from memcompile.passes.prefetch import plan_prefetch, prefetch_pass
 from memcompile.passes.rematerialize import plan_rematerialize, rematerialize_pass
-from memcompile.passes.step import StepPrediction, simulate_step
+from memcompile.passes.step import CacheUse, StepPrediction, simulate_step
 from memcompile.passes.swap import swap_pass
 from memcompile.passes.workspace import clone_workspace, probe_workspaces
 from memcompile.runtime.measure import storage_sizes
@@ -127,6 +127,8 @@ class CallStorages(NamedTuple):
         grad_inputs: its activation inputs whose gradients its backward makes (its profile's
             ``activation_grads``): input position -> storage address.
         cache: bytes the pilot's prefetch cache held after it (a forward call's tail).
+        cache_use: what the cache held through it (a forward call with the pilot on): its
+            copies taken by the graph, for later blocks, made by the graph's own prediction.
         held: bytes of its held user outputs (``FragmentProfile.held_output_positions``) the
             caller still held when the step's first backward began (the step's last forward
             call; ``None``: not measured).
@@ -140,6 +142,7 @@ class CallStorages(NamedTuple):
     grad_inputs: Mapping[int, int]
     cache: int = 0
     held: int | None = None
+    cache_use: CacheUse | None = None
     tangents: frozenset[int] | None = None
 
 
@@ -437,7 +440,7 @@ class _FragmentBuild:
         placed = self._host_placed() if aligned else []
         if placed:  # another fragment moved some of these parameters: fetch them here too
             joint = self._fetch_params(joint, num_fwd_outputs, placed)
-        model, plan = self._plan(joint, num_fwd_outputs, static, start=self.replan_start)
+        model, plan, reserve = self._plan(joint, num_fwd_outputs, static, start=self.replan_start)
         mode = DROPOUT_REWRITE
         if config.budget is not None and config.recompute and mode != "never":
             # Dropout outputs (and all that is computed from them) become recomputable once
@@ -456,7 +459,9 @@ class _FragmentBuild:
                 # The search also starts from the plain plan's choices carried over (greedy
                 # ends depend on the start: seen 75.4 MB from eager's set, 65.4 MB from there).
                 start = saved_after(kept, rewrites)
-                model2, plan2 = self._plan(rewritten, num_fwd_outputs, static, start=start)
+                model2, plan2, reserve2 = self._plan(
+                    rewritten, num_fwd_outputs, static, start=start
+                )
                 log.info(
                     "F%d: with recomputable dropouts%s the plan peaks at %s (%s without)",
                     self.index,
@@ -466,7 +471,7 @@ class _FragmentBuild:
                 )
                 better = plan2.feasible or plan2.predicted_peak < plan.predicted_peak
                 if better or forced:
-                    joint, model, plan = rewritten, model2, plan2
+                    joint, model, plan, reserve = rewritten, model2, plan2, reserve2
         hosted: list[int] = []
         host_peak: int | None = None  # the plan with parameters on the host, when tried
         candidates = self._host_candidates(static) if aligned else []
@@ -478,7 +483,7 @@ class _FragmentBuild:
             # Parameters to the host tier: their bytes leave the resident set, and each reader
             # fetches its own copy (passes/params.py); "auto" only when nothing else fits.
             fetched = self._fetch_params(joint, num_fwd_outputs, candidates)
-            model2, plan2 = self._plan(fetched, num_fwd_outputs, static, host=candidates)
+            model2, plan2, reserve2 = self._plan(fetched, num_fwd_outputs, static, host=candidates)
             host_peak = plan2.predicted_peak
             log.info(
                 "F%d: with %d parameters on the host the plan peaks at %s (%s without)",
@@ -493,7 +498,8 @@ class _FragmentBuild:
                 or plan2.predicted_peak < plan.predicted_peak
             ):
                 joint, model, plan, hosted = fetched, model2, plan2, candidates
-        self.prefetch_reserve = self._reserve(hosted)
+                reserve = reserve2
+        self.prefetch_reserve = reserve
         # Building the graphs changes nothing outside them: an infeasible plan still raises
         # below with the parameters untouched.
         fw, bw = partition_pass(joint, ctx, model=model, plan=plan)
@@ -561,10 +567,16 @@ class _FragmentBuild:
         *,
         host: Sequence[int] = (),
         start: Collection[str] = (),
-    ) -> tuple[JointModel, FragmentPlan]:
-        """The joint model of ``joint`` and the planner's plan for this fragment's target, with
-        the inputs at positions ``host`` counted as host-placed (not resident); ``start``: a
-        saved set the search also starts from (``planner.search_saved_set``)."""
+    ) -> tuple[JointModel, FragmentPlan, int]:
+        """The joint model of ``joint``, the planner's plan for this fragment's target, with the
+        inputs at positions ``host`` counted as host-placed (not resident), and the bytes the
+        plan leaves the pilot's prefetch cache; ``start``: a saved set the search also starts
+        from (``planner.search_saved_set``).
+
+        The cache gets its full reserve (:meth:`_reserve`) when the plan fits with it. It only
+        speeds fetches up, so a plan that does not fit with it is made again without it, and
+        the cache gets what that plan leaves of the budget (nothing if it does not fit either):
+        a plan must not miss its budget, nor keep parameters off the host tier, for it."""
         config, compiler = self.compiler.config, self.compiler
         primals = [
             p.meta.get("val")
@@ -583,18 +595,35 @@ class _FragmentBuild:
             dropped_outputs=self.dropped_outputs,
             released_tangents=self.released_tangents,
         )
-        resident = compiler.resident_bytes(self, host=host) + self._reserve(host)
-        plan = plan_fragment(
-            model,
-            target=None if config.budget is None else config.budget - resident,
-            resident_bytes=resident,
-            recompute=config.recompute,
-            swap_tier=config.offload_to if config.swap else None,
-            reorder=config.reorder,
-            start=start,
-            saved_cap=self.replan_saved_cap,
-        )
-        return model, plan
+        base, reserve = compiler.resident_bytes(self, host=host), self._reserve(host)
+
+        def planned(resident: int) -> FragmentPlan:
+            return plan_fragment(
+                model,
+                target=None if config.budget is None else config.budget - resident,
+                resident_bytes=resident,
+                recompute=config.recompute,
+                swap_tier=config.offload_to if config.swap else None,
+                reorder=config.reorder,
+                start=start,
+                saved_cap=self.replan_saved_cap,
+            )
+
+        plan = planned(base + reserve)
+        if reserve and config.budget is not None and not plan.feasible:
+            bare = planned(base)
+            if bare.predicted_peak < plan.predicted_peak:
+                left = max(0, min(reserve, config.budget - bare.predicted_peak))
+                log.info(
+                    "F%d: the plan does not fit with a %s prefetch cache; planned without it "
+                    "(peak %s), the cache gets %s",
+                    self.index,
+                    format_bytes(reserve),
+                    format_bytes(bare.predicted_peak),
+                    format_bytes(left),
+                )
+                return model, bare, left
+        return model, plan, reserve
 
     def _rematerialize(
         self,
@@ -925,6 +954,9 @@ class _FragmentBuild:
             tail = prefetcher is not None and prefetcher.before(
                 compiler.steps_observed, index, kind, block, args, hosted, build.prefetch_reserve
             )
+            if tail:  # what the cache holds beside the graph (simulate_step's CacheUse)
+                cache = prefetcher.cache  # type: ignore[union-attr]
+                cached, taken = cache.bytes, cache.taken
             if _profiler_enabled():
                 with torch.profiler.record_function(range_name):
                     out = fn(args)
@@ -948,7 +980,14 @@ class _FragmentBuild:
                 small_ints = compiler._on_call_end(index, kind, block, out, small_ints)
             if tail:  # the tail of a forward call: predict the next blocks, prefetch them
                 prefetcher.after(out, small_ints=small_ints)  # type: ignore[union-attr]
-                compiler._on_cache(prefetcher.cache.bytes)  # type: ignore[union-attr]
+                at = prefetcher.in_graph_cached  # type: ignore[union-attr]
+                use = CacheUse(
+                    cached,
+                    cache.taken - taken,
+                    None if at is None else at[0],
+                    0 if at is None else at[1] - taken,
+                )
+                compiler._on_cache(cache.bytes, use)
             return out
 
         run._boxed_call = True  # type: ignore[attr-defined]
@@ -1787,10 +1826,11 @@ class MemCompiler:
         # call on (the step after next, otherwise).
         self._step_dropped = (self._step[at][0], frozenset(dead), frozenset(held))
 
-    def _on_cache(self, nbytes: int) -> None:
-        # The forward call just recorded left the prefetch cache holding nbytes (its tail ran).
-        if self._step_storages and nbytes:
-            self._step_storages[-1] = self._step_storages[-1]._replace(cache=nbytes)
+    def _on_cache(self, nbytes: int, use: CacheUse) -> None:
+        # The forward call just recorded left the prefetch cache holding nbytes (its tail ran);
+        # use: what the cache held through the call.
+        if self._step_storages and (nbytes or use.start or use.at_op):
+            self._step_storages[-1] = self._step_storages[-1]._replace(cache=nbytes, cache_use=use)
 
     def _on_saved_outputs(self, storages: ViewStorages) -> None:
         # The forward call just recorded by _on_call returned these saved user outputs.
@@ -2110,6 +2150,7 @@ class MemCompiler:
                 call_saved_outputs=[c.outputs for c in kept] if kept is not None else None,
                 call_input_grads=[c.grad_inputs for c in kept] if kept is not None else None,
                 call_cache=[c.cache for c in kept] if kept is not None else None,
+                call_cache_use=[c.cache_use for c in kept] if kept is not None else None,
                 call_held=[c.held for c in kept] if kept is not None else None,
                 call_tangents=[c.tangents for c in kept] if kept is not None else None,
             )

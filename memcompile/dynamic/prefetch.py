@@ -349,6 +349,9 @@ class Prefetcher:
         #: The small integer values the running call's graph showed the predictor (None: no
         #: in-graph prediction in this call); see take_in_graph_small_ints.
         self.in_graph_small_ints: tuple[tuple[int, ...], ...] | None = None
+        #: The cache's bytes, and its ``taken`` count, right after the running call's in-graph
+        #: prediction copied (``None``: none in this call), for the step's replay.
+        self.in_graph_cached: tuple[int, int] | None = None
         #: fragment index -> where its forward graph predicts (the compiler's decisions)
         self.placements: dict[int, PilotPrefetchPlan] = {}
         self._sim_profile: str | None = None
@@ -405,6 +408,7 @@ class Prefetcher:
         """A fragment call is about to run (``args``: its inputs, before the boxed call clears
         them). Returns whether :meth:`after` should run at its tail."""
         self._pending, self._wanted = None, None
+        self.in_graph_cached = None
         if not self.enabled:
             if self._gate is None or not self._gate():
                 return False
@@ -471,6 +475,7 @@ class Prefetcher:
         self._copy(
             later, limit, keep=own | {PrefetchCache.key(t) for _, t, _ in wanted}, issue_s=issue
         )
+        self.in_graph_cached = (self.cache.bytes, self.cache.taken)
 
     def take_in_graph_small_ints(self) -> tuple[tuple[int, ...], ...] | None:
         """The small integer values the running call's graph showed the predictor (``None``: no

@@ -37,10 +37,12 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from memcompile.passes.analysis import GraphProfile
 from memcompile.passes.fragment import FragmentProfile, ParamGrad
 
-__all__ = ["StepPrediction", "simulate_step"]
+__all__ = ["CacheUse", "StepPrediction", "cache_peak", "simulate_step"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,50 @@ def _call_grads(
     return [(_grad_key(index, block, g, storages), g) for g in prof.param_grads]
 
 
+#: As profiles name them: the pilot's in-graph prediction and copy (``passes/pilot_prefetch.py``),
+#: and the fetch of a host-placed parameter (``passes/params.py``; forward graphs reload nothing
+#: else).
+_PILOT_PREFETCH = "memcompile.pilot_prefetch.default"
+_FETCH = "memcompile.reload.default"
+
+
+class CacheUse(NamedTuple):
+    """What the pilot's prefetch cache held through one forward call, as measured.
+
+    Attributes:
+        start: bytes cached when the call started.
+        taken: of those, bytes its graph's fetches took (hits: a copy moves from the cache
+            into the graph); the rest are copies for later blocks, held through the graph.
+        at_op: bytes cached right after the graph's ``pilot_prefetch`` op copied (``None``:
+            it did not run in this call; the copies are made at the tail).
+        taken_at_op: bytes taken before that op.
+    """
+
+    start: int
+    taken: int
+    at_op: int | None
+    taken_at_op: int
+
+
+def cache_peak(graph: GraphProfile, use: CacheUse) -> int:
+    """The peak of forward ``graph`` with the cache beside it: a copy the graph takes is cache
+    bytes until its fetch (the profile counts it from there, as if fetched on demand; the hits
+    are taken as the graph's first fetches), copies for later blocks are held from the start,
+    and from the ``pilot_prefetch`` op on the cache holds what that op left it."""
+    op = next((i for i, n in enumerate(graph.nodes) if n.target == _PILOT_PREFETCH), None)
+    others = max(0, use.start - use.taken)
+    after = others
+    if use.at_op is not None:
+        after = max(0, use.at_op - (use.taken - use.taken_at_op))
+    unfetched, peak = use.taken, 0
+    for i, node in enumerate(graph.nodes):
+        if unfetched and node.target == _FETCH:
+            unfetched -= min(unfetched, node.new_bytes)
+        held = after if op is not None and i >= op else others
+        peak = max(peak, node.live_bytes + unfetched + held)
+    return peak
+
+
 def simulate_step(
     profiles: Mapping[int, FragmentProfile | None],
     sequence: Sequence[tuple[int, str, int]],
@@ -100,6 +146,7 @@ def simulate_step(
     call_saved_outputs: Sequence[Mapping[int, int]] | None = None,
     call_input_grads: Sequence[Mapping[int, int]] | None = None,
     call_cache: Sequence[int] | None = None,
+    call_cache_use: Sequence[CacheUse | None] | None = None,
     call_held: Sequence[int | None] | None = None,
     call_tangents: Sequence[frozenset[int] | None] | None = None,
 ) -> StepPrediction:
@@ -140,6 +187,8 @@ def simulate_step(
             ``dynamic/prefetch.py``), as measured in the step replayed: added to that call's
             end state, when its graph has freed its transients (seen: an early-exit step
             peaking at its first fragment's tail with 68,896 B of copies). ``None``: none.
+        call_cache_use: what the cache held through each forward call (:class:`CacheUse`,
+            :func:`cache_peak`), as measured; ``None``: nothing before its end.
         call_held: bytes of each forward call's held outputs (``held_output_bytes``) that the
             caller still held when the step's backward began, as measured in the step replayed
             (a loop keeping only the loss drops the logits); ``None`` (for the sequence or a
@@ -156,6 +205,7 @@ def simulate_step(
         ("call_saved_outputs", call_saved_outputs),
         ("call_input_grads", call_input_grads),
         ("call_cache", call_cache),
+        ("call_cache_use", call_cache_use),
         ("call_held", call_held),
         ("call_tangents", call_tangents),
     ):
@@ -217,9 +267,13 @@ def simulate_step(
             # Storages kept through views that this call reads are among its activations.
             mine = sum(n for a, n in views.items() if view_refs.get(a) and a not in callers)
             own = prof.forward.peak_bytes
-            # The cache fills at the call's end, when the graph holds only its end bytes.
-            cache = call_cache[i] if kind == "forward" and call_cache is not None else 0
+            # The cache beside the graph (its copies, taken or not) and at its end.
+            training = kind == "forward"
+            cache = call_cache[i] if training and call_cache is not None else 0
+            use = call_cache_use[i] if training and call_cache_use is not None else None
             during = max(own, prof.forward.end_bytes + cache) if cache else own
+            if use is not None:
+                during = max(during, cache_peak(prof.forward, use))
             p = base + saved + viewed - mine + grads + activations + during
             if kind == "forward":
                 # The first forward's inputs are the caller's (in base): only later ones, which

@@ -105,6 +105,9 @@ class PrefetchCache:
         #: Count fetches as needed (the forward of a training step); set by the prefetcher.
         self.counting = False
         self.needed = self.hit = self.prefetched = self.wasted = self.stale = 0
+        #: Bytes of copies handed to a graph (every hit, counting or not): a call's share of
+        #: what the cache held when it started is what it took (the rest stays cached).
+        self.taken = 0
         self.stall_ns = self.misses = self.peak_bytes = 0
         #: per copy tag: bytes prefetched, hit, wasted
         self.by_tag: dict[str, TagCounters] = {}
@@ -136,6 +139,7 @@ class PrefetchCache:
                 and entry.copy.dtype == h.dtype
             )
             if fresh:
+                self.taken += entry.nbytes
                 if self.counting:
                     self.needed += nbytes
                     self.hit += nbytes
