@@ -440,7 +440,7 @@ class _FragmentBuild:
         placed = self._host_placed() if aligned else []
         if placed:  # another fragment moved some of these parameters: fetch them here too
             joint = self._fetch_params(joint, num_fwd_outputs, placed)
-        model, plan, reserve = self._plan(joint, num_fwd_outputs, static, start=self.replan_start)
+        model, plan = self._plan(joint, num_fwd_outputs, static, start=self.replan_start)
         mode = DROPOUT_REWRITE
         if config.budget is not None and config.recompute and mode != "never":
             # Dropout outputs (and all that is computed from them) become recomputable once
@@ -459,9 +459,7 @@ class _FragmentBuild:
                 # The search also starts from the plain plan's choices carried over (greedy
                 # ends depend on the start: seen 75.4 MB from eager's set, 65.4 MB from there).
                 start = saved_after(kept, rewrites)
-                model2, plan2, reserve2 = self._plan(
-                    rewritten, num_fwd_outputs, static, start=start
-                )
+                model2, plan2 = self._plan(rewritten, num_fwd_outputs, static, start=start)
                 log.info(
                     "F%d: with recomputable dropouts%s the plan peaks at %s (%s without)",
                     self.index,
@@ -471,7 +469,7 @@ class _FragmentBuild:
                 )
                 better = plan2.feasible or plan2.predicted_peak < plan.predicted_peak
                 if better or forced:
-                    joint, model, plan, reserve = rewritten, model2, plan2, reserve2
+                    joint, model, plan = rewritten, model2, plan2
         hosted: list[int] = []
         host_peak: int | None = None  # the plan with parameters on the host, when tried
         candidates = self._host_candidates(static) if aligned else []
@@ -483,7 +481,7 @@ class _FragmentBuild:
             # Parameters to the host tier: their bytes leave the resident set, and each reader
             # fetches its own copy (passes/params.py); "auto" only when nothing else fits.
             fetched = self._fetch_params(joint, num_fwd_outputs, candidates)
-            model2, plan2, reserve2 = self._plan(fetched, num_fwd_outputs, static, host=candidates)
+            model2, plan2 = self._plan(fetched, num_fwd_outputs, static, host=candidates)
             host_peak = plan2.predicted_peak
             log.info(
                 "F%d: with %d parameters on the host the plan peaks at %s (%s without)",
@@ -498,8 +496,7 @@ class _FragmentBuild:
                 or plan2.predicted_peak < plan.predicted_peak
             ):
                 joint, model, plan, hosted = fetched, model2, plan2, candidates
-                reserve = reserve2
-        self.prefetch_reserve = reserve
+        self.prefetch_reserve = self._reserve(hosted)
         # Building the graphs changes nothing outside them: an infeasible plan still raises
         # below with the parameters untouched.
         fw, bw = partition_pass(joint, ctx, model=model, plan=plan)
@@ -567,16 +564,10 @@ class _FragmentBuild:
         *,
         host: Sequence[int] = (),
         start: Collection[str] = (),
-    ) -> tuple[JointModel, FragmentPlan, int]:
-        """The joint model of ``joint``, the planner's plan for this fragment's target, with the
-        inputs at positions ``host`` counted as host-placed (not resident), and the bytes the
-        plan leaves the pilot's prefetch cache; ``start``: a saved set the search also starts
-        from (``planner.search_saved_set``).
-
-        The cache gets its full reserve (:meth:`_reserve`) when the plan fits with it. It only
-        speeds fetches up, so a plan that does not fit with it is made again without it, and
-        the cache gets what that plan leaves of the budget (nothing if it does not fit either):
-        a plan must not miss its budget, nor keep parameters off the host tier, for it."""
+    ) -> tuple[JointModel, FragmentPlan]:
+        """The joint model of ``joint`` and the planner's plan for this fragment's target, with
+        the inputs at positions ``host`` counted as host-placed (not resident); ``start``: a
+        saved set the search also starts from (``planner.search_saved_set``)."""
         config, compiler = self.compiler.config, self.compiler
         primals = [
             p.meta.get("val")
@@ -595,35 +586,18 @@ class _FragmentBuild:
             dropped_outputs=self.dropped_outputs,
             released_tangents=self.released_tangents,
         )
-        base, reserve = compiler.resident_bytes(self, host=host), self._reserve(host)
-
-        def planned(resident: int) -> FragmentPlan:
-            return plan_fragment(
-                model,
-                target=None if config.budget is None else config.budget - resident,
-                resident_bytes=resident,
-                recompute=config.recompute,
-                swap_tier=config.offload_to if config.swap else None,
-                reorder=config.reorder,
-                start=start,
-                saved_cap=self.replan_saved_cap,
-            )
-
-        plan = planned(base + reserve)
-        if reserve and config.budget is not None and not plan.feasible:
-            bare = planned(base)
-            if bare.predicted_peak < plan.predicted_peak:
-                left = max(0, min(reserve, config.budget - bare.predicted_peak))
-                log.info(
-                    "F%d: the plan does not fit with a %s prefetch cache; planned without it "
-                    "(peak %s), the cache gets %s",
-                    self.index,
-                    format_bytes(reserve),
-                    format_bytes(bare.predicted_peak),
-                    format_bytes(left),
-                )
-                return model, bare, left
-        return model, plan, reserve
+        resident = compiler.resident_bytes(self, host=host) + self._reserve(host)
+        plan = plan_fragment(
+            model,
+            target=None if config.budget is None else config.budget - resident,
+            resident_bytes=resident,
+            recompute=config.recompute,
+            swap_tier=config.offload_to if config.swap else None,
+            reorder=config.reorder,
+            start=start,
+            saved_cap=self.replan_saved_cap,
+        )
+        return model, plan
 
     def _rematerialize(
         self,
