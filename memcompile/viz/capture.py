@@ -90,6 +90,13 @@ def _run_step(wl: Workload, options: dict[str, Any]) -> tuple[Any, Any]:
 
     _zero_grads(wl.model)
     compiled = memcompile.compile(wl.model, **options)
+    _train_step(wl, compiled)
+    return compiled, find_compiler(compiled)[0]
+
+
+def _train_step(wl: Workload, compiled: Any) -> None:
+    """One step (forward, backward) of batch 0; a budget error comes out unwrapped."""
+    _zero_grads(wl.model)
     try:
         wl.loss(compiled, 0).backward()
     except Exception as e:
@@ -97,7 +104,6 @@ def _run_step(wl: Workload, options: dict[str, Any]) -> tuple[Any, Any]:
         if budget_error is not None:
             raise budget_error from None
         raise
-    return compiled, find_compiler(compiled)[0]
 
 
 def _settle(wl: Workload, compiled: Any) -> int:
@@ -106,14 +112,7 @@ def _settle(wl: Workload, compiled: Any) -> int:
     stats = torch._dynamo.utils.counters["stats"]
     for n in range(1, SETTLE_STEPS + 1):
         before = stats["unique_graphs"]
-        _zero_grads(wl.model)
-        try:
-            wl.loss(compiled, 0).backward()
-        except Exception as e:
-            budget_error = _unwrap_budget_error(e)
-            if budget_error is not None:
-                raise budget_error from None
-            raise
+        _train_step(wl, compiled)
         if stats["unique_graphs"] == before:
             log.info("collect %s: plans settled after %d more step(s)", wl.name, n)
             return n
