@@ -21,6 +21,8 @@ from memcompile.passes.step import CacheUse, cache_peak, simulate_step
 from memcompile.report import find_compiler
 from memcompile.runtime.measure import measure
 
+from helpers import predicted_peak
+
 
 def _step(name: str, **options: object) -> tuple[int, int]:
     """(predicted, measured) absolute peak of one step of zoo ``name`` (tiny) after 3 training
@@ -387,6 +389,30 @@ def test_the_pilots_copies_made_inside_a_graph_count_from_there() -> None:
     predicted = memcompile.report(compiled).predicted_peak
     assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
     assert measured <= budget
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap (session 20): TreeLSTM with its cell parameters on the host under a "
+    "budget is predicted 7.7 % under the measured peak with the pilot (86,420 vs 93,648 B), "
+    "2.6 % without it; cause not found. It keeps offload_params='auto' from trading the "
+    "pilot's reserve for the host tier (README, the pilot row)",
+)
+def test_treelstm_with_host_parameters_under_a_budget_is_predicted_within_3_percent() -> None:
+    budget = int(predicted_peak("treelstm") * 0.7)
+    torch._dynamo.reset()
+    wl = zoo.build("treelstm", size="tiny")
+    compiled = memcompile.compile(
+        wl.model, budget=budget, offload_params=True, on_infeasible="best_effort"
+    )
+    wl.train(compiled, 3, optimizer="adam")
+    batch = wl.batch(1)
+    wl.model.zero_grad(set_to_none=True)
+    measured = memcompile.measure_peak(
+        lambda: compiled(*batch).backward(), resident=[wl.model, batch]
+    )
+    predicted = memcompile.report(compiled).predicted_peak
+    assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
 
 
 def _cache_graph() -> GraphProfile:
