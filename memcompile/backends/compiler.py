@@ -420,8 +420,11 @@ class _FragmentBuild:
         if LOSS_HEAD_IN_PLACE:
             # The same kernels in place: always. Under a budget in 16 blocks of rows (least
             # scratch); without one in blocks big enough that their calls cost no time.
-            free = min_block_bytes(compiler.cost_profile(self.example_inputs))
-            min_block = 0 if config.budget is not None else free
+            min_block = (
+                min_block_bytes(compiler.cost_profile(self.example_inputs))
+                if config.budget is None
+                else 0
+            )
             joint = loss_head_pass(joint, ctx, min_block_bytes=min_block)
         if ELEMENTWISE_IN_PLACE and config.inner == "eager":
             joint = in_place_pass(joint, ctx)  # the same kernels, writing into dying gradients

@@ -177,20 +177,15 @@ def _backward_match(gm: fx.GraphModule, lsm: fx.Node) -> tuple[fx.Node, fx.Node]
     return g, gl
 
 
-def _chunks(val: torch.Tensor, max_chunks: int, min_block: int) -> int:
-    """Blocks for a backward head of ``val``'s size: at most ``max_chunks`` and one per row,
-    each at least ``min_block`` bytes (one block for a smaller head)."""
+def _blocks(val: torch.Tensor, max_chunks: int, min_block: int) -> tuple[int, int]:
+    """Blocks for a backward head of ``val``'s size (at most ``max_chunks`` and one per row,
+    each at least ``min_block`` bytes: one block for a smaller head) and their scratch."""
     rows, _ = sym_to_int(val.shape[0])
     cols, _ = sym_to_int(val.shape[1])
-    nbytes = rows * cols * val.element_size()
-    by_size = nbytes // min_block if min_block > 0 else max_chunks
-    return max(1, min(max_chunks, rows, by_size))
-
-
-def _workspace(val: torch.Tensor, chunks: int) -> int:
-    rows, _ = sym_to_int(val.shape[0])
-    cols, _ = sym_to_int(val.shape[1])
-    return kernels.workspace_bytes(rows, cols * val.element_size(), chunks, backward=True)
+    row_bytes = cols * val.element_size()
+    by_size = rows * row_bytes // min_block if min_block > 0 else max_chunks
+    chunks = max(1, min(max_chunks, rows, by_size))
+    return chunks, kernels.workspace_bytes(rows, row_bytes, chunks, backward=True)
 
 
 def loss_head_pass(
@@ -257,8 +252,8 @@ def loss_head_pass(
                 lambda a: env[a],
             )
             val = env[saved].meta["val"]
-            chunks = _chunks(val, max_chunks, min_block_bytes)
-            make(n, _BACKWARD, (*args, n.args[2], chunks), val, _workspace(val, chunks))
+            chunks, ws = _blocks(val, max_chunks, min_block_bytes)
+            make(n, _BACKWARD, (*args, n.args[2], chunks), val, ws)
             rewrites.setdefault(lsm, ["", ""])[1] = env[n].name
             continue
         env[n] = new.node_copy(n, lambda a: env[a])
