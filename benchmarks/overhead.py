@@ -128,8 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown zoo workload(s) {unknown}; choose from {', '.join(zoo.names())}")
     sizes = [s for s in args.sizes.split(",") if s]
-    for size in sizes:
-        zoo.check_size(size)
+    bad = [s for s in sizes if s not in zoo.SIZES]
+    if bad or not sizes or not models:
+        parser.error(
+            f"--models and --sizes need zoo names and sizes ({', '.join(zoo.SIZES)}); "
+            f"got models {models}, sizes {sizes}"
+        )
     if os.environ.get("OMP_NUM_THREADS") != "1":
         print("warning: set OMP_NUM_THREADS=1 (shared machines)", file=sys.stderr)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
