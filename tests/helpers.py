@@ -154,3 +154,23 @@ def train_under_budget(
         lambda: compiled(*batch).backward(), resident=[comp.model, batch]
     )
     return compiled, comp, measured
+
+
+def measure_settled(compiled: Callable[..., Any], wl: Workload, batch: Any, steps: int = 4) -> int:
+    """Measured peak of one forward and backward of ``compiled`` on ``batch``, in a step that
+    compiled nothing: a re-plan the previous step decided compiles its fragments in the next
+    one, which then runs half the old plans and half the new (a dynamic model moving a
+    parameter to the host mid-step). At most ``steps`` tries; asserts one was settled."""
+    import memcompile
+
+    stats = torch._dynamo.utils.counters["stats"]
+    for _ in range(steps):
+        wl.model.zero_grad(set_to_none=True)
+        before = stats["unique_graphs"]
+        measured = memcompile.measure_peak(
+            lambda: compiled(*batch).backward(), resident=[wl.model, batch]
+        )
+        if stats["unique_graphs"] == before:
+            wl.model.zero_grad(set_to_none=True)
+            return measured
+    raise AssertionError(f"still compiling after {steps} measured steps")

@@ -162,7 +162,10 @@ def test_multi_fragment_step_over_budget_is_warned() -> None:
     budget = int(_peak_without_budget(name) * 0.8)
     torch._dynamo.reset()
     wl = zoo.build(name, size="tiny")
-    compiled = memcompile.compile(wl.model, budget=budget, on_infeasible="best_effort")
+    # Parameters kept on the device: with them on the host ("auto") this step fits.
+    compiled = memcompile.compile(
+        wl.model, budget=budget, on_infeasible="best_effort", offload_params=False
+    )
     # The first step's check re-plans its fragments (tests/test_replan.py); the warning comes
     # once the re-planned step is seen to exceed the budget still (parameters and gradients).
     with pytest.warns(MemoryBudgetWarning, match=r"step is predicted to peak at .* over budget="):

@@ -25,7 +25,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from types import CodeType
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
@@ -83,7 +83,7 @@ from memcompile.passes.plan import FragmentPlan
 from memcompile.passes.planner import plan_fragment
 from memcompile.passes.prefetch import plan_prefetch, prefetch_pass
 from memcompile.passes.rematerialize import plan_rematerialize, rematerialize_pass
-from memcompile.passes.step import CacheUse, StepPrediction, simulate_step
+from memcompile.passes.step import CacheUse, OutputLife, StepPrediction, simulate_step
 from memcompile.passes.swap import swap_pass
 from memcompile.passes.workspace import clone_workspace, probe_workspaces
 from memcompile.runtime.measure import storage_sizes
@@ -135,6 +135,10 @@ class CallStorages(NamedTuple):
         tangents: the step's first backward call: input positions of its incoming gradients
             still alive after it returned, held by someone else (the engine's root holds the
             loss's); ``None``: not measured.
+        inputs: a forward call's activation input storages (address -> bytes); under a budget.
+        lives: a forward call's held outputs and when each one's storage died
+            (:class:`OutputLife`; ``died`` is set by a weak reference's callback); under a
+            budget (without one the replay counts only the last forward's, ``held``).
     """
 
     kept: ViewStorages
@@ -144,6 +148,8 @@ class CallStorages(NamedTuple):
     held: int | None = None
     cache_use: CacheUse | None = None
     tangents: frozenset[int] | None = None
+    inputs: ViewStorages | None = None
+    lives: tuple[OutputLife, ...] = ()
 
 
 _NO_STORAGES = CallStorages({}, {}, {})
@@ -493,13 +499,32 @@ class _FragmentBuild:
                 format_bytes(plan2.predicted_peak),
                 format_bytes(plan.predicted_peak),
             )
+            reserve = self._reserve(candidates)
+            if config.offload_params == "auto" and not plan2.feasible and reserve:
+                # The pilot's reserve is a speed-up, the host tier what fits: rather than keep
+                # the parameters on the device over the budget, give the cache what is left.
+                room = self._room_without_reserve(fetched, num_fwd_outputs, static, candidates)
+                if room is not None:
+                    reserve = min(reserve, room)
+                    model2, plan2 = self._plan(
+                        fetched, num_fwd_outputs, static, host=candidates, reserve=reserve
+                    )
+                    log.info(
+                        "F%d: the pilot's prefetch reserve is cut to %s for the host tier to "
+                        "fit (plan peaks at %s)",
+                        self.index,
+                        format_bytes(reserve),
+                        format_bytes(plan2.predicted_peak),
+                    )
             if (
                 config.offload_params is True
                 or plan2.feasible
                 or plan2.predicted_peak < plan.predicted_peak
             ):
                 joint, model, plan, hosted = fetched, model2, plan2, candidates
-        self.prefetch_reserve = self._reserve(hosted)
+                self.prefetch_reserve = reserve
+        if not hosted:
+            self.prefetch_reserve = self._reserve(hosted)
         # Building the graphs changes nothing outside them: an infeasible plan still raises
         # below with the parameters untouched.
         fw, bw = partition_pass(joint, ctx, model=model, plan=plan)
@@ -530,7 +555,9 @@ class _FragmentBuild:
         if hosted:  # only now: an infeasible plan raised above with the parameters untouched
             with _disable_current_modes():  # partitioning runs under the fake mode
                 compiler.host_params_pinned |= device is not None and device.type == "cuda"
-                moved = sum(place_on_host(self.example_inputs[i]) for i in self._own_inputs(hosted))
+                moved = sum(
+                    compiler.move_to_host(self.example_inputs[i]) for i in self._own_inputs(hosted)
+                )
                 self._realias(hosted)
             compiler.host_param_bytes += moved
             log.info(
@@ -567,10 +594,12 @@ class _FragmentBuild:
         *,
         host: Sequence[int] = (),
         start: Collection[str] = (),
+        reserve: int | None = None,
     ) -> tuple[JointModel, FragmentPlan]:
         """The joint model of ``joint`` and the planner's plan for this fragment's target, with
         the inputs at positions ``host`` counted as host-placed (not resident); ``start``: a
-        saved set the search also starts from (``planner.search_saved_set``)."""
+        saved set the search also starts from (``planner.search_saved_set``); ``reserve``: the
+        prefetch cache's share of the budget (``None``: :meth:`_reserve`'s)."""
         config, compiler = self.compiler.config, self.compiler
         primals = [
             p.meta.get("val")
@@ -589,7 +618,9 @@ class _FragmentBuild:
             dropped_outputs=self.dropped_outputs,
             released_tangents=self.released_tangents,
         )
-        resident = compiler.resident_bytes(self, host=host) + self._reserve(host)
+        if reserve is None:
+            reserve = self._reserve(host)
+        resident = compiler.resident_bytes(self, host=host) + reserve
         plan = plan_fragment(
             model,
             target=None if config.budget is None else config.budget - resident,
@@ -601,6 +632,21 @@ class _FragmentBuild:
             saved_cap=self.replan_saved_cap,
         )
         return model, plan
+
+    def _room_without_reserve(
+        self,
+        fetched: fx.GraphModule,
+        num_fwd_outputs: int,
+        static: Sequence[int],
+        host: Sequence[int],
+    ) -> int | None:
+        """Bytes the plan of ``fetched`` (parameters at ``host`` on the host) leaves under the
+        budget with no prefetch reserve; ``None``: it does not fit even so."""
+        budget = self.compiler.config.budget
+        _, bare = self._plan(fetched, num_fwd_outputs, static, host=host, reserve=0)
+        if budget is None or not bare.feasible:
+            return None
+        return max(0, budget - bare.predicted_peak)
 
     def _rematerialize(
         self,
@@ -885,11 +931,22 @@ class _FragmentBuild:
             else None
         )
 
+        # Under a budget, how long the caller holds a forward's outputs (simulate_step's lives:
+        # ~6 us a call, which a step without a budget does not pay: nothing is planned on it).
+        lives = kind == "forward" and compiler.config.budget is not None
+        static_set = frozenset(static)
+        positions: list[tuple[int, ...]] = []  # the activation inputs' positions, once known
+
+        def activations(args: list[Any]) -> tuple[int, ...]:
+            if not positions:
+                positions.append(tuple(i for i in range(len(args)) if i not in static_set))
+            return positions[0]
+
         def place(args: list[Any]) -> None:
             for i in hosted:
                 if not is_host_placed(args[i]):
                     try:
-                        compiler.host_param_bytes += place_on_host(args[i])
+                        compiler.host_param_bytes += compiler.move_to_host(args[i])
                     except ValueError as e:  # still correct: the graph fetches a device copy
                         log.warning("memcompile: F%d input %d stays on the device: %s", index, i, e)
             # The aliases were made before the move: the graph reads the host copy through them
@@ -928,6 +985,8 @@ class _FragmentBuild:
                 else None
             )
             on_call(index, kind, block, args, build.size_key(args) if sized else ())
+            # A forward call's activation input storages, read before the call clears args.
+            reads = _view_storages(args, activations(args)) if lives else None
             tail = prefetcher is not None and prefetcher.before(
                 compiler.steps_observed, index, kind, block, args, hosted, build.prefetch_reserve
             )
@@ -953,6 +1012,8 @@ class _FragmentBuild:
                 compiler._on_saved_outputs(_view_storages(out, shared_out))
             if held_out:  # does the caller still hold them when the backward begins?
                 compiler._on_held_outputs(index, out, held_out)
+            if reads is not None:  # how long the caller holds them (simulate_step's lives)
+                compiler._on_forward_outputs(reads, out, held_out)
             if kind != "backward":  # observers see the outputs (a router's counts)
                 small_ints = compiler._on_call_end(index, kind, block, out, small_ints)
             if tail:  # the tail of a forward call: predict the next blocks, prefetch them
@@ -1071,6 +1132,11 @@ class MemCompiler:
         # The step's latest forward call with held outputs: its position in the step and weak
         # references to those outputs' storages with their bytes (``_on_held_outputs``).
         self._held_refs: tuple[int, list[tuple[int, StorageWeakRef, int, int]]] = (-1, [])
+        # This step's weak references to its forward calls' held output storages, whose
+        # callbacks note when each dies (``_on_forward_outputs``); dropped with the step.
+        self._output_refs: list[weakref.ref[Any]] = []
+        # Device storage addresses of parameters moved to the host tier (``move_to_host``).
+        self._moved_storages: set[int] = set()
         #: Fragments that made a step's latest forward call with held outputs, the one its first
         #: backward checks: only their calls take those weak references (empty: every
         #: fragment's, until a backward shows which; a tree's cells, called hundreds of times
@@ -1173,12 +1239,27 @@ class MemCompiler:
     def _model(self) -> torch.nn.Module | None:
         return self.model() if self.model is not None else None
 
+    def move_to_host(self, t: torch.Tensor) -> int:
+        """:func:`place_on_host` for ``t``, and forget its device storage: records made before
+        the move (a frame compiled again since) would count it as resident."""
+        address = t.untyped_storage().data_ptr()
+        freed = place_on_host(t)
+        if freed:
+            self._moved_storages.add(address)
+        return freed
+
+    def _static_storages(self, r: FragmentRecord) -> Iterator[tuple[int, int]]:
+        """``r``'s parameter and buffer storages at compile time, less those moved to the host
+        tier since."""
+        moved = self._moved_storages
+        return ((a, n) for a, n in r.static_storages if a not in moved)
+
     def _untaken_bytes(self, build: _FragmentBuild) -> int:
         """Bytes of the model's parameters and buffers that neither ``build`` nor a recorded
         fragment takes as an input (read by eager frames, or by fragments not compiled yet)."""
         taken = set(storage_sizes(t for t in build.example_inputs if isinstance(t, torch.Tensor)))
         for r in self.records():
-            taken.update(address for address, _ in r.static_storages)
+            taken.update(address for address, _ in self._static_storages(r))
         model = storage_sizes(self._model_tensors())
         return sum(size for address, size in model.items() if address not in taken)
 
@@ -1456,6 +1537,8 @@ class MemCompiler:
             self._order_checked_steps.clear()
             self.summed_grads.clear()
             self._held_refs = (-1, [])
+            self._output_refs = []
+            self._moved_storages.clear()
             self._last_forwards.clear()
             self._latest_held = (-1, -1)
             self._dropped_outputs.clear()
@@ -1499,7 +1582,7 @@ class MemCompiler:
             # until the new one replaces it).
             if r.compile_id.split("/")[0] == frame or r.index == build.index:
                 continue
-            storages.update(r.static_storages)
+            storages.update(self._static_storages(r))
             if r.profile is not None and r.profile.training:
                 others += r.profile.saved_bytes + r.profile.saved_input_bytes
         return sum(storages.values()) + others + self._device_other(build, sum(storages.values()))
@@ -1752,6 +1835,43 @@ class MemCompiler:
                 refs.append((j, StorageWeakRef(storage), storage.data_ptr(), storage.nbytes()))
         self._held_refs = (at, refs)
 
+    def _on_forward_outputs(
+        self, reads: ViewStorages, outputs: Sequence[Any], positions: Sequence[int]
+    ) -> None:
+        # After a forward call: the storages it read, and a weak reference to each storage of
+        # its held outputs whose callback notes the position in the step of the first call
+        # after its death. Storage objects are preserved while the storage lives (its last
+        # tensor or view), so the callback runs when the memory is freed. The references are
+        # dropped with the step: a death after it leaves ``died`` unset (alive to its end).
+        storages, step = self._step_storages, self._step
+        if not storages:
+            return
+        at = len(storages) - 1
+        lives: list[OutputLife] = []
+        for j in positions:
+            t = outputs[j] if j < len(outputs) else None
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            address, nbytes = storage.data_ptr(), storage.nbytes()
+            if not nbytes or any(life.address == address for life in lives):
+                continue
+            died = functools.partial(self._output_died, storages, step, at, len(lives))
+            self._output_refs.append(weakref.ref(storage, died))
+            lives.append(OutputLife(address, nbytes, None))
+        storages[at] = storages[at]._replace(inputs=reads, lives=tuple(lives))
+
+    def _output_died(
+        self, storages: list[CallStorages], step: list[StepEvent], at: int, k: int, _ref: Any
+    ) -> None:
+        # A held output's storage was freed (weak reference callback; see _on_forward_outputs).
+        if storages is not self._step_storages or at >= len(storages):
+            return
+        lives = list(storages[at].lives)
+        if k < len(lives):
+            lives[k] = lives[k]._replace(died=len(step))
+            storages[at] = storages[at]._replace(lives=tuple(lives))
+
     def _after_first_backward(self, index: int, held: frozenset[int]) -> None:
         # After the step's first backward call (the latest recorded, of F{index}): its
         # incoming gradients (input positions) that someone else held through it. With what
@@ -1824,6 +1944,7 @@ class MemCompiler:
         self._step_storages = []
         self._step_trains = False
         self._open_blocks.clear()
+        self._output_refs = []
         self._held_refs = (-1, [])
         self._latest_held = (-1, -1)
         self._step_dropped = None
@@ -2092,10 +2213,11 @@ class MemCompiler:
         """:meth:`predict_step` and the profile each call was replayed with."""
         records = self.records()
         static: dict[int, int] = {}
+        moved = self._moved_storages
         for r in records:
-            static.update(r.static_storages)
+            static.update(self._static_storages(r))
             for storages in list(r.blocks.values()):
-                static.update(storages)
+                static.update((a, n) for a, n in storages.items() if a not in moved)
         static.update(storage_sizes(self._model_tensors()))
         static.update(storage_sizes(extra_resident))
         resident = sum(static.values()) + (self.device_other_bytes or 0)
@@ -2130,6 +2252,8 @@ class MemCompiler:
                 call_cache_use=[c.cache_use for c in kept] if kept is not None else None,
                 call_held=[c.held for c in kept] if kept is not None else None,
                 call_tangents=[c.tangents for c in kept] if kept is not None else None,
+                call_inputs=[c.inputs for c in kept] if kept is not None else None,
+                call_lives=[c.lives for c in kept] if kept is not None else None,
             )
             if seq
             else None

@@ -5,6 +5,7 @@ Replays the observed call sequence of one step (``F0.fw F1.fw … F1.bw F0.bw``)
 
     live = resident (parameters, buffers, the first fragment's inputs)
     F.fw        peak = live + saved(earlier fragments) + F's activation inputs + F.forward peak
+                       + outputs of earlier calls the caller still holds
                 saved += F.saved + F.saved inputs (autograd keeps the inputs its backward reads;
                          by storage address when known: calls saving one storage hold it once)
     F.bw        peak = live + held outputs + saved(others) + grads so far
@@ -12,6 +13,7 @@ Replays the observed call sequence of one step (``F0.fw F1.fw … F1.bw F0.bw``)
                        backward, those the caller still held when the backward began)
                        + gradients of activation inputs autograd holds for their producer
                        + max(F.backward peak, F.backward end + accumulate)
+                       + outputs of earlier forward calls the caller still holds
                 (F.backward peak with its incoming gradients freed at their last use, but for
                 the step's first backward, whose gradient the engine's root holds)
                 saved -= F.saved; grads += F's gradients of parameters without one yet
@@ -28,6 +30,15 @@ gradients is a new device tensor: from the second contribution on, that paramete
 is device memory until its last contribution, when AccumulateGrad's hook sends it back to the
 host.
 
+The outputs the caller still holds: a forward call's user outputs its backward does not read
+live as long as Python keeps them. A tree's encoder keeps every node's ``h`` and ``c`` in a list
+until the root is done, an RNN its states; they are not the next call's activation inputs (a
+``stack`` copies them). The compiler measures when each one's storage dies (:class:`OutputLife`,
+a weak reference's callback: the position in the step of the first call that began after it)
+and the replay counts it at every call it was alive for, once per storage: not where the call
+reads it as an input (its activation inputs count it) or where a backward keeps it (counted with
+the saved storages). The last forward call's are its ``held`` outputs (below).
+
 For a single-fragment step this is exactly :meth:`FragmentProfile.step_peak`. With several
 fragments it is an estimate: activations that Python code between fragments allocates or holds
 are not visible to memcompile.
@@ -35,14 +46,15 @@ are not visible to memcompile.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+import heapq
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from memcompile.passes.analysis import GraphProfile
 from memcompile.passes.fragment import FragmentProfile, ParamGrad
 
-__all__ = ["CacheUse", "StepPrediction", "cache_peak", "simulate_step"]
+__all__ = ["CacheUse", "OutputLife", "StepPrediction", "cache_peak", "simulate_step"]
 
 
 @dataclass(frozen=True)
@@ -135,6 +147,64 @@ def cache_peak(graph: GraphProfile, use: CacheUse) -> int:
     return peak
 
 
+class OutputLife(NamedTuple):
+    """The storage of one held output of a forward call (a user output its backward does not
+    read), and when it died, as measured.
+
+    Attributes:
+        address: the storage's address.
+        nbytes: its bytes.
+        died: position in the step of the first call that began after the storage was freed
+            (``None``: alive when the step ended).
+    """
+
+    address: int
+    nbytes: int
+    died: int | None
+
+
+class _HeldOutputs:
+    """Held outputs of earlier forward calls still alive, by storage (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._alive: dict[int, tuple[int, int]] = {}  # address -> (bytes, token)
+        self._ends: list[tuple[int, int, int]] = []  # heap of (died, token, address)
+        self._token = 0
+        self.bytes = 0
+
+    def add(self, lives: Sequence[OutputLife], counted: Callable[[int], bool]) -> None:
+        """A forward call's outputs, but for storages counted elsewhere (``counted``)."""
+        for life in lives:
+            if life.address in self._alive or counted(life.address):
+                continue
+            self._token += 1
+            self._alive[life.address] = (life.nbytes, self._token)
+            self.bytes += life.nbytes
+            if life.died is not None:
+                heapq.heappush(self._ends, (life.died, self._token, life.address))
+
+    def advance(self, position: int) -> None:
+        """Forget the storages that died before the call at ``position`` began."""
+        ends = self._ends
+        while ends and ends[0][0] <= position:
+            _, token, address = heapq.heappop(ends)
+            entry = self._alive.get(address)
+            if entry is not None and entry[1] == token:
+                self.drop(address)
+
+    def drop(self, address: int) -> int:
+        """Stop counting ``address`` here (now counted elsewhere); returns its bytes."""
+        entry = self._alive.pop(address, None)
+        if entry is None:
+            return 0
+        self.bytes -= entry[0]
+        return entry[0]
+
+    def among(self, addresses: Iterable[int]) -> int:
+        """Bytes of the alive storages among ``addresses``."""
+        return sum(self._alive[a][0] for a in addresses if a in self._alive)
+
+
 def simulate_step(
     profiles: Mapping[int, FragmentProfile | None],
     sequence: Sequence[tuple[int, str, int]],
@@ -149,6 +219,8 @@ def simulate_step(
     call_cache_use: Sequence[CacheUse | None] | None = None,
     call_held: Sequence[int | None] | None = None,
     call_tangents: Sequence[frozenset[int] | None] | None = None,
+    call_inputs: Sequence[Mapping[int, int] | None] | None = None,
+    call_lives: Sequence[Sequence[OutputLife]] | None = None,
 ) -> StepPrediction:
     """Replay ``sequence`` (fragment index, kind, block key) over ``profiles``.
 
@@ -197,6 +269,12 @@ def simulate_step(
             gradients someone else held through it (the engine's root holds the loss's), as
             measured in the step replayed; the others (AOTAutograd's zeros for outputs that
             got no gradient) die at their last reader. ``None``: all held to the end.
+        call_inputs: each forward call's activation input storages (address -> bytes), as
+            measured: a held output of an earlier call that this call reads is counted with its
+            activation inputs, not again. ``None``: none known.
+        call_lives: each forward call's held outputs and when they died (:class:`OutputLife`),
+            as measured: counted at every later call they were alive for (the last forward
+            call's are ``call_held``'s). ``None``: not measured, none counted.
     """
     for name, per_call in (
         ("call_profiles", call_profiles),
@@ -208,6 +286,8 @@ def simulate_step(
         ("call_cache_use", call_cache_use),
         ("call_held", call_held),
         ("call_tangents", call_tangents),
+        ("call_inputs", call_inputs),
+        ("call_lives", call_lives),
     ):
         if per_call is not None and len(per_call) != len(sequence):
             raise ValueError(f"{name} has {len(per_call)} entries for {len(sequence)} calls")
@@ -250,10 +330,19 @@ def simulate_step(
     callers: set[int] = set()
     viewed = 0
     first_call = -1
+    # Held outputs of earlier forward calls the caller still holds; the last forward call's are
+    # ``held`` (what the backward began with).
+    outputs_held = _HeldOutputs()
+    last_forward = max((i for i, (_, k, _) in enumerate(sequence) if k == "forward"), default=-1)
+
+    def kept_elsewhere(address: int) -> bool:
+        return address in callers or bool(view_refs.get(address))
+
     for i, (index, kind, _) in enumerate(sequence):
         prof = profile(i)
+        outputs_held.advance(i)
         if prof is None:
-            call_peaks.append(base + saved + viewed + grads)
+            call_peaks.append(base + saved + viewed + grads + outputs_held.bytes)
             own_peaks.append(None)
             continue
         activations = prof.input_bytes - prof.static_input_bytes
@@ -274,7 +363,9 @@ def simulate_step(
             during = max(own, prof.forward.end_bytes + cache) if cache else own
             if use is not None:
                 during = max(during, cache_peak(prof.forward, use))
-            p = base + saved + viewed - mine + grads + activations + during
+            reading = call_inputs[i] if call_inputs is not None else None
+            earlier = outputs_held.bytes - (outputs_held.among(reading) if reading else 0)
+            p = base + saved + viewed - mine + grads + activations + during + earlier
             if kind == "forward":
                 # The first forward's inputs are the caller's (in base): only later ones, which
                 # Python may drop while autograd keeps them, add to what is saved. An input two
@@ -287,15 +378,18 @@ def simulate_step(
                 for address, nbytes in (*views.items(), *outs.items()):
                     if address not in callers and not view_refs.get(address):
                         viewed += nbytes
+                        outputs_held.drop(address)  # kept by this call's backward from now on
                     view_refs[address] = view_refs.get(address, 0) + 1
                 saved += outputs + inputs
                 open_saved.setdefault(index, []).append((outputs, inputs, views, outs, i))
             alive = call_held[i] if call_held is not None else None
             held = prof.held_output_bytes if alive is None else alive
+            if kind == "forward" and call_lives is not None and i != last_forward:
+                outputs_held.add(call_lives[i], kept_elsewhere)
         else:  # backward
             bw = prof.backward
             if bw is None:
-                call_peaks.append(base + saved + viewed + grads)
+                call_peaks.append(base + saved + viewed + grads + outputs_held.bytes)
                 own_peaks.append(None)
                 continue
             opened = open_saved.get(index)
@@ -342,6 +436,7 @@ def simulate_step(
             first_backward = False
             own = max(bw_peak, bw.end_bytes + accumulate)
             p = base + held + others + inputs + viewed + grads + held_input_grads + own
+            p += outputs_held.bytes
             saved = others
             for address, nbytes in views.items():  # the last reader's backward frees it
                 view_refs[address] -= 1
