@@ -19,7 +19,8 @@ from memcompile.passes.analysis import GraphProfile, NodeProfile
 from memcompile.passes.fragment import FragmentProfile, ParamGrad
 from memcompile.passes.step import CacheUse, OutputLife, cache_peak, simulate_step
 from memcompile.report import find_compiler
-from memcompile.runtime.measure import measure
+from memcompile.runtime.measure import measure, storage_sizes
+from memcompile.runtime.store import is_host_placed
 
 from helpers import predicted_peak
 
@@ -391,6 +392,23 @@ def test_a_held_output_a_later_call_reads_or_saves_is_counted_there_once() -> No
     assert twice.call_peaks[1] == 250
 
 
+def test_an_input_an_earlier_backward_keeps_counts_once_where_a_call_reads_it() -> None:
+    # A router (F1) saves its 800-byte output for its backward; an expert (F2) reads it (its
+    # inputs: the profile counts it) without saving it (an out-of-place index_add's base).
+    router = dataclasses.replace(_cell(0), saved_bytes=800, saved_output_positions=(0,))
+    expert = dataclasses.replace(_cell(50), input_bytes=800)
+    seq = _training([0, 1, 2])
+    outs = [{0xA: 800} if i == 1 and k == "forward" else {} for i, k, _ in seq]
+    inputs: list[dict[int, int] | None] = [None, None, {0xA: 800}] + [None] * 3
+    profiles = {0: _cell(0), 1: router, 2: expert}
+    pred = simulate_step(
+        profiles, seq, resident_bytes=0, call_saved_outputs=outs, call_inputs=inputs
+    )
+    assert pred.call_peaks[2] == 800 + 50  # once: saved by the router, read by the expert
+    unknown = simulate_step(profiles, seq, resident_bytes=0, call_saved_outputs=outs)
+    assert unknown.call_peaks[2] == 800 + 800 + 50  # as before the inputs were measured
+
+
 class _Cell(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -527,6 +545,27 @@ def test_treelstm_with_host_parameters_under_a_budget_is_predicted_within_3_perc
     )
     predicted = memcompile.report(compiled).predicted_peak
     assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
+
+
+def test_parameters_moved_to_the_host_are_not_resident_in_records_made_before() -> None:
+    # TreeLSTM at 0.7x with "auto": a re-plan moves the embedding to the host; the record of
+    # the embedding's first (static) graph, compiled before, still lists its device storage.
+    # It was counted: 8,384 B of a freed storage in every call's prediction.
+    budget = int(predicted_peak("treelstm") * 0.7)
+    torch._dynamo.reset()
+    wl = zoo.build("treelstm", size="tiny")
+    compiled = memcompile.compile(wl.model, budget=budget, on_infeasible="best_effort")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wl.train(compiled, 5, optimizer="adam")
+    embed = wl.model.embed.weight
+    assert is_host_placed(embed)
+    comp, model = find_compiler(compiled)
+    stale = [r for r in comp.records() if any(n == 8384 for _, n in r.static_storages)]
+    assert stale  # the scenario: a record made while the embedding was on the device
+    _, _, resident = comp.predict_step()
+    tensors = [*model.parameters(), *model.buffers()]
+    assert resident == sum(storage_sizes(tensors).values()) + (comp.device_other_bytes or 0)
 
 
 def _cache_graph() -> GraphProfile:

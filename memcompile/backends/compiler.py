@@ -2296,13 +2296,18 @@ class MemCompiler:
             return
         used = {i for i, _, _ in shape}
         records = {r.index: r for r in self.records()}
-        if any(
+        # A fragment whose own plan did not fit was reported (error or warning) when it was
+        # planned. With other fragments in the step, re-planning still lowers it (best effort):
+        # that plan counted what the step held then, e.g. parameters other fragments have
+        # moved to the host since. Alone, its plan knew the whole step.
+        reported = any(
             r.plan is not None and not r.plan.feasible and i not in self._replanned
             for i, r in records.items()
             if i in used
-        ):
+        )
+        if reported and len(used) == 1:
             self.over_budget = True
-            return  # an infeasible fragment plan was already reported (error or warning)
+            return
         rounds = last.round if last is not None else 0
         stuck: tuple[int, ...] = ()
         if rounds < MAX_ROUNDS:
@@ -2355,6 +2360,8 @@ class MemCompiler:
                 )
                 return
         self.over_budget = True
+        if reported and not rounds:
+            return  # said when its fragment was planned
         if calls in self._warned_steps:  # a dynamic model: the same calls at other sizes
             return
         self._warned_steps.add(calls)

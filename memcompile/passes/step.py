@@ -353,8 +353,15 @@ def simulate_step(
                 first_forward = False
                 first_call = i
             views = call_views[i] if kind == "forward" and call_views is not None else {}
-            # Storages kept through views that this call reads are among its activations.
-            mine = sum(n for a, n in views.items() if view_refs.get(a) and a not in callers)
+            reading = call_inputs[i] if call_inputs is not None else None
+            # Storages an earlier call's backward keeps that this call reads are among its
+            # activations (all it reads when known: an expert reads the router's saved output
+            # without saving it; else those it keeps too).
+            mine = sum(
+                n
+                for a, n in (views if reading is None else reading).items()
+                if view_refs.get(a) and a not in callers
+            )
             own = prof.forward.peak_bytes
             # The cache beside the graph (its copies, taken or not) and at its end.
             training = kind == "forward"
@@ -363,7 +370,6 @@ def simulate_step(
             during = max(own, prof.forward.end_bytes + cache) if cache else own
             if use is not None:
                 during = max(during, cache_peak(prof.forward, use))
-            reading = call_inputs[i] if call_inputs is not None else None
             earlier = outputs_held.bytes - (outputs_held.among(reading) if reading else 0)
             p = base + saved + viewed - mine + grads + activations + during + earlier
             if kind == "forward":
