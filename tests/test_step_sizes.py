@@ -368,6 +368,15 @@ def test_outputs_the_caller_holds_count_at_every_call_until_their_storage_died()
     assert pred.call_peaks[3:] == (210, 210, 110)
 
 
+def test_an_output_storage_reused_after_an_earlier_one_died_is_counted() -> None:
+    # Call 0's output dies during call 1, whose own output gets the same address: the new
+    # storage lives on; the old one's death does not end it.
+    seq = _training([1, 1, 1])
+    lives = [(OutputLife(0xA, 100, 2),), (OutputLife(0xA, 100, None),), (), (), (), ()]
+    pred = simulate_step({1: _cell(100)}, seq, resident_bytes=0, call_lives=lives)
+    assert pred.call_peaks[:3] == (100, 200, 200)
+
+
 def test_a_held_output_a_later_call_reads_or_saves_is_counted_there_once() -> None:
     # F0's 100-byte output lives on; F1 reads it as its activation input (the profile counts
     # it in its inputs); F2 saves it for its backward (counted with the saved storages).

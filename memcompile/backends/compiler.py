@@ -480,6 +480,7 @@ class _FragmentBuild:
                 if better or forced:
                     joint, model, plan = rewritten, model2, plan2
         hosted: list[int] = []
+        host_reserve = 0  # the prefetch reserve the plan with parameters on the host leaves
         host_peak: int | None = None  # the plan with parameters on the host, when tried
         candidates = self._host_candidates(static) if aligned else []
         device = self.device
@@ -522,9 +523,8 @@ class _FragmentBuild:
                 or plan2.predicted_peak < plan.predicted_peak
             ):
                 joint, model, plan, hosted = fetched, model2, plan2, candidates
-                self.prefetch_reserve = reserve
-        if not hosted:
-            self.prefetch_reserve = self._reserve(hosted)
+                host_reserve = reserve
+        self.prefetch_reserve = host_reserve if hosted else self._reserve(hosted)
         # Building the graphs changes nothing outside them: an infeasible plan still raises
         # below with the parameters untouched.
         fw, bw = partition_pass(joint, ctx, model=model, plan=plan)
@@ -1865,12 +1865,11 @@ class MemCompiler:
         self, storages: list[CallStorages], step: list[StepEvent], at: int, k: int, _ref: Any
     ) -> None:
         # A held output's storage was freed (weak reference callback; see _on_forward_outputs).
-        if storages is not self._step_storages or at >= len(storages):
+        if storages is not self._step_storages:  # a later step's: the step ended with it alive
             return
         lives = list(storages[at].lives)
-        if k < len(lives):
-            lives[k] = lives[k]._replace(died=len(step))
-            storages[at] = storages[at]._replace(lives=tuple(lives))
+        lives[k] = lives[k]._replace(died=len(step))
+        storages[at] = storages[at]._replace(lives=tuple(lives))
 
     def _after_first_backward(self, index: int, held: frozenset[int]) -> None:
         # After the step's first backward call (the latest recorded, of F{index}): its

@@ -173,10 +173,13 @@ class _HeldOutputs:
         self.bytes = 0
 
     def add(self, lives: Sequence[OutputLife], counted: Callable[[int], bool]) -> None:
-        """A forward call's outputs, but for storages counted elsewhere (``counted``)."""
+        """A forward call's outputs, but for storages counted elsewhere (``counted``). An
+        address still listed was freed during this call and reused (its heap entry, whose
+        token no longer matches, is then ignored)."""
         for life in lives:
-            if life.address in self._alive or counted(life.address):
+            if counted(life.address):
                 continue
+            self.drop(life.address)
             self._token += 1
             self._alive[life.address] = (life.nbytes, self._token)
             self.bytes += life.nbytes
@@ -192,13 +195,11 @@ class _HeldOutputs:
             if entry is not None and entry[1] == token:
                 self.drop(address)
 
-    def drop(self, address: int) -> int:
-        """Stop counting ``address`` here (now counted elsewhere); returns its bytes."""
+    def drop(self, address: int) -> None:
+        """Stop counting ``address`` here (dead, or now counted elsewhere)."""
         entry = self._alive.pop(address, None)
-        if entry is None:
-            return 0
-        self.bytes -= entry[0]
-        return entry[0]
+        if entry is not None:
+            self.bytes -= entry[0]
 
     def among(self, addresses: Iterable[int]) -> int:
         """Bytes of the alive storages among ``addresses``."""
