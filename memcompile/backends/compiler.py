@@ -45,6 +45,7 @@ from memcompile.backends.dynamo_hooks import (
     calling_dynamo_context,
     install_call_hook,
 )
+from memcompile.backends.fakes import real_inputs
 from memcompile.backends.fallbacks import Fallback, FunctionSpan, monitor
 from memcompile.backends.fragments import (
     FragmentIdentity,
@@ -139,6 +140,8 @@ class CallStorages(NamedTuple):
         lives: a forward call's held outputs and when each one's storage died
             (:class:`OutputLife`; ``died`` is set by a weak reference's callback); under a
             budget (without one the replay counts only the last forward's, ``held``).
+        kept_at: of ``kept``, the whole storages its backward reads (``saved_input_reads``):
+            address -> input position (the first that has it).
     """
 
     kept: ViewStorages
@@ -150,6 +153,7 @@ class CallStorages(NamedTuple):
     tangents: frozenset[int] | None = None
     inputs: ViewStorages | None = None
     lives: tuple[OutputLife, ...] = ()
+    kept_at: Mapping[int, int] = {}
 
 
 _NO_STORAGES = CallStorages({}, {}, {})
@@ -219,6 +223,15 @@ def _apply_dynamo_settings() -> None:
     if not torch._dynamo.config.allow_empty_graphs:
         log.debug("setting torch._dynamo.config.allow_empty_graphs = True")
         torch._dynamo.config.allow_empty_graphs = True
+
+
+def replaces(compile_id: str, other: str | None) -> bool:
+    """Whether the graphs of Dynamo compiles ``compile_id`` and ``other`` (``frame/attempt``)
+    replace each other in a step: another compile of the same frame (new shapes). The pieces of
+    one compile (DDP's graph splitter compiles one per gradient bucket) all run."""
+    if other is None:
+        return False
+    return compile_id.split("/")[0] == other.split("/")[0] and compile_id != other
 
 
 def _view_storages(args: Sequence[Any], positions: Sequence[int]) -> dict[int, int]:
@@ -891,10 +904,11 @@ class _FragmentBuild:
             # Which input storages this call's backward keeps (whole or through views), and
             # which inputs get gradients: read per call, so that the step's replay counts a
             # storage several calls keep, or a gradient several calls add to, once.
-            kept = self.profile.saved_input_positions + self.profile.saved_view_inputs
+            whole = self.profile.saved_input_positions
+            kept = whole + self.profile.saved_view_inputs
             grads = tuple(i for i, _ in self.profile.activation_grads)
             if kept or grads:
-                self.compiler._call_reads[self.index] = (kept, grads)
+                self.compiler._call_reads[self.index] = (kept, grads, whole)
         shared_out = (
             self.profile.saved_output_positions
             if kind == "forward" and self.profile is not None
@@ -1127,8 +1141,9 @@ class MemCompiler:
         self._step_sizes: list[SizeKey] = []
         self._step_storages: list[CallStorages] = []
         #: Fragment index -> positions of activation inputs its backward reads, whole or through
-        #: views (its profile's saved_input_positions and saved_view_inputs).
-        self._call_reads: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        #: views (its profile's saved_input_positions and saved_view_inputs), those that get
+        #: gradients, and those of the first kind (whole storages).
+        self._call_reads: dict[int, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
         # The step's latest forward call with held outputs: its position in the step and weak
         # references to those outputs' storages with their bytes (``_on_held_outputs``).
         self._held_refs: tuple[int, list[tuple[int, StorageWeakRef, int, int]]] = (-1, [])
@@ -1260,8 +1275,20 @@ class MemCompiler:
         taken = set(storage_sizes(t for t in build.example_inputs if isinstance(t, torch.Tensor)))
         for r in self.records():
             taken.update(address for address, _ in self._static_storages(r))
-        model = storage_sizes(self._model_tensors())
+        model = storage_sizes(self._untaken_resident(set(), False))
         return sum(size for address, size in model.items() if address not in taken)
+
+    def _untaken_resident(self, hosted: set[int], hosting: bool) -> list[torch.Tensor]:
+        """The model's parameters and buffers a plan counts as resident, but those with ids in
+        ``hosted``: with ``offload_params=True``, or when the plan moves parameters to the host
+        (``hosting``), not the parameters later fragments will move too."""
+        assume = self.config.offload_params is True or hosting
+        return [
+            t
+            for t in self._model_tensors()
+            if id(t) not in hosted
+            and not (assume and isinstance(t, torch.nn.Parameter) and can_host_place(t))
+        ]
 
     def _model_tensors(self) -> tuple[torch.Tensor, ...]:
         """The compiled model's parameters and buffers, when the model is known: resident
@@ -1395,7 +1422,17 @@ class MemCompiler:
         )
         split = gm.meta.get("memcompile_input_split", InputSplit())
         compile_inputs = split.compile_inputs(example_inputs)
-        build = _FragmentBuild(self, index, split.expand(example_inputs))
+        # DDP's graph splitter compiles each piece with fake parameters: plan with the real ones.
+        real, unfound = real_inputs(example_inputs)
+        if unfound and self.config.offload_params is True:
+            warnings.warn(
+                f"memcompile: F{index}: {unfound} parameters reached the backend as fake tensors "
+                "(DDP's graph splitting) with no real parameter found behind them, so they stay "
+                "on the device (offload_params=True)",
+                MemoryBudgetWarning,
+                stacklevel=2,
+            )
+        build = _FragmentBuild(self, index, split.expand(real))
         build.alias_sources = split.aliases(len(example_inputs))
         build.summed_inputs = split.summed
         build.dropped_outputs = self._dropped_outputs.get(identity.id, frozenset())
@@ -1571,16 +1608,18 @@ class MemCompiler:
             moved = storage_sizes(build.example_inputs[i] for i in skip)
             return max(0, build.replan_resident - sum(moved.values()))
         storages = storage_sizes(t for i, t in enumerate(build.example_inputs) if i not in skip)
-        # The model's parameters no fragment takes (read by eager frames) count too.
+        # The model's parameters no fragment takes (read by eager frames, or by fragments not
+        # compiled yet) count too; but for those the later fragments will move to the host
+        # tier as this one does (the step's check re-plans if they do not).
         hosted = {id(t) for i, t in enumerate(build.example_inputs) if i in skip}
-        storages.update(storage_sizes(t for t in self._model_tensors() if id(t) not in hosted))
+        storages.update(storage_sizes(self._untaken_resident(hosted, bool(skip))))
         compile_id = torch._guards.CompileContext.current_compile_id()
-        frame = str(compile_id).split("/")[0] if compile_id is not None else None
+        this = str(compile_id) if compile_id is not None else None
         others = 0
         for r in self.records():
             # Not itself: a fragment compiled again keeps its index (its old record is there
             # until the new one replaces it).
-            if r.compile_id.split("/")[0] == frame or r.index == build.index:
+            if r.index == build.index or replaces(r.compile_id, this):
                 continue
             storages.update(self._static_storages(r))
             if r.profile is not None and r.profile.training:
@@ -1803,13 +1842,20 @@ class MemCompiler:
         if read is None:
             self._step_storages.append(_NO_STORAGES)
         else:
-            kept, grads = read
+            kept, grads, whole = read
             addresses = {
                 i: args[i].untyped_storage().data_ptr()
                 for i in grads
                 if i < len(args) and isinstance(args[i], torch.Tensor)
             }
-            self._step_storages.append(CallStorages(_view_storages(args, kept), {}, addresses))
+            kept_at = {
+                args[i].untyped_storage().data_ptr(): i
+                for i in reversed(whole)
+                if i < len(args) and isinstance(args[i], torch.Tensor)
+            }
+            self._step_storages.append(
+                CallStorages(_view_storages(args, kept), {}, addresses, kept_at=kept_at)
+            )
         self._step_trains |= kind == "forward"
         self._last_kind = kind
         for observer in self.block_observers:
@@ -2253,6 +2299,7 @@ class MemCompiler:
                 call_tangents=[c.tangents for c in kept] if kept is not None else None,
                 call_inputs=[c.inputs for c in kept] if kept is not None else None,
                 call_lives=[c.lives for c in kept] if kept is not None else None,
+                call_kept_at=[c.kept_at for c in kept] if kept is not None else None,
             )
             if seq
             else None

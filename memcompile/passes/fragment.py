@@ -109,6 +109,12 @@ class FragmentProfile:
             (``tangents_1``, ...: the joint graph's names too).
         released: positions of the incoming gradients profiled as freed after their last
             reader (``profile_fragment``'s ``released_tangents``).
+        saved_input_reads: ``(position, bytes, node)`` of each whole-storage activation input
+            the backward reads (``saved_input_positions``), with the index in
+            ``backward.nodes`` of its last reader. The backward's profile counts none of them
+            (forward inputs are the caller's); where nothing else holds one (the caller dropped
+            it: a multi-fragment step's previous output), autograd frees it after that reader,
+            which :meth:`backward_peak_holding` prices when told (``releasing``).
     """
 
     forward: GraphProfile
@@ -130,6 +136,7 @@ class FragmentProfile:
     tangent_storages: tuple[tuple[int, tuple[int, ...]], ...] = ()
     tangent_names: tuple[str, ...] = ()
     released: tuple[int, ...] = ()
+    saved_input_reads: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def training(self) -> bool:
@@ -151,11 +158,24 @@ class FragmentProfile:
             )
         return peaks
 
-    def backward_peak_holding(self, held: Collection[int]) -> int:
+    def backward_peak_holding(
+        self, held: Collection[int] | None, releasing: Collection[int] = ()
+    ) -> int:
         """The backward's peak (as ``backward.peak_bytes``) with only the incoming gradients at
-        input positions ``held`` held to the end, the others freed after their last reader."""
+        input positions ``held`` held to the end, the others freed after their last reader
+        (``None``: all freed so, as when another fragment's backward made them: the
+        ``backward_handed_peak``). ``releasing``: forward input positions of saved activation
+        inputs nothing else holds, counted until their last reader (``saved_input_reads``)."""
         if self.backward is None:
             raise ValueError("an inference fragment has no backward")
+        inputs = [(b, k) for pos, b, k in self.saved_input_reads if pos in releasing]
+        if held is None:
+            if self.backward_handed_peak is None:
+                return _handed_peak(self.backward, set(), inputs)
+            free = {
+                s for pos, sids in self.tangent_storages if pos not in self.released for s in sids
+            }
+            return _handed_peak(self.backward, free, inputs)
         released = set(self.released)
         keep = {s for pos, sids in self.tangent_storages if pos in held for s in sids}
         free = {
@@ -172,7 +192,7 @@ class FragmentProfile:
             for s in sids
         }
         extra = sum(st.nbytes for st in self.backward.storages if st.id in again)
-        return _handed_peak(self.backward, free - keep) + extra
+        return _handed_peak(self.backward, free - keep, inputs) + extra
 
     def step_peak(self) -> int:
         """Absolute device peak of a step whose only fragment is this one (grads start as None)."""
@@ -193,11 +213,27 @@ class FragmentProfile:
         }
 
 
-def _handed_peak(bw: GraphProfile, tangents: set[int]) -> int:
+def _handed_peak(
+    bw: GraphProfile, tangents: set[int], inputs: Sequence[tuple[int, int]] = ()
+) -> int:
     """``bw``'s peak had the storages ``tangents`` (held to the end in ``bw``) been freed
-    after their last reader (a node reading a value that aliases them)."""
+    after their last reader (a node reading a value that aliases them), and with ``inputs``
+    (``(bytes, node index)``: untracked inputs) counted up to and including their last reader."""
+    if inputs:
+        base = _handed_curve(bw, tangents)
+        return max(
+            (lv + sum(b for b, last in inputs if k <= last) for k, lv in enumerate(base)),
+            default=0,
+        )
     if not tangents:
         return bw.peak_bytes
+    return max(_handed_curve(bw, tangents), default=0)
+
+
+def _handed_curve(bw: GraphProfile, tangents: set[int]) -> list[int]:
+    """Each node's live bytes in ``bw`` had ``tangents`` been freed after their last reader."""
+    if not tangents:
+        return [n.live_bytes for n in bw.nodes]
     sizes = {st.id: st.nbytes for st in bw.storages if st.id in tangents}
     of = {n.name: n.storages for n in bw.nodes}
     last: dict[int, int] = {}
@@ -206,11 +242,21 @@ def _handed_peak(bw: GraphProfile, tangents: set[int]) -> int:
             for sid in of.get(name, ()):
                 if sid in sizes:
                     last[sid] = k
-    peak = 0
+    return [
+        n.live_bytes - sum(b for sid, b in sizes.items() if last.get(sid, -1) < k)
+        for k, n in enumerate(bw.nodes)
+    ]
+
+
+def _last_readers(bw: GraphProfile, sids: Collection[int]) -> int:
+    """Index in ``bw.nodes`` of the last node reading a value on the storages ``sids``
+    (-1: none)."""
+    of = {n.name: n.storages for n in bw.nodes}
+    last = -1
     for k, n in enumerate(bw.nodes):
-        gone = sum(b for sid, b in sizes.items() if last.get(sid, -1) < k)
-        peak = max(peak, n.live_bytes - gone)
-    return peak
+        if any(sid in sids for name in n.inputs for sid in of.get(name, ())):
+            last = k
+    return last
 
 
 def _output_vals(gm: fx.GraphModule) -> list[Any]:
@@ -454,4 +500,9 @@ def profile_fragment(
         tangent_storages=tuple((i, tuple(bw_tangent_ids[i])) for i in tangents),
         tangent_names=tuple(bw_placeholders[i].name for i in tangents),
         released=tuple(i for i in tangents if i not in held_tangents),
+        saved_input_reads=tuple(
+            (i, sum(ids.nbytes(s) for s in sids), _last_readers(bw, sids))
+            for i in saved_positions
+            for sids in [set(ids.ids_of(in_vals[i]))]
+        ),
     )

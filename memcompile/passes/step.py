@@ -15,7 +15,8 @@ Replays the observed call sequence of one step (``F0.fw F1.fw … F1.bw F0.bw``)
                        + max(F.backward peak, F.backward end + accumulate)
                        + outputs of earlier forward calls the caller still holds
                 (F.backward peak with its incoming gradients freed at their last use, but for
-                the step's first backward, whose gradient the engine's root holds)
+                the step's first backward, whose gradient the engine's root holds; a kept
+                input nothing else holds, which died during it, counted to its last reader)
                 saved -= F.saved; grads += F's gradients of parameters without one yet
 
 Gradients are keyed by parameter storage, so fragments that share parameters (a tree cell's
@@ -222,6 +223,7 @@ def simulate_step(
     call_tangents: Sequence[frozenset[int] | None] | None = None,
     call_inputs: Sequence[Mapping[int, int] | None] | None = None,
     call_lives: Sequence[Sequence[OutputLife]] | None = None,
+    call_kept_at: Sequence[Mapping[int, int]] | None = None,
 ) -> StepPrediction:
     """Replay ``sequence`` (fragment index, kind, block key) over ``profiles``.
 
@@ -276,6 +278,12 @@ def simulate_step(
         call_lives: each forward call's held outputs and when they died (:class:`OutputLife`),
             as measured: counted at every later call they were alive for (the last forward
             call's are ``call_held``'s). ``None``: not measured, none counted.
+        call_kept_at: of each forward call's ``call_views``, the whole storages its backward
+            reads, address -> input position (``FragmentProfile.saved_input_reads``). With
+            ``call_lives``: a storage only that backward keeps, which the lives show died
+            during it (the caller dropped it: the previous fragment's output), is counted up
+            to its last reader in the backward, where autograd frees it, not through the
+            whole call. ``None``: through the whole call.
     """
     for name, per_call in (
         ("call_profiles", call_profiles),
@@ -289,6 +297,7 @@ def simulate_step(
         ("call_tangents", call_tangents),
         ("call_inputs", call_inputs),
         ("call_lives", call_lives),
+        ("call_kept_at", call_kept_at),
     ):
         if per_call is not None and len(per_call) != len(sequence):
             raise ValueError(f"{name} has {len(per_call)} entries for {len(sequence)} calls")
@@ -335,6 +344,9 @@ def simulate_step(
     # ``held`` (what the backward began with).
     outputs_held = _HeldOutputs()
     last_forward = max((i for i, (_, k, _) in enumerate(sequence) if k == "forward"), default=-1)
+    # Held output storage -> position of the first call after its death (None: outlived the
+    # step), the latest forward's where an address is reused.
+    deaths: dict[int, int | None] = {}
 
     def kept_elsewhere(address: int) -> bool:
         return address in callers or bool(view_refs.get(address))
@@ -391,8 +403,10 @@ def simulate_step(
                 open_saved.setdefault(index, []).append((outputs, inputs, views, outs, i))
             alive = call_held[i] if call_held is not None else None
             held = prof.held_output_bytes if alive is None else alive
-            if kind == "forward" and call_lives is not None and i != last_forward:
-                outputs_held.add(call_lives[i], kept_elsewhere)
+            if kind == "forward" and call_lives is not None:
+                deaths.update((life.address, life.died) for life in call_lives[i])
+                if i != last_forward:
+                    outputs_held.add(call_lives[i], kept_elsewhere)
         else:  # backward
             bw = prof.backward
             if bw is None:
@@ -403,6 +417,19 @@ def simulate_step(
             outputs, inputs, views, outs, forward = (
                 opened.pop() if opened else (prof.saved_bytes, 0, {}, {}, -1)
             )
+            # Its kept storages that nothing else holds and that died during it: freed at
+            # their last reader in the graph (autograd releases a saved tensor there).
+            kept_at = call_kept_at[forward] if call_kept_at is not None and forward >= 0 else {}
+            freed = {
+                a: n
+                for a, n in views.items()
+                if a in kept_at
+                and view_refs.get(a) == 1
+                and a not in callers
+                and i + 1 < len(sequence)
+                and deaths.get(a, -1) == i + 1
+            }
+            releasing = {kept_at[a] for a in freed}
             reads: Mapping[int, int] = (
                 call_input_grads[forward] if call_input_grads is not None and forward >= 0 else {}
             )
@@ -437,12 +464,21 @@ def simulate_step(
             handed = prof.backward_handed_peak
             if first_backward:
                 root = call_tangents[i] if call_tangents is not None else None
-                bw_peak = bw.peak_bytes if root is None else prof.backward_peak_holding(root)
+                if root is None and not releasing:
+                    bw_peak = bw.peak_bytes
+                elif root is None:  # as profiled: all held to the end but the released
+                    as_profiled = {p for p, _ in prof.tangent_storages} - set(prof.released)
+                    bw_peak = prof.backward_peak_holding(as_profiled, releasing)
+                else:
+                    bw_peak = prof.backward_peak_holding(root, releasing)
+            elif releasing:
+                bw_peak = prof.backward_peak_holding(None, releasing)
             else:
                 bw_peak = bw.peak_bytes if handed is None else handed
             first_backward = False
             own = max(bw_peak, bw.end_bytes + accumulate)
-            p = base + held + others + inputs + viewed + grads + held_input_grads + own
+            p = base + held + others + inputs + viewed - sum(freed.values()) + grads
+            p += held_input_grads + own
             p += outputs_held.bytes
             saved = others
             for address, nbytes in views.items():  # the last reader's backward frees it
