@@ -235,27 +235,21 @@ def _handed_curve(bw: GraphProfile, tangents: set[int]) -> list[int]:
     if not tangents:
         return [n.live_bytes for n in bw.nodes]
     sizes = {st.id: st.nbytes for st in bw.storages if st.id in tangents}
-    of = {n.name: n.storages for n in bw.nodes}
-    last: dict[int, int] = {}
-    for k, n in enumerate(bw.nodes):
-        for name in n.inputs:
-            for sid in of.get(name, ()):
-                if sid in sizes:
-                    last[sid] = k
+    last = _last_reads(bw)
     return [
         n.live_bytes - sum(b for sid, b in sizes.items() if last.get(sid, -1) < k)
         for k, n in enumerate(bw.nodes)
     ]
 
 
-def _last_readers(bw: GraphProfile, sids: Collection[int]) -> int:
-    """Index in ``bw.nodes`` of the last node reading a value on the storages ``sids``
-    (-1: none)."""
+def _last_reads(bw: GraphProfile) -> dict[int, int]:
+    """Storage id -> index in ``bw.nodes`` of the last node reading a value on it."""
     of = {n.name: n.storages for n in bw.nodes}
-    last = -1
+    last: dict[int, int] = {}
     for k, n in enumerate(bw.nodes):
-        if any(sid in sids for name in n.inputs for sid in of.get(name, ())):
-            last = k
+        for name in n.inputs:
+            for sid in of.get(name, ()):
+                last[sid] = k
     return last
 
 
@@ -478,6 +472,7 @@ def profile_fragment(
         grad_bytes,
         clone,
     )
+    reads = _last_reads(bw)
     return FragmentProfile(
         fw,
         bw,
@@ -501,7 +496,7 @@ def profile_fragment(
         tangent_names=tuple(bw_placeholders[i].name for i in tangents),
         released=tuple(i for i in tangents if i not in held_tangents),
         saved_input_reads=tuple(
-            (i, sum(ids.nbytes(s) for s in sids), _last_readers(bw, sids))
+            (i, sum(ids.nbytes(s) for s in sids), max((reads.get(s, -1) for s in sids), default=-1))
             for i in saved_positions
             for sids in [set(ids.ids_of(in_vals[i]))]
         ),
