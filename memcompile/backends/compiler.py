@@ -1848,11 +1848,16 @@ class MemCompiler:
                 for i in grads
                 if i < len(args) and isinstance(args[i], torch.Tensor)
             }
-            kept_at = {
-                args[i].untyped_storage().data_ptr(): i
-                for i in reversed(whole)
-                if i < len(args) and isinstance(args[i], torch.Tensor)
-            }
+            # Used with the outputs' lives only, which are measured under a budget.
+            kept_at = (
+                {
+                    args[i].untyped_storage().data_ptr(): i
+                    for i in reversed(whole)
+                    if i < len(args) and isinstance(args[i], torch.Tensor)
+                }
+                if self.config.budget is not None
+                else {}
+            )
             self._step_storages.append(
                 CallStorages(_view_storages(args, kept), {}, addresses, kept_at=kept_at)
             )
