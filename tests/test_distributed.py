@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import datetime
 import json
+import os
 import time
 import warnings
 from pathlib import Path
@@ -112,10 +113,14 @@ def _rank(rank: int, options: dict[str, Any], out: str) -> None:
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+    # Leave without running DDP's destructors: the reducer's process group joins gloo's worker
+    # thread holding the GIL, while that thread may still need it to free its last work (a
+    # PyTorch deadlock, pytorch/pytorch#56297; seen here about one run in six).
+    os._exit(0)
 
 
 #: Seconds both ranks get (about 15 s on a 2-core machine, 4 processes).
-DEADLINE = 150
+DEADLINE = int(os.environ.get("MC_DDP_DEADLINE", "150"))
 
 
 def _train(tmp_path: Path, options: dict[str, Any]) -> list[dict[str, Any]]:
@@ -127,9 +132,7 @@ def _train(tmp_path: Path, options: dict[str, Any]) -> list[dict[str, Any]]:
         if time.monotonic() > deadline:
             for p in ranks.processes:
                 p.kill()
-            # Seen once in a few runs: a rank that neither finishes nor fails (not yet
-            # understood; gloo's own timeout does not end it). Not a result to judge.
-            pytest.skip(f"the spawned DDP ranks did not finish in {DEADLINE} s")
+            pytest.fail(f"the spawned DDP ranks did not finish in {DEADLINE} s")
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
