@@ -27,7 +27,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import memcompile
 import memcompile.backends.compiler as compiler_module
 from memcompile import MemoryBudgetWarning
-from memcompile.backends.compiler import replaces
 from memcompile.backends.fakes import real_inputs
 
 WORLD = 2
@@ -189,11 +188,3 @@ def test_parameters_left_on_the_device_under_offload_params_are_warned(monkeypat
     with pytest.warns(MemoryBudgetWarning, match=r"F0: 2 parameters reached the backend as fake"):
         compiled(x, y).backward()
     torch._dynamo.reset()
-
-
-def test_pieces_of_one_compile_all_run_and_recompiles_of_a_frame_replace_each_other() -> None:
-    # A plan counts what other fragments save, but not a recompile of its own frame (only one
-    # of the two runs in a step); DDP's pieces share their compile id and all run.
-    assert replaces("0/0", "0/1") and replaces("3/2", "3/0")
-    assert not replaces("0/0", "0/0")  # pieces of one compile (DDP's graph splitter)
-    assert not replaces("0/0", "1/0") and not replaces("0/0", None)
