@@ -124,6 +124,10 @@ class MemReport:
         released_tangents: ``"F{i}: [tangents_k, ...]"`` of each fragment whose plan counts
             those incoming gradients as freed after their last reader, as steps showed (no one
             else holds them: AOTAutograd's zeros for an output that got no gradient).
+        sharded_param_bytes: the model's parameters at their unsharded size when FSDP2
+            (``fully_shard``) manages them, else 0. FSDP's all-gathered parameters, gradients
+            before reduce-scatter and collective buffers are outside memcompile's graphs: the
+            predicted peak does not count them (``backends/sharded.py``).
     """
 
     config: MemConfig
@@ -144,6 +148,7 @@ class MemReport:
     summed_grads: tuple[str, ...] = ()
     dropped_outputs: tuple[str, ...] = ()
     released_tangents: tuple[str, ...] = ()
+    sharded_param_bytes: int = 0
 
     @property
     def eager_frames(self) -> int:
@@ -189,6 +194,7 @@ class MemReport:
             "summed_grads": list(self.summed_grads),
             "dropped_outputs": list(self.dropped_outputs),
             "released_tangents": list(self.released_tangents),
+            "sharded_param_bytes": self.sharded_param_bytes,
         }
 
     def __str__(self) -> str:
@@ -215,6 +221,12 @@ class MemReport:
             )
         if self.host_param_bytes:
             lines.append(f"  parameters on the host: {format_bytes(self.host_param_bytes)}")
+        if self.sharded_param_bytes:
+            lines.append(
+                f"  FSDP2 manages {format_bytes(self.sharded_param_bytes)} of parameters "
+                "(unsharded): its all-gathers, gradient buffers and collectives are not in the "
+                "predicted peak"
+            )
         if self.dynamic:
             raised = ""
             if self.recompile_limit_raised:
@@ -375,10 +387,12 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
         )
         for r in records
     )
+    sharded = compiler.sharded
     exact = bool(
         prediction is not None
         and prediction.exact
         and eager
+        and sharded is None
         and not any(f.approximate for f in fragments)
     )
     return MemReport(
@@ -397,6 +411,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
         replans=tuple(compiler.replans),
         measured_peak=compiler.peak_watch.measured if compiler.peak_watch is not None else None,
         summed_grads=tuple(compiler.summed_grads),
+        sharded_param_bytes=sharded.unsharded_bytes if sharded is not None else 0,
         dropped_outputs=tuple(
             f"{r.name}: outputs {sorted(compiler.dropped_outputs_of(r))}"
             for r in compiler.records()

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
+import torch.multiprocessing as mp
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch import partitioners as P
@@ -174,3 +180,21 @@ def measure_settled(compiled: Callable[..., Any], wl: Workload, batch: Any, step
             wl.model.zero_grad(set_to_none=True)
             return measured
     raise AssertionError(f"still compiling after {steps} measured steps")
+
+
+#: Seconds a group of spawned ranks gets (about 15 s on a 2-core machine, 4 processes).
+RANKS_DEADLINE = int(os.environ.get("MC_DDP_DEADLINE", "150"))
+
+
+def spawn_ranks(fn: Callable[..., None], args: tuple[Any, ...], out: Path, world: int = 2) -> list:
+    """Run ``fn(rank, *args)`` in ``world`` spawned processes and return what each wrote to
+    ``out/rank{r}.json``. A rank that raises fails the call; ranks past the deadline are killed
+    and fail the test (a collective mismatch can hang rather than fail)."""
+    ranks = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + RANKS_DEADLINE
+    while not ranks.join(timeout=5):  # raises if a rank failed
+        if time.monotonic() > deadline:
+            for p in ranks.processes:
+                p.kill()
+            pytest.fail(f"the spawned ranks did not finish in {RANKS_DEADLINE} s")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]

@@ -12,7 +12,6 @@ import copy
 import datetime
 import json
 import os
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -28,6 +26,8 @@ import memcompile
 import memcompile.backends.compiler as compiler_module
 from memcompile import MemoryBudgetWarning
 from memcompile.backends.fakes import real_inputs
+
+from helpers import spawn_ranks
 
 WORLD = 2
 STEPS = 3
@@ -118,21 +118,8 @@ def _rank(rank: int, options: dict[str, Any], out: str) -> None:
     os._exit(0)
 
 
-#: Seconds both ranks get (about 15 s on a 2-core machine, 4 processes).
-DEADLINE = int(os.environ.get("MC_DDP_DEADLINE", "150"))
-
-
 def _train(tmp_path: Path, options: dict[str, Any]) -> list[dict[str, Any]]:
-    ranks = mp.start_processes(
-        _rank, args=(options, str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE
-    while not ranks.join(timeout=5):  # raises if a rank failed
-        if time.monotonic() > deadline:
-            for p in ranks.processes:
-                p.kill()
-            pytest.fail(f"the spawned DDP ranks did not finish in {DEADLINE} s")
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return spawn_ranks(_rank, (options, str(tmp_path)), tmp_path, WORLD)
 
 
 @pytest.mark.parametrize(

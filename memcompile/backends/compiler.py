@@ -56,6 +56,7 @@ from memcompile.backends.fragments import (
 )
 from memcompile.backends.inner import BoxedCallable, compile_inner, decompositions
 from memcompile.backends.replan import MAX_REPLANS, MAX_ROUNDS, Replan, decide_replan
+from memcompile.backends.sharded import ShardedParams, sharded_params
 from memcompile.config import MemConfig
 from memcompile.dynamic.trace import small_int_outputs
 from memcompile.errors import (
@@ -405,7 +406,12 @@ class _FragmentBuild:
         out = []
         for i in static:
             t = self.example_inputs[i] if i < len(self.example_inputs) else None
-            if isinstance(t, torch.nn.Parameter) and can_host_place(t) and not is_host_placed(t):
+            if (
+                isinstance(t, torch.nn.Parameter)
+                and can_host_place(t)
+                and not is_host_placed(t)
+                and not self.compiler.is_sharded(t)
+            ):
                 out.append(i)
         return self._with_aliases(out)
 
@@ -890,6 +896,12 @@ class _FragmentBuild:
         # Forward inputs start with the graph's parameters; the backward's block is its forward's.
         static = self.static_inputs if kind != "backward" else ()
         key_pos = static[0] if static else -1
+        # FSDP2 frees a unit's unsharded parameters after each use and all-gathers them into a
+        # new allocation of the same object next time (backends/sharded.py): their address
+        # would make every step's call a new block (a new expert) where the object is stable.
+        inputs = self.example_inputs
+        sharded_key = 0 <= key_pos < len(inputs) and self.compiler.is_sharded(inputs[key_pos])
+        key_of: Callable[[Any], int] = id if sharded_key else _data_ptr
         blocks, block_inputs = self.blocks, self.block_inputs
         if kind == "forward" and self.profile is not None:
             # Which input storages this call's backward keeps (whole or through views), and
@@ -964,11 +976,11 @@ class _FragmentBuild:
             setattr(stats, counter, getattr(stats, counter) + 1)
             if guard is not None:
                 guard()
-            block = args[key_pos].data_ptr() if key_pos >= 0 else 0
+            block = key_of(args[key_pos]) if key_pos >= 0 else 0
             if block not in blocks:  # a new set of parameters (another expert): remember them
                 if hosted:  # one graph serves every expert: these join the host tier now
                     place(args)
-                    block = args[key_pos].data_ptr()
+                    block = key_of(args[key_pos])
                 if block and any(blocks):  # a second parameter set (key 0: none)
                     compiler.note_dynamic(f"F{index} serves several parameter sets")
                 blocks[block] = storage_sizes((args[i] for i in static), keep_host=True)
@@ -1103,6 +1115,10 @@ def _prime_backward_workspaces(device: torch.device) -> None:
     torch.cuda.synchronize(device)
 
 
+def _data_ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
 class MemCompiler:
     """Dynamo backend object; one per ``torch.compile`` call.
 
@@ -1205,6 +1221,11 @@ class MemCompiler:
         self.device_other_bytes: int | None = None
         # The compiled module, when known (memcompile.compile): its parameters are resident.
         self.model: weakref.ref[torch.nn.Module] | None = None
+        #: The model's parameters FSDP2 manages (backends/sharded.py), as of the latest compile;
+        #: ``_sharded_ids`` gathers their ids over all compiles (each unit's unsharded
+        #: parameters are in the module only while FSDP has all-gathered them).
+        self.sharded: ShardedParams | None = None
+        self._sharded_ids: set[int] = set()
         self.store = TieredStore(self.config.disk_path)
         self.store_key = register_store(self.store)
         #: Told of every fragment call, in order (dynamic/: the trace recorder, the pilot).
@@ -1278,7 +1299,12 @@ class MemCompiler:
             t
             for t in self._model_tensors()
             if id(t) not in hosted
-            and not (assume and isinstance(t, torch.nn.Parameter) and can_host_place(t))
+            and not (
+                assume
+                and isinstance(t, torch.nn.Parameter)
+                and can_host_place(t)
+                and not self.is_sharded(t)
+            )
         ]
 
     def _model_tensors(self) -> tuple[torch.Tensor, ...]:
@@ -1423,6 +1449,7 @@ class MemCompiler:
                 MemoryBudgetWarning,
                 stacklevel=2,
             )
+        self._note_sharded(index)
         build = _FragmentBuild(self, index, split.expand(real))
         build.alias_sources = split.aliases(len(example_inputs))
         build.summed_inputs = split.summed
@@ -1464,6 +1491,47 @@ class MemCompiler:
 
     def _next_index(self) -> int:
         return max((r.index for r in self.fragments), default=-1) + 1
+
+    def _note_sharded(self, index: int) -> None:
+        """Find the parameters FSDP2 manages (backends/sharded.py) and, at the first compile
+        that sees them, say what memcompile leaves to FSDP."""
+        found = sharded_params(self._model())
+        if found is None:
+            return
+        first = self.sharded is None
+        self.sharded = found
+        self._sharded_ids.update(found.param_ids)
+        if not first:
+            return
+        size = format_bytes(found.unsharded_bytes)
+        if self.config.offload_params is True:
+            warnings.warn(
+                f"memcompile: F{index}: the model's parameters ({size} unsharded, "
+                f"{found.units} fully_shard units) are managed by FSDP2 and stay with it "
+                "(offload_params=True moves none of them); FSDP2's "
+                "offload_policy=CPUOffloadPolicy() keeps them on the host",
+                MemoryBudgetWarning,
+                stacklevel=3,
+            )
+        if self.config.budget is not None:
+            warnings.warn(
+                f"memcompile: the model is sharded by FSDP2 ({found.units} fully_shard units, "
+                f"{size} of parameters unsharded): the parameters FSDP all-gathers, the "
+                "gradients before their reduce-scatter and the collectives' buffers are "
+                "allocated outside memcompile's graphs, and neither the plans nor the predicted "
+                "peak count them, so the budget can be exceeded there"
+                + (
+                    " (each step's measured peak is checked against it)"
+                    if self.peak_watch is not None
+                    else ""
+                ),
+                MemoryBudgetWarning,
+                stacklevel=3,
+            )
+
+    def is_sharded(self, t: torch.Tensor) -> bool:
+        """Whether FSDP2 manages ``t`` (a parameter memcompile must leave in place)."""
+        return id(t) in self._sharded_ids
 
     def _compile_fragment(
         self,
@@ -1676,6 +1744,12 @@ class MemCompiler:
                 f"{resident} of the peak is parameters, buffers and inputs, which stay on the "
                 "device (parameters on the host are only implemented for "
                 f"{' and '.join(HOSTABLE_DEVICES)} devices in this version)"
+            )
+        elif self.sharded is not None:
+            tips.append(
+                f"{resident} of the peak is parameters, buffers and inputs; FSDP2 manages the "
+                "parameters (more ranks shard them thinner, and FSDP2's "
+                "offload_policy=CPUOffloadPolicy() keeps them on the host)"
             )
         elif self.config.offload_params is False:
             tips.append(
@@ -2428,7 +2502,13 @@ class MemCompiler:
                 f"memcompile: a {len(self.last_step)}-call step is predicted to peak at "
                 f"{format_bytes(prediction.peak)}, over budget={format_bytes(budget)}: {why}. "
                 "Its parameters, gradients and smallest saved sets need more (allow recompute "
-                "and swap, set offload_params=True, or raise the budget; see memcompile.report())",
+                "and swap, "
+                + (
+                    "shard over more ranks or use FSDP2's CPUOffloadPolicy"
+                    if self.sharded is not None
+                    else "set offload_params=True"
+                )
+                + ", or raise the budget; see memcompile.report())",
                 MemoryBudgetWarning,
                 stacklevel=2,
             )

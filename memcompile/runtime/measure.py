@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memcompile.errors import format_bytes
 from memcompile.runtime.store import is_host_placed
@@ -142,15 +143,27 @@ def reachable_tensors(*objects: Any) -> list[torch.Tensor]:
     return list(out.values())
 
 
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold ``t``'s memory: ``t`` itself, or the inner tensors of a
+    wrapper subclass (a ``DTensor``'s local shard, as FSDP2's sharded parameters are), which
+    has no storage of its own."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    attrs, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    return [p for a in attrs for p in plain_tensors(getattr(t, a))]
+
+
 def storage_sizes(
     tensors: Iterable[Any], device: str | None = None, *, keep_host: bool = False
 ) -> dict[int, int]:
     """``{storage address: nbytes}`` of the real tensors among ``tensors`` (on ``device`` if
     given): shared storages appear once. Fake and meta tensors have no memory and are skipped;
     so are host-tier tensors (runtime/store.py), which have none on the device, or with
-    ``keep_host`` they are listed with 0 bytes (their addresses identify them)."""
+    ``keep_host`` they are listed with 0 bytes (their addresses identify them). A wrapper
+    subclass (``DTensor``) counts the storages of the tensors it wraps."""
     found: dict[int, int] = {}
-    for t in tensors:
+    plain = (p for t in tensors if isinstance(t, torch.Tensor) for p in plain_tensors(t))
+    for t in plain:
         if (
             not isinstance(t, torch.Tensor)
             or isinstance(t, torch._subclasses.FakeTensor)

@@ -47,6 +47,7 @@ from typing import Literal
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memcompile.errors import MemcompileError, format_bytes
 from memcompile.runtime.cache import PrefetchCache
@@ -135,10 +136,12 @@ HOSTABLE_DEVICES = ("cpu", "cuda")
 def can_host_place(p: torch.Tensor) -> bool:
     """Whether :func:`place_on_host` takes ``p``: a CPU or CUDA tensor covering its whole
     storage (a view of a larger buffer would keep the device copy alive through its other
-    users)."""
+    users). Not a wrapper subclass (a ``DTensor``: its storage is its shard's, which its owner,
+    e.g. FSDP2, manages)."""
     return (
         p.device.type in HOSTABLE_DEVICES
         and not isinstance(p, torch._subclasses.FakeTensor)
+        and not is_traceable_wrapper_subclass(p)
         and p.storage_offset() == 0
         and p.numel() * p.element_size() == p.untyped_storage().nbytes()
     )
