@@ -194,6 +194,11 @@ LOSS_HEAD_IN_PLACE = True
 #: benchmarks that compare against the out-of-place ops.
 ELEMENTWISE_IN_PLACE = True
 
+#: A plan over its budget writes elementwise results into values of the built graphs' own that
+#: die there (passes/inplace.py, ``built=True``) where that lowers the exact profile; ``False``
+#: is for tests and benchmarks that compare.
+BUILT_IN_PLACE = True
+
 #: A plan over its budget makes backward values again for their late readers where that lowers
 #: the backward's exact profile (passes/rematerialize.py); ``False`` is for tests and benchmarks
 #: that compare.
@@ -548,13 +553,16 @@ class _FragmentBuild:
             fw, bw = swap_pass(fw, bw, ctx, swaps=swaps, store=compiler.store_key)
         # Not in a re-plan (backends/replan.py): its caps share the budget between fragments
         # by the joint model's figures, which do not price the splits.
-        if not plan.feasible and REMATERIALIZE and self.replan_resident is None:
+        if not plan.feasible and self.replan_resident is None:
             split = (
                 tuple(static),
                 model.num_mutated_outputs,
                 num_fwd_outputs - model.num_mutated_outputs,
             )
-            plan = self._rematerialize(fw, bw, plan, split)
+            if BUILT_IN_PLACE and config.inner == "eager":
+                fw, bw, plan = self._in_place_built(fw, bw, plan, split)
+            if not plan.feasible and REMATERIALIZE:
+                plan = self._rematerialize(fw, bw, plan, split)
         if not plan.feasible:
             held = sum(model.nbytes[s] for s in model.held_outputs)
             compiler.infeasible(
@@ -658,6 +666,78 @@ class _FragmentBuild:
             return None
         return max(0, budget - bare.predicted_peak)
 
+    def _built_profiler(
+        self, fw: fx.GraphModule, bw: fx.GraphModule, split: tuple[tuple[int, ...], int, int]
+    ) -> Callable[[fx.GraphModule, fx.GraphModule], FragmentProfile]:
+        """Exact profiles of rewrites of the built graphs ``fw`` and ``bw``: the kernel scratch
+        measured on them, a copy's or an in-place node's that of its original (the same op on
+        the same metadata; an in-place node is probed as itself, see ``workspace.py``).
+        ``split``: see :meth:`_rematerialize`."""
+        args = self._profile_args_of(fw, bw, split=split)
+        measured = {
+            graph: dict(args.pop(f"{graph}_workspace") or {}) for graph in ("forward", "backward")
+        }
+
+        def profile(f: fx.GraphModule, b: fx.GraphModule) -> FragmentProfile:
+            ws = {
+                graph: {
+                    n.name: measured[graph].get(n.meta.get("memcompile_copy_of", n.name), 0)
+                    for n in g.graph.nodes
+                }
+                for graph, g in (("forward", f), ("backward", b))
+            }
+            return profile_fragment(
+                f,
+                b,
+                clone_workspace=clone_workspace,
+                forward_workspace=ws["forward"],
+                backward_workspace=ws["backward"],
+                **args,
+            )
+
+        return profile
+
+    def _in_place_built(
+        self,
+        fw: fx.GraphModule,
+        bw: fx.GraphModule,
+        plan: FragmentPlan,
+        split: tuple[tuple[int, ...], int, int],
+    ) -> tuple[fx.GraphModule, fx.GraphModule, FragmentPlan]:
+        """``fw``, ``bw`` and ``plan`` (over its target) after writing elementwise results into
+        inputs of the graph's own that die there (``inplace.in_place_pass(built=True)``: the
+        same kernels), when that lowers a phase's exact peak: a value the plan recomputes for
+        the backward, rather than saves, is the graph's own in both graphs. The joint model
+        the planner searched with does not see these, so only a plan over its target tries
+        them (as :meth:`_rematerialize`)."""
+        target = plan.target
+        if target is None or (plan.saved_cap is not None and plan.held_bytes > plan.saved_cap):
+            return fw, bw, plan
+        fw2 = in_place_pass(fw, PassContext(f"F{self.index}", "forward"), built=True)
+        bw2 = in_place_pass(bw, PassContext(f"F{self.index}", "backward"), built=True)
+        if fw2 is fw and bw2 is bw:
+            return fw, bw, plan
+        before = max(self._built_profiler(fw, bw, split)(fw, bw).phase_peaks().values())
+        # Probed as rewritten: an out= kernel may need a temporary its original did not.
+        after = max(self._built_profiler(fw2, bw2, split)(fw2, bw2).phase_peaks().values())
+        if after >= before:
+            return fw, bw, plan
+        log.info(
+            "F%d: %d elementwise results written into the graphs' own dying values: the step "
+            "peaks at %s (%s without; budget %s)",
+            self.index,
+            sum(len(g.meta.get("memcompile_in_place", ())) for g in (fw2, bw2) if g is not None),
+            format_bytes(plan.resident_bytes + after),
+            format_bytes(plan.resident_bytes + before),
+            format_bytes(plan.resident_bytes + target),
+        )
+        plan = dataclasses.replace(
+            plan,
+            predicted_peak=min(plan.predicted_peak, plan.resident_bytes + after),
+            feasible=after <= target,
+        )
+        return fw2, bw2, plan
+
     def _rematerialize(
         self,
         fw: fx.GraphModule,
@@ -673,18 +753,10 @@ class _FragmentBuild:
         target = plan.target
         if target is None or (plan.saved_cap is not None and plan.held_bytes > plan.saved_cap):
             return plan
-        args = self._profile_args_of(fw, bw, split=split)
-        measured = dict(args.pop("backward_workspace") or {})
+        built = self._built_profiler(fw, bw, split)
 
         def profile(g: fx.GraphModule) -> FragmentProfile:
-            # A copy's kernel scratch is its original's (the same op on the same metadata).
-            ws = {
-                n.name: measured.get(n.meta.get("memcompile_copy_of", n.name), 0)
-                for n in g.graph.nodes
-            }
-            return profile_fragment(
-                fw, g, clone_workspace=clone_workspace, backward_workspace=ws, **args
-            )
+            return built(fw, g)
 
         def backward(g: fx.GraphModule) -> GraphProfile:
             found = profile(g).backward

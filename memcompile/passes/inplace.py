@@ -32,6 +32,22 @@ The op itself must not be a graph output (autograd's accumulation of a parameter
 then sees the tensor it would otherwise own). The other arguments may broadcast or promote:
 the kernel computes exactly as out of place.
 
+**Built graphs** (``built=True``, after partitioning, for a plan over its budget): there a value
+the graph computes itself is new in every call whether it comes from a tangent or not (a value
+the plan recomputes for the backward, an activation the forward does not save), so any such
+value may be the destination, and forward activations (:data:`FORWARD_OPS`: ``gelu``, ``tanh``,
+``sigmoid``, ``silu``) are rewritten too:
+
+    built backward before                           after
+      h = addmm(b, x, w)        # recomputed          h = addmm(b, x, w)
+      y = tanh(h)               # h dies here         y = tanh.out(h, out=h)
+
+Graph inputs (saved values, tangents, parameters) and the memory of memcompile's own ops
+(fetches, reloads, which a cache or the tier may share) are never written over. Whether a
+rewrite pays is decided on the rewritten graphs' exact profile, with each in-place node probed
+as it runs (``workspace.py``): oneDNN's ``gelu_backward`` needs a temporary when it writes into
+its input beside a broadcast gradient.
+
 The new node's fake value *is* the destination's, so the analysis (per storage) sees no new
 allocation, and the ``out=`` schemas (``Tensor(a!)``) make it an impure node that the schedule
 keeps in order with other effects; readers of the result through views get fake values
@@ -60,7 +76,7 @@ from memcompile.passes.rebuild import rebuilt_module, refresh_view, storage_refs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OPS", "InPlaceRewrite", "find_in_place", "in_place_pass"]
+__all__ = ["FORWARD_OPS", "OPS", "InPlaceRewrite", "find_in_place", "in_place_pass"]
 
 aten = torch.ops.aten
 
@@ -73,6 +89,15 @@ OPS: dict[torch._ops.OpOverload, tuple[torch._ops.OpOverload, str]] = {
     aten.silu_backward.default: (aten.silu_backward.grad_input, "grad_input"),
     aten.mul.Tensor: (aten.mul.out, "out"),
     aten.add.Tensor: (aten.add.out, "out"),
+}
+
+#: Forward elementwise ops rewritten in built graphs only (``built=True``): their input dies
+#: there when the plan recomputes it for the backward rather than saving it.
+FORWARD_OPS: dict[torch._ops.OpOverload, tuple[torch._ops.OpOverload, str]] = {
+    aten.gelu.default: (aten.gelu.out, "out"),
+    aten.tanh.default: (aten.tanh.out, "out"),
+    aten.sigmoid.default: (aten.sigmoid.out, "out"),
+    aten.silu.default: (aten.silu.out, "out"),
 }
 
 #: Name prefix of the nodes the pass creates.
@@ -117,13 +142,29 @@ def _from_tangents(gm: fx.GraphModule) -> set[fx.Node]:
     return out
 
 
+def _owned(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes of a built forward or backward graph that make memory of the graph's own, new in
+    every call: aten ops (not memcompile's fetches and reloads, whose memory a cache or the
+    tier may share). Views of a graph input are among them, but its storage is not: the input
+    shares it, and a destination must be one no input shares (``_dies_here``)."""
+    return {
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and (
+            n.target is operator.getitem
+            or (isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "aten")
+        )
+    }
+
+
 def _dies_here(
     node: fx.Node, dest: fx.Node, aliases: list[fx.Node], gradients: Collection[fx.Node]
 ) -> bool:
     alias_set = set(aliases)
     for a in aliases:
         if a.op != "call_function" or a not in gradients:
-            return False  # a graph input, or memory the forward made: not ours
+            return False  # a graph input, or memory that is not the graph's own
         multi = isinstance(a.meta.get("val"), (tuple, list))
         for user in a.users:
             if user is node or user in alias_set:
@@ -159,17 +200,27 @@ def _destination(
     return None
 
 
+def _forms(built: bool) -> dict[torch._ops.OpOverload, tuple[torch._ops.OpOverload, str]]:
+    return {**OPS, **FORWARD_OPS} if built else OPS
+
+
 def find_in_place(
-    gm: fx.GraphModule, *, ops: Collection[torch._ops.OpOverload] | None = None
+    gm: fx.GraphModule,
+    *,
+    ops: Collection[torch._ops.OpOverload] | None = None,
+    built: bool = False,
 ) -> tuple[InPlaceRewrite, ...]:
     """The ops of the joint graph ``gm`` that can write into a dying input (see the module
     docstring), in graph order; ``ops`` restricts the kinds (default: all of :data:`OPS`).
-    Decides only: ``gm`` is not changed."""
-    allowed = OPS.keys() if ops is None else [o for o in ops if o in OPS]
-    unknown = [o for o in (ops or ()) if o not in OPS]
+    ``built``: ``gm`` is a built forward or backward graph, where any value the graph makes
+    itself may be written over (also :data:`FORWARD_OPS`), not only gradients. Decides only:
+    ``gm`` is not changed."""
+    forms = _forms(built)
+    allowed = forms.keys() if ops is None else [o for o in ops if o in forms]
+    unknown = [o for o in (ops or ()) if o not in forms]
     if unknown:
-        raise ValueError(f"in_place_pass: no in-place form for {unknown}; known: {list(OPS)}")
-    gradients = _from_tangents(gm)
+        raise ValueError(f"in_place_pass: no in-place form for {unknown}; known: {list(forms)}")
+    gradients = _owned(gm) if built else _from_tangents(gm)
     holders: dict[StorageWeakRef, list[fx.Node]] = {}  # storage -> nodes sharing it
     for n in gm.graph.nodes:
         for s in storage_refs(n.meta.get("val")):
@@ -198,12 +249,15 @@ def in_place_pass(
     ctx: PassContext,
     *,
     ops: Collection[torch._ops.OpOverload] | None = None,
+    built: bool = False,
 ) -> fx.GraphModule:
-    """A copy of the joint graph ``gm`` with the ops :func:`find_in_place` picks computed into
-    their dying input, or ``gm`` itself when there is none. ``gm`` is not changed; the copy
-    shares the fake values of every node it keeps. The rewrites are in the result's
-    ``meta['memcompile_in_place']`` (a tuple of :class:`InPlaceRewrite`, ``new`` filled in)."""
-    decided = find_in_place(gm, ops=ops)
+    """A copy of the joint graph ``gm`` (with ``built``, a built forward or backward graph) with
+    the ops :func:`find_in_place` picks computed into their dying input, or ``gm`` itself when
+    there is none. ``gm`` is not changed; the copy shares the fake values of every node it
+    keeps. The rewrites are in the result's ``meta['memcompile_in_place']`` (a tuple of
+    :class:`InPlaceRewrite`, ``new`` filled in)."""
+    decided = find_in_place(gm, ops=ops, built=built)
+    forms = _forms(built)
     if not decided:
         return gm
     by_name = {r.node: r for r in decided}
@@ -218,7 +272,7 @@ def in_place_pass(
     for n in gm.graph.nodes:
         rw = by_name.get(n.name)
         if rw is not None:
-            target, out_name = OPS[n.target]  # type: ignore[index]
+            target, out_name = forms[n.target]  # type: ignore[index]
             dest = env[nodes[rw.destination]]
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
             node = new.create_node(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -70,18 +70,47 @@ def _concrete(x: Any) -> Any:
     return x
 
 
-def _materialize(v: Any, device: torch.device) -> Any:
+def _materialize(
+    v: Any, device: torch.device, bases: dict[tuple[StorageWeakRef, torch.dtype], torch.Tensor]
+) -> Any:
+    """Real tensors of ``v``'s metadata. Arguments that share a storage share one here too
+    (``bases``: one buffer per storage and dtype), so that an ``out=`` node writing into one of
+    its inputs is probed as it runs: some kernels then need a temporary (oneDNN's
+    ``gelu_backward`` reorders a broadcast gradient written into its other input)."""
     if isinstance(v, torch.Tensor):
         shape, stride = _concrete(tuple(v.shape)), _concrete(tuple(v.stride()))
-        numel = _concrete(v.untyped_storage().nbytes()) // v.element_size()
-        if v.dtype.is_floating_point or v.dtype.is_complex:
-            base = torch.randn(numel, dtype=v.dtype, device=device)
-        else:
-            base = torch.zeros(numel, dtype=v.dtype, device=device)
+        key = (StorageWeakRef(v.untyped_storage()), v.dtype)
+        base = bases.get(key)
+        if base is None:
+            numel = _concrete(v.untyped_storage().nbytes()) // v.element_size()
+            if v.dtype.is_floating_point or v.dtype.is_complex:
+                base = torch.randn(numel, dtype=v.dtype, device=device)
+            else:
+                base = torch.zeros(numel, dtype=v.dtype, device=device)
+            bases[key] = base
         return base.as_strided(shape, stride, _concrete(v.storage_offset()))
     if isinstance(v, (list, tuple)):
-        return type(v)(_materialize(a, device) for a in v)
+        return type(v)(_materialize(a, device, bases) for a in v)
+    if isinstance(v, Mapping):  # kwargs: an out= argument is a tensor
+        return {k: _materialize(a, device, bases) for k, a in v.items()}
     return _concrete(v)
+
+
+def _writes_out(target: torch._ops.OpOverload) -> bool:
+    # An ``out=`` overload: it runs a kernel, though its result is an argument's memory.
+    return any(a.is_out for a in target._schema.arguments)
+
+
+def _alias_key(node: fx.Node) -> tuple[int, ...]:
+    """Which tensor arguments of ``node`` share a storage: for each, the position of the first
+    one with its storage (part of the probe's cache key)."""
+    seen: dict[StorageWeakRef, int] = {}
+    out = []
+    for a in node.all_input_nodes:
+        for t in tensor_vals(a.meta.get("val")):
+            ref = StorageWeakRef(t.untyped_storage())
+            out.append(seen.setdefault(ref, len(seen)))
+    return tuple(out)
 
 
 def _probeable(node: fx.Node) -> bool:
@@ -98,9 +127,9 @@ def _probeable(node: fx.Node) -> bool:
         for a in node.all_input_nodes
         for t in tensor_vals(a.meta.get("val"))
     }
-    return not all(
-        StorageWeakRef(t.untyped_storage()) in inputs for t in outs
-    )  # aliases: no kernel
+    # Aliases of an input have no kernel, but for an ``out=`` overload's result.
+    aliases = all(StorageWeakRef(t.untyped_storage()) in inputs for t in outs)
+    return not aliases or _writes_out(target)
 
 
 def _run_probes(
@@ -111,13 +140,22 @@ def _run_probes(
     for key, node in jobs:
         try:
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
-            args, kwargs = _materialize(args, device), _materialize(kwargs, device)
+            bases: dict[tuple[StorageWeakRef, torch.dtype], torch.Tensor] = {}
+            args, kwargs = _materialize(args, device, bases), _materialize(kwargs, device, bases)
         except Exception as e:  # unbacked sizes, unsupported metadata: no probe
             log.debug("no workspace probe for %s: %s", node.target, e)
             results[key] = 0
             continue
+        # New output memory only: an out= result is its argument's.
+        inputs = {
+            StorageWeakRef(t.untyped_storage())
+            for a in node.all_input_nodes
+            for t in tensor_vals(a.meta.get("val"))
+        }
         out_bytes = sum(
-            _concrete(t.untyped_storage().nbytes()) for t in tensor_vals(node.meta["val"])
+            _concrete(t.untyped_storage().nbytes())
+            for t in tensor_vals(node.meta["val"])
+            if StorageWeakRef(t.untyped_storage()) not in inputs
         )
         assert isinstance(node.target, torch._ops.OpOverload)  # _probeable checked it
         calls.append((key, functools.partial(node.target, *args, **kwargs), out_bytes))
@@ -188,7 +226,7 @@ def probe_workspaces(gm: fx.GraphModule) -> dict[str, int] | None:
         if not _probeable(node):
             continue
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
-        key = (str(node.target), _meta_key(args), _meta_key(kwargs))
+        key = (str(node.target), _meta_key(args), _meta_key(kwargs), _alias_key(node))
         keys[node.name] = key
         if key not in _cache and key not in jobs:
             jobs[key] = node
