@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from test_distributed import _MLP as _LoopMLP
+from test_distributed import _batch
 from torch import nn
 from torch.testing._internal.two_tensor import TwoTensor
 
@@ -37,15 +39,10 @@ WORLD = 2
 STEPS = 3
 
 
-class _MLP(nn.Module):
-    # The layers are called one by one, not in a loop: each unit's FSDP hooks break the graph,
-    # and Dynamo cannot resume after a break inside a loop (it would run the frame eagerly).
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(
-            [nn.Linear(16, 512), nn.Linear(512, 512), nn.Linear(512, 512), nn.Linear(512, 5)]
-        )
-
+class _MLP(_LoopMLP):
+    # The same layers, called one by one rather than in a loop: each unit's FSDP hooks break
+    # the graph, and Dynamo cannot resume after a break inside a loop (it would run the whole
+    # frame eagerly).
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         a, b, c, d = self.layers
         x = nn.functional.gelu(a(x))
@@ -55,11 +52,6 @@ class _MLP(nn.Module):
 
 
 PARAM_BYTES = sum(p.numel() * 4 for p in _MLP().parameters())
-
-
-def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(10 * step + rank)
-    return torch.randn(64, 16, generator=g), torch.randint(0, 5, (64,), generator=g)
 
 
 def _shard(model: _MLP, per_layer: bool, world: int) -> _MLP:

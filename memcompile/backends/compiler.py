@@ -670,8 +670,7 @@ class _FragmentBuild:
         self, fw: fx.GraphModule, bw: fx.GraphModule, split: tuple[tuple[int, ...], int, int]
     ) -> Callable[[fx.GraphModule, fx.GraphModule], FragmentProfile]:
         """Exact profiles of rewrites of the built graphs ``fw`` and ``bw``: the kernel scratch
-        measured on them, a copy's or an in-place node's that of its original (the same op on
-        the same metadata; an in-place node is probed as itself, see ``workspace.py``).
+        measured on them, a copy's that of its original (the same op on the same metadata).
         ``split``: see :meth:`_rematerialize`."""
         args = self._profile_args_of(fw, bw, split=split)
         measured = {
@@ -726,7 +725,11 @@ class _FragmentBuild:
             "F%d: %d elementwise results written into the graphs' own dying values: the step "
             "peaks at %s (%s without; budget %s)",
             self.index,
-            sum(len(g.meta.get("memcompile_in_place", ())) for g in (fw2, bw2) if g is not None),
+            sum(
+                len(new.meta["memcompile_in_place"])
+                for old, new in ((fw, fw2), (bw, bw2))
+                if new is not old
+            ),
             format_bytes(plan.resident_bytes + after),
             format_bytes(plan.resident_bytes + before),
             format_bytes(plan.resident_bytes + target),

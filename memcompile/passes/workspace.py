@@ -12,7 +12,9 @@ count toward the device peak when the op runs at the peak, so they are measured,
 
 Probes of one graph share one profiler session; results are cached per process. The global RNG
 is forked around the probes, so random ops do not shift the user's random stream. Only ``aten``
-and ``prims`` ops with tensor outputs are probed; views and aliases have no kernel.
+and ``prims`` ops with tensor outputs are probed; views and aliases have no kernel, but for an
+``out=`` overload (``inplace.py``'s rewrites), which is probed with its arguments sharing memory
+as they do in the graph.
 """
 
 from __future__ import annotations
