@@ -23,6 +23,7 @@ from memcompile.errors import (
     MemcompileError,
     MemoryBudgetError,
     MemoryBudgetWarning,
+    RankDivergenceError,
 )
 from memcompile.report import FragmentReport, MemReport, report
 from memcompile.runtime.measure import PeakMeasurement, measure, measure_peak
@@ -41,6 +42,7 @@ __all__ = [
     "MemoryBudgetError",
     "MemoryBudgetWarning",
     "PeakMeasurement",
+    "RankDivergenceError",
     "__version__",
     "compile",
     "measure",

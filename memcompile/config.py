@@ -162,6 +162,11 @@ class MemConfig:
     #: default: the fragment's backward then returns one gradient per read at once (an unrolled
     #: recurrence: one per time step); memcompile warns where the summed order differs.
     split_param_reads: bool = False
+    #: FSDP2 models: before each ``fully_shard`` unit's forward the ranks compare which unit
+    #: they are about to run (one small gloo all-gather on a group of memcompile's own) and raise
+    #: ``RankDivergenceError`` when they differ, where FSDP's all-gathers would hang or abort
+    #: (``backends/sharded.py``). Off by default: one collective per unit per forward.
+    check_ranks: bool = False
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | MemConfig | None = None) -> MemConfig:
@@ -223,6 +228,7 @@ class MemConfig:
             ),
             trace_path=_check_writable_path("trace_path", o.get("trace_path"), is_dir=False),
             split_param_reads=_bool("split_param_reads", o.get("split_param_reads", False)),
+            check_ranks=_bool("check_ranks", o.get("check_ranks", False)),
         )
         cfg._check_landed()
         log.debug("memcompile config: %s", cfg)

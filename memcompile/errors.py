@@ -13,6 +13,7 @@ __all__ = [
     "MemoryBudgetError",
     "MemoryBudgetWarning",
     "PilotWarning",
+    "RankDivergenceError",
     "format_bytes",
 ]
 
@@ -63,6 +64,20 @@ class MemoryBudgetError(MemcompileError):
     def __reduce__(self) -> tuple[type, tuple[int, int, str]]:
         # Keep the attributes through pickling (multiprocessing, pytest-xdist).
         return (type(self), (self.budget, self.min_feasible, self.hint))
+
+
+class RankDivergenceError(MemcompileError):
+    """Ranks of an FSDP2 model ran different ``fully_shard`` units (``check_ranks=True``): their
+    all-gathers would not match, and FSDP's collectives would hang or abort.
+
+    Attributes:
+        units: the unit each rank was about to run (``"<none>"``: a rank that timed out
+            waiting), by rank.
+    """
+
+    def __init__(self, message: str, units: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.units = units
 
 
 class MemoryBudgetWarning(UserWarning):

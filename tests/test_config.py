@@ -42,9 +42,9 @@ def test_defaults_match_design_table() -> None:
     assert set(cfg.to_dict()) == {
         "budget", "recompute", "swap", "reorder", "offload_to", "disk_path", "offload_params",
         "pilot", "prefetch_depth", "inner", "device_profile", "on_infeasible", "trace_path",
-        "split_param_reads",
+        "split_param_reads", "check_ranks",
     }  # fmt: skip
-    assert cfg.split_param_reads is False
+    assert cfg.split_param_reads is False and cfg.check_ranks is False
 
 
 def test_config_is_frozen() -> None:
@@ -76,6 +76,7 @@ BAD = [
         TypeError,
         r"option 'split_param_reads' must be True or False; got 'yes'",
     ),
+    ({"check_ranks": 1}, TypeError, r"option 'check_ranks' must be True or False; got 1"),
     (
         {"offload_to": "nvme"},
         ValueError,

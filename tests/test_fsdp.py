@@ -13,6 +13,7 @@ import copy
 import datetime
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,9 @@ from torch import nn
 from torch.testing._internal.two_tensor import TwoTensor
 
 import memcompile
-from memcompile import MemoryBudgetError, MemoryBudgetWarning
+from memcompile import MemoryBudgetError, MemoryBudgetWarning, RankDivergenceError
 from memcompile.backends.sharded import sharded_params
+from memcompile.report import find_compiler
 from memcompile.runtime.measure import storage_sizes
 from memcompile.runtime.store import can_host_place
 
@@ -165,6 +167,116 @@ def test_an_fsdp2_budget_no_plan_fits_names_fsdp_in_its_error(tmp_path) -> None:
     # Not "offload_params=True keeps parameters on the host": memcompile leaves them to FSDP.
     assert "FSDP2 manages the parameters (more ranks shard them thinner" in r["error"], r
     assert "offload_params" not in r["error"], r
+
+
+class _EarlyExit(nn.Module):
+    # Runs layers 0, [1, [2]], 3: ``stop`` picks the path (Dynamo compiles one frame per path).
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 64)])
+        self.layers.append(nn.Linear(64, 5))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, stop: int) -> torch.Tensor:
+        a, b, c, d = self.layers
+        x = nn.functional.gelu(a(x))
+        if stop > 1:
+            x = nn.functional.gelu(b(x))
+        if stop > 2:
+            x = nn.functional.gelu(c(x))
+        return nn.functional.cross_entropy(d(x), y)
+
+
+def _rank_paths(rank: int, options: dict[str, Any], stops: list[list[int]], out: str) -> None:
+    # One rank of the early-exit model, sharded per layer, under memcompile and eagerly, step s
+    # taking path stops[s][rank]; a RankDivergenceError is recorded, not raised.
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{Path(out, 'store')}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    result: dict[str, Any] = {}
+    try:
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        model = _EarlyExit()
+        ref = _shard(copy.deepcopy(model), True, WORLD)
+        model = _shard(model, True, WORLD)
+        compiled = torch.compile(model, backend="memcompile", options=options)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                for step, by_rank in enumerate(stops):
+                    x, y = _batch(step, rank)
+                    for fn, o in ((compiled, opt), (ref, opt_ref)):
+                        o.zero_grad(set_to_none=True)
+                        fn(x, y, by_rank[rank]).backward()
+                        o.step()
+            except RankDivergenceError as e:
+                result["error"], result["units"] = str(e), list(e.units)
+        compiler, _ = find_compiler(compiled)
+        result.update(
+            same=all(
+                torch.equal(a.full_tensor(), b.full_tensor())
+                for a, b in zip(model.parameters(), ref.parameters(), strict=True)
+            )
+            if "error" not in result
+            else None,
+            checked=compiler.rank_check.calls if compiler.rank_check is not None else None,
+            warned=[str(w.message) for w in caught if w.category is UserWarning],
+        )
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        if "error" not in result:
+            dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_check_ranks_raises_when_the_ranks_take_different_units(tmp_path) -> None:
+    # Step 0: both ranks run layers 0..3; step 1: rank 0 runs 0, 1, 2, 3 and rank 1 exits after
+    # 0 (then 3). Without the check FSDP's all-gathers would not match (gloo aborts or hangs).
+    stops = [[3, 3], [3, 1]]
+    results = spawn_ranks(_rank_paths, ({"check_ranks": True}, stops, str(tmp_path)), tmp_path)
+    for r in results:
+        assert r["units"] == ["layers.1", "layers.3"], r
+        # Both ranks at the same unit call (the check starts at the first compile), different
+        # units.
+        assert re.search(
+            r"rank 0: layers\.1 \(unit call (\d+)\), rank 1: layers\.3 \(unit call \1\)", r["error"]
+        ), r
+        assert "needs every rank to run the same units in the same order" in r["error"], r
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+def test_ranks_on_one_path_train_bit_identically_and_are_told_about_paths(tmp_path, check):
+    # Both ranks take the same path each step, a different one from step to step: the model is
+    # dynamic (one frame per path). Unchecked, memcompile says that ranks must agree.
+    stops = [[3, 3], [1, 1], [2, 2]]
+    results = spawn_ranks(_rank_paths, ({"check_ranks": check}, stops, str(tmp_path)), tmp_path)
+    for r in results:
+        assert "error" not in r and r["same"], r
+        warned = " | ".join(r["warned"])
+        if check:
+            # Root, 0, 1, 2, 3 / root, 0, 3 / root, 0, 1, 3: 12 unit forwards, less the root's
+            # and layer 0's of the first step (the check starts at the first compile).
+            assert r["checked"] == 10, r
+            assert "takes different paths" not in warned, r
+        else:
+            assert r["checked"] is None, r
+            assert "sharded by FSDP2 and takes different paths (F" in warned, r
+            assert "check_ranks=True makes memcompile compare them" in warned, r
+
+
+def test_check_ranks_without_fully_shard_says_there_is_nothing_to_check() -> None:
+    torch._dynamo.reset()
+    compiled = memcompile.compile(_MLP(), check_ranks=True)
+    x, y = _batch(0, 0)
+    with pytest.warns(UserWarning, match=r"check_ranks=True, but the model has no FSDP2"):
+        compiled(x, y).backward()
+    torch._dynamo.reset()
 
 
 def test_a_wrapper_subclass_counts_the_storages_it_wraps() -> None:

@@ -56,7 +56,7 @@ from memcompile.backends.fragments import (
 )
 from memcompile.backends.inner import BoxedCallable, compile_inner, decompositions
 from memcompile.backends.replan import MAX_REPLANS, MAX_ROUNDS, Replan, decide_replan
-from memcompile.backends.sharded import ShardedParams, sharded_params
+from memcompile.backends.sharded import RankCheck, ShardedParams, sharded_params
 from memcompile.config import MemConfig
 from memcompile.dynamic.trace import small_int_outputs
 from memcompile.errors import (
@@ -1301,6 +1301,9 @@ class MemCompiler:
         #: parameters are in the module only while FSDP has all-gathered them).
         self.sharded: ShardedParams | None = None
         self._sharded_ids: set[int] = set()
+        #: ``check_ranks=True`` on an FSDP2 model: the ranks compare units (backends/sharded.py).
+        self.rank_check: RankCheck | None = None
+        self._paths_warned = False
         self.store = TieredStore(self.config.disk_path)
         self.store_key = register_store(self.store)
         #: Told of every fragment call, in order (dynamic/: the trace recorder, the pilot).
@@ -1419,6 +1422,7 @@ class MemCompiler:
             return
         self.dynamic = reason
         log.info("memcompile: the model is dynamic (%s)", reason)
+        self._warn_paths()
         config = torch._dynamo.config
         limit = config.recompile_limit
         default = config._config["recompile_limit"].default  # type: ignore[attr-defined]
@@ -1569,15 +1573,28 @@ class MemCompiler:
 
     def _note_sharded(self, index: int) -> None:
         """Find the parameters FSDP2 manages (backends/sharded.py) and, at the first compile
-        that sees them, say what memcompile leaves to FSDP."""
-        found = sharded_params(self._model())
+        that sees them, say what memcompile leaves to FSDP (and start ``check_ranks``)."""
+        model = self._model()
+        found = sharded_params(model)
         if found is None:
+            if self.config.check_ranks and not self._paths_warned and not self.fragments:
+                self._paths_warned = True
+                warnings.warn(
+                    "memcompile: check_ranks=True, but the model has no FSDP2 fully_shard units "
+                    "(found at its first compile): there is nothing to check",
+                    UserWarning,
+                    stacklevel=3,
+                )
             return
         first = self.sharded is None
         self.sharded = found
         self._sharded_ids.update(found.param_ids)
         if not first:
             return
+        if self.config.check_ranks and model is not None:
+            # Every rank compiles its first fragment at the same point of the first step.
+            self.rank_check = RankCheck(model)
+        self._warn_paths()
         size = format_bytes(found.unsharded_bytes)
         if self.config.offload_params is True:
             warnings.warn(
@@ -1603,6 +1620,27 @@ class MemCompiler:
                 MemoryBudgetWarning,
                 stacklevel=3,
             )
+
+    def _warn_paths(self) -> None:
+        # FSDP2 with control flow (another path recompiles a frame; one graph serves several
+        # experts): a rank that skips a unit skips its all-gather. Said once, unless checked.
+        if (
+            self.sharded is None
+            or self.rank_check is not None
+            or self._paths_warned
+            or not self.dynamic
+            or "symbolic shapes" in self.dynamic
+        ):
+            return
+        self._paths_warned = True
+        warnings.warn(
+            f"memcompile: the model is sharded by FSDP2 and takes different paths ({self.dynamic}"
+            "): every rank must run the same fully_shard units in the same order, or FSDP's "
+            "collectives hang or abort; check_ranks=True makes memcompile compare them before "
+            "each unit and raise RankDivergenceError instead (one small collective per unit)",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def is_sharded(self, t: torch.Tensor) -> bool:
         """Whether FSDP2 manages ``t`` (a parameter memcompile must leave in place)."""

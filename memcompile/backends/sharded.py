@@ -14,7 +14,7 @@ reaches memcompile as fragments whose inputs are the *unsharded* parameters:
 
     F1(x, W_unsharded, b_unsharded)    # FSDP all-gathered W and b before; frees them after
 
-Two consequences, both handled through :func:`sharded_params`:
+Three consequences, the first two handled through :func:`sharded_params`:
 
 * memcompile never moves them to its host tier. FSDP resizes their storages and copies the
   all-gather into them; a host-tier storage would be written behind memcompile's back. FSDP2's
@@ -24,18 +24,34 @@ Two consequences, both handled through :func:`sharded_params`:
   plans and the predicted peak do not count them; memcompile says so (a ``MemoryBudgetWarning``
   under a budget, and a line of the report). On CUDA the step check still compares every step's
   measured peak with the budget.
+* Every rank must run the same units in the same order: a rank that skips one (an early exit, an
+  expert no token of its batch chose) skips its all-gather, and the others' collectives then
+  hang or abort. With ``check_ranks=True`` a :class:`RankCheck` makes the ranks compare, right
+  before each unit's forward (a forward pre-hook ahead of FSDP's own), how many units each has
+  run and which one comes next, on a gloo group of its own, and raises
+  :class:`~memcompile.errors.RankDivergenceError` naming them when they differ:
+
+      rank 0: layers.1 (unit call 3)    rank 1: layers.3 (unit call 3)    -> raised on both
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from memcompile.errors import RankDivergenceError
+
 log = logging.getLogger(__name__)
 
-__all__ = ["ShardedParams", "sharded_params"]
+__all__ = ["RANK_CHECK_TIMEOUT", "RankCheck", "ShardedParams", "sharded_params"]
+
+#: How long a rank waits at a unit for the others (a rank that runs no further unit this step
+#: never arrives): then it raises, rather than wait on FSDP's collectives for good.
+RANK_CHECK_TIMEOUT = datetime.timedelta(minutes=5)
 
 
 @dataclass(frozen=True)
@@ -63,6 +79,10 @@ def _fsdp_module_type() -> type | None:
     return FSDPModule
 
 
+def _is_unit(m: torch.nn.Module, fsdp: type) -> bool:
+    return isinstance(m, fsdp)
+
+
 def sharded_params(model: torch.nn.Module | None) -> ShardedParams | None:
     """The parameters of ``model`` under a ``fully_shard`` unit (``None``: no unit). A
     parameter reachable from several units (a nested unit's, also under the root) counts once."""
@@ -76,3 +96,71 @@ def sharded_params(model: torch.nn.Module | None) -> ShardedParams | None:
     # A DTensor's shape is the global one: every rank counts the full parameter.
     unsharded = sum(p.numel() * p.element_size() for p in params.values())
     return ShardedParams(len(units), frozenset(params), unsharded)
+
+
+class RankCheck:
+    """``check_ranks=True``: before each ``fully_shard`` unit's forward, all ranks exchange
+    (units run so far, index of the unit about to run) and raise
+    :class:`~memcompile.errors.RankDivergenceError` on every rank when they differ (see the
+    module docstring). Construct it on every rank at the same point (it creates a process
+    group, a collective call); :meth:`remove` takes the hooks off.
+
+    Args:
+        model: the model; its units are its ``FSDPModule`` submodules, in module order.
+        timeout: how long a rank waits for the others at a unit.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, *, timeout: datetime.timedelta = RANK_CHECK_TIMEOUT
+    ) -> None:
+        import torch.distributed as dist
+
+        fsdp = _fsdp_module_type()
+        assert fsdp is not None, "RankCheck needs torch.distributed"
+        self._dist = dist
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
+        self.timeout = timeout
+        units = [(name or "<root>", m) for name, m in model.named_modules() if _is_unit(m, fsdp)]
+        self.names = tuple(name for name, _ in units)
+        self._index = {id(m): i for i, (_, m) in enumerate(units)}
+        #: Unit forwards this rank has run (checked) since the check was installed.
+        self.calls = 0
+        hook = torch._dynamo.disable(self._before_unit)  # FSDP's hooks break the graph too
+        self._handles = [m.register_forward_pre_hook(hook, prepend=True) for _, m in units]
+        log.info("memcompile: checking %d fully_shard units across ranks", len(units))
+
+    def _before_unit(self, module: torch.nn.Module, args: Any) -> None:
+        dist = self._dist
+        mine = torch.tensor([self.calls, self._index[id(module)]], dtype=torch.int64)
+        seen = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        try:
+            dist.all_gather(seen, mine, group=self.group)
+        except RuntimeError as e:  # gloo's timeout: another rank never came to a unit
+            name = self.names[int(mine[1])]
+            raise RankDivergenceError(
+                f"memcompile: rank {dist.get_rank()} waited {self.timeout} before fully_shard unit "
+                f"{name!r} (unit call {self.calls}) for the other ranks, which ran no unit: the "
+                "ranks took different paths through the model (an early exit, experts no token "
+                f"chose), so FSDP's all-gathers cannot match ({e})",
+                tuple(name if r == dist.get_rank() else "<none>" for r in range(len(seen))),
+            ) from e
+        self.calls += 1
+        if any(not torch.equal(t, mine) for t in seen):
+            units = tuple(self.names[int(t[1])] for t in seen)
+            where = ", ".join(
+                f"rank {r}: {u} (unit call {int(t[0])})"
+                for r, (u, t) in enumerate(zip(units, seen, strict=True))
+            )
+            raise RankDivergenceError(
+                f"memcompile: the ranks are about to run different fully_shard units ({where}): "
+                "FSDP2 needs every rank to run the same units in the same order (their "
+                "all-gathers must match); make the control flow agree across ranks (e.g. "
+                "all-reduce the exit or routing decision) or keep such blocks out of FSDP units",
+                units,
+            )
+
+    def remove(self) -> None:
+        """Take the hooks off the units."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
