@@ -124,10 +124,11 @@ class MemReport:
         released_tangents: ``"F{i}: [tangents_k, ...]"`` of each fragment whose plan counts
             those incoming gradients as freed after their last reader, as steps showed (no one
             else holds them: AOTAutograd's zeros for an output that got no gradient).
-        sharded_param_bytes: the model's parameters at their unsharded size when FSDP2
-            (``fully_shard``) manages them, else 0. FSDP's all-gathered parameters, gradients
-            before reduce-scatter and collective buffers are outside memcompile's graphs: the
-            predicted peak does not count them (``backends/sharded.py``).
+        sharded_param_bytes: the model's parameters at their unsharded size (in the sharded
+            parameters' dtype, as far as compiles saw them sharded) when FSDP2 (``fully_shard``)
+            manages them, else 0. FSDP's all-gathered parameters, gradients before
+            reduce-scatter and collective buffers are outside memcompile's graphs: the predicted
+            peak does not count them (``backends/sharded.py``).
     """
 
     config: MemConfig
@@ -411,7 +412,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
         replans=tuple(compiler.replans),
         measured_peak=compiler.peak_watch.measured if compiler.peak_watch is not None else None,
         summed_grads=tuple(compiler.summed_grads),
-        sharded_param_bytes=sharded.unsharded_bytes if sharded is not None else 0,
+        sharded_param_bytes=compiler.sharded_param_bytes,
         dropped_outputs=tuple(
             f"{r.name}: outputs {sorted(compiler.dropped_outputs_of(r))}"
             for r in compiler.records()

@@ -56,19 +56,24 @@ class _MLP(_LoopMLP):
 PARAM_BYTES = sum(p.numel() * 4 for p in _MLP().parameters())
 
 
-def _shard(model: _MLP, per_layer: bool, world: int) -> _MLP:
+def _shard(model: _MLP, per_layer: bool, world: int, bf16: bool = False) -> _MLP:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
+    # bf16: FSDP gathers bf16 copies to compute with and reduces the gradients in float32.
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kw: dict[str, Any] = {"mp_policy": mp} if bf16 else {}
     if per_layer:
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     return model
 
 
-def _rank(rank: int, world: int, per_layer: bool, options: dict[str, Any], out: str) -> None:
+def _rank(
+    rank: int, world: int, per_layer: bool, options: dict[str, Any], out: str, bf16: bool = False
+) -> None:
     # One rank: memcompile's FSDP2 copy and an eager FSDP2 copy of the same model, trained side
     # by side with Adam; the parameters (DTensor shards) are compared whole.
     dist.init_process_group(
@@ -82,8 +87,8 @@ def _rank(rank: int, world: int, per_layer: bool, options: dict[str, Any], out: 
         torch.set_num_threads(1)
         torch.manual_seed(0)
         model = _MLP()
-        ref = _shard(copy.deepcopy(model), per_layer, world)
-        model = _shard(model, per_layer, world)
+        ref = _shard(copy.deepcopy(model), per_layer, world, bf16)
+        model = _shard(model, per_layer, world, bf16)
         compiled = torch.compile(model, backend="memcompile", options=options)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-3)
@@ -122,9 +127,14 @@ def _rank(rank: int, world: int, per_layer: bool, options: dict[str, Any], out: 
     os._exit(0)  # as in test_distributed.py: no gloo teardown (pytorch/pytorch#56297)
 
 
-@pytest.mark.parametrize("per_layer", [True, False], ids=["per_layer", "root"])
-def test_fsdp2_units_train_bit_identical_to_eager_fsdp2(tmp_path, per_layer) -> None:
-    results = spawn_ranks(_rank, (WORLD, per_layer, {}, str(tmp_path)), tmp_path, WORLD)
+@pytest.mark.parametrize(
+    ("per_layer", "bf16"),
+    [(True, False), (False, False), (True, True)],
+    ids=["per_layer", "root", "per_layer_bf16"],
+)
+def test_fsdp2_units_train_bit_identical_to_eager_fsdp2(tmp_path, per_layer, bf16) -> None:
+    args = (WORLD, per_layer, {}, str(tmp_path), bf16)
+    results = spawn_ranks(_rank, args, tmp_path, WORLD)
     for r in results:
         assert r["same"], r  # all parameters, gathered, after 3 Adam steps
         # Per layer: one fragment per unit (FSDP's hooks break the graph), else one.
@@ -132,6 +142,7 @@ def test_fsdp2_units_train_bit_identical_to_eager_fsdp2(tmp_path, per_layer) -> 
         # FSDP all-gathers each unit's parameters into a new allocation every step: still
         # one parameter set per fragment, not a dynamic model (it was, by their addresses).
         assert r["dynamic"] == "", r
+        # In float32, the sharded parameters' dtype, also where FSDP computes with bf16 copies.
         assert r["sharded_param_bytes"] == PARAM_BYTES and not r["exact"], r
         assert "FSDP2 manages 2.05 MiB of parameters (unsharded)" in r["text"], r
         assert not r["budget_warnings"], r

@@ -1301,6 +1301,7 @@ class MemCompiler:
         #: parameters are in the module only while FSDP has all-gathered them).
         self.sharded: ShardedParams | None = None
         self._sharded_ids: set[int] = set()
+        self._sharded_bytes: dict[str, int] = {}
         #: ``check_ranks=True`` on an FSDP2 model: the ranks compare units (backends/sharded.py).
         self.rank_check: RankCheck | None = None
         self._paths_warned = False
@@ -1589,13 +1590,15 @@ class MemCompiler:
         first = self.sharded is None
         self.sharded = found
         self._sharded_ids.update(found.param_ids)
+        for name, n in found.param_bytes:  # the sharded dtype's size, where a compile saw it
+            self._sharded_bytes[name] = max(n, self._sharded_bytes.get(name, 0))
         if not first:
             return
         if self.config.check_ranks and model is not None:
             # Every rank compiles its first fragment at the same point of the first step.
             self.rank_check = RankCheck(model)
         self._warn_paths()
-        size = format_bytes(found.unsharded_bytes)
+        size = format_bytes(self.sharded_param_bytes)
         if self.config.offload_params is True:
             warnings.warn(
                 f"memcompile: F{index}: the model's parameters ({size} unsharded, "
@@ -1641,6 +1644,12 @@ class MemCompiler:
             UserWarning,
             stacklevel=3,
         )
+
+    @property
+    def sharded_param_bytes(self) -> int:
+        """The FSDP2-managed parameters' unsharded bytes, each at the largest size a compile saw
+        (the sharded parameter's dtype, not a mixed-precision compute copy); 0: no FSDP2."""
+        return sum(self._sharded_bytes.values())
 
     def is_sharded(self, t: torch.Tensor) -> bool:
         """Whether FSDP2 manages ``t`` (a parameter memcompile must leave in place)."""

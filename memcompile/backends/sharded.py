@@ -63,12 +63,17 @@ class ShardedParams:
         param_ids: ``id`` of each parameter object the units hold now: the sharded ``DTensor``
             of a resharded unit, the unsharded ``nn.Parameter`` of a unit FSDP has all-gathered
             (FSDP2 reuses that object in every step).
-        unsharded_bytes: the bytes of every managed parameter at its full (unsharded) size.
+        unsharded_bytes: the bytes of every managed parameter at its full (unsharded) size,
+            in the dtype it has now (a unit FSDP has gathered under a ``MixedPrecisionPolicy``
+            holds its compute dtype's copy).
+        param_bytes: those bytes by parameter name (``MemCompiler`` keeps the largest seen, the
+            sharded parameter's dtype).
     """
 
     units: int
     param_ids: frozenset[int]
     unsharded_bytes: int
+    param_bytes: tuple[tuple[str, int], ...] = ()
 
 
 def _fsdp_module_type() -> type | None:
@@ -92,10 +97,14 @@ def sharded_params(model: torch.nn.Module | None) -> ShardedParams | None:
     units = [m for m in model.modules() if isinstance(m, fsdp)]
     if not units:
         return None
-    params = {id(p): p for unit in units for p in unit.parameters()}
+    named = {id(p): (n, p) for unit in units for n, p in unit.named_parameters()}
+    # The same parameter under its full name: the model's own names (a unit's are relative).
+    full = {id(p): n for n, p in model.named_parameters()}
     # A DTensor's shape is the global one: every rank counts the full parameter.
-    unsharded = sum(p.numel() * p.element_size() for p in params.values())
-    return ShardedParams(len(units), frozenset(params), unsharded)
+    by_name = {full.get(i, n): p.numel() * p.element_size() for i, (n, p) in named.items()}
+    return ShardedParams(
+        len(units), frozenset(named), sum(by_name.values()), tuple(sorted(by_name.items()))
+    )
 
 
 class RankCheck:
