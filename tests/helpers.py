@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import time
@@ -198,3 +199,33 @@ def spawn_ranks(fn: Callable[..., None], args: tuple[Any, ...], out: Path, world
                 p.kill()
             pytest.fail(f"the spawned ranks did not finish in {RANKS_DEADLINE} s")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def join_ranks(rank: int, world: int, out: str | Path, seconds: int = 120) -> None:
+    """In a rank :func:`spawn_ranks` started: join the gloo group, meeting the others through a
+    file in ``out`` (a TCP port picked free could be taken by a test running beside it), giving
+    up after ``seconds`` rather than hang; one thread, seed 0."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{Path(out, 'store')}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=seconds),
+    )
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+
+
+def train_side_by_side(
+    pairs: Any, steps: int, batch: Callable[[int], tuple[torch.Tensor, ...]]
+) -> None:
+    """``steps`` steps of each ``(model, optimizer)`` in ``pairs`` in turn, on ``batch(step)``
+    (the models return their loss)."""
+    for step in range(steps):
+        inputs = batch(step)
+        for fn, opt in pairs:
+            opt.zero_grad(set_to_none=True)
+            fn(*inputs).backward()
+            opt.step()

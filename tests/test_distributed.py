@@ -9,7 +9,6 @@ the host tier. The bucketed all-reduce is driven by autograd hooks, outside memc
 from __future__ import annotations
 
 import copy
-import datetime
 import json
 import os
 import warnings
@@ -27,7 +26,7 @@ import memcompile.backends.compiler as compiler_module
 from memcompile import MemoryBudgetWarning
 from memcompile.backends.fakes import real_inputs
 
-from helpers import spawn_ranks
+from helpers import join_ranks, spawn_ranks, train_side_by_side
 
 WORLD = 2
 STEPS = 3
@@ -56,19 +55,9 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _rank(rank: int, options: dict[str, Any], out: str) -> None:
     # One rank: memcompile's DDP copy and an eager DDP copy of the same model, trained side by
-    # side with Adam; then one measured step of the compiled copy. The ranks meet through a
-    # file of the test's own (a TCP port picked free could be taken by a test running beside
-    # it), and give up after two minutes rather than hang.
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{Path(out, 'store')}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    # side with Adam; then one measured step of the compiled copy.
+    join_ranks(rank, WORLD, out)
     try:
-        torch.set_num_threads(1)
-        torch.manual_seed(0)
         model = _MLP()
         ref = nn.parallel.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=1)
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
@@ -77,12 +66,8 @@ def _rank(rank: int, options: dict[str, Any], out: str) -> None:
         opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-3)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for step in range(STEPS):
-                x, y = _batch(step, rank)
-                for fn, o in ((compiled, opt), (ref, opt_ref)):
-                    o.zero_grad(set_to_none=True)
-                    fn(x, y).backward()
-                    o.step()
+            pairs = ((compiled, opt), (ref, opt_ref))
+            train_side_by_side(pairs, STEPS, lambda step: _batch(step, rank))
             x, y = _batch(STEPS, rank)
             opt.zero_grad(set_to_none=True)
             # Resident: the batch and the parameters (DDP's buckets and Adam's state are

@@ -10,7 +10,6 @@ are outside its plans (``backends/sharded.py``).
 from __future__ import annotations
 
 import copy
-import datetime
 import json
 import os
 import re
@@ -33,7 +32,7 @@ from memcompile.report import find_compiler
 from memcompile.runtime.measure import storage_sizes
 from memcompile.runtime.store import can_host_place
 
-from helpers import spawn_ranks
+from helpers import join_ranks, spawn_ranks, train_side_by_side
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="no torch.distributed")
 
@@ -76,16 +75,8 @@ def _rank(
 ) -> None:
     # One rank: memcompile's FSDP2 copy and an eager FSDP2 copy of the same model, trained side
     # by side with Adam; the parameters (DTensor shards) are compared whole.
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{Path(out, 'store')}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    join_ranks(rank, world, out)
     try:
-        torch.set_num_threads(1)
-        torch.manual_seed(0)
         model = _MLP()
         ref = _shard(copy.deepcopy(model), per_layer, world, bf16)
         model = _shard(model, per_layer, world, bf16)
@@ -95,12 +86,8 @@ def _rank(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                for step in range(STEPS):
-                    x, y = _batch(step, rank)
-                    for fn, o in ((compiled, opt), (ref, opt_ref)):
-                        o.zero_grad(set_to_none=True)
-                        fn(x, y).backward()
-                        o.step()
+                pairs = ((compiled, opt), (ref, opt_ref))
+                train_side_by_side(pairs, STEPS, lambda step: _batch(step, rank))
             except MemoryBudgetError as e:
                 Path(out, f"rank{rank}.json").write_text(json.dumps({"error": str(e)}))
                 return
@@ -200,17 +187,9 @@ class _EarlyExit(nn.Module):
 def _rank_paths(rank: int, options: dict[str, Any], stops: list[list[int]], out: str) -> None:
     # One rank of the early-exit model, sharded per layer, under memcompile and eagerly, step s
     # taking path stops[s][rank]; a RankDivergenceError is recorded, not raised.
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{Path(out, 'store')}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_ranks(rank, WORLD, out, seconds=60)
     result: dict[str, Any] = {}
     try:
-        torch.set_num_threads(1)
-        torch.manual_seed(0)
         model = _EarlyExit()
         ref = _shard(copy.deepcopy(model), True, WORLD)
         model = _shard(model, True, WORLD)
