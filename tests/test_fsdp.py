@@ -52,6 +52,34 @@ class _MLP(_LoopMLP):
         return nn.functional.cross_entropy(d(x), y)
 
 
+class _Block(nn.Module):
+    # A user-defined block: Dynamo compiles its forward as a frame of its own (it skips the
+    # frames of torch.nn's classes, such as nn.Linear's).
+    def __init__(self, a: int, b: int, act: bool = True) -> None:
+        super().__init__()
+        self.lin, self.act = nn.Linear(a, b), act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.lin(x)
+        return nn.functional.gelu(x) if self.act else x
+
+
+class _Blocks(nn.Module):
+    # The same MLP as blocks called in a loop, as most models are written; the loop runs
+    # eagerly (a non-recursive disable), each block's forward is a fragment.
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            [_Block(16, 512), _Block(512, 512), _Block(512, 512), _Block(512, 5, act=False)]
+        )
+
+    @torch.compiler.disable(recursive=False)
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for block in self.layers:
+            x = block(x)
+        return nn.functional.cross_entropy(x, y)
+
+
 PARAM_BYTES = sum(p.numel() * 4 for p in _MLP().parameters())
 
 
@@ -71,13 +99,19 @@ def _shard(model: _MLP, per_layer: bool, world: int, bf16: bool = False) -> _MLP
 
 
 def _rank(
-    rank: int, world: int, per_layer: bool, options: dict[str, Any], out: str, bf16: bool = False
+    rank: int,
+    world: int,
+    per_layer: bool,
+    options: dict[str, Any],
+    out: str,
+    bf16: bool = False,
+    blocks: bool = False,
 ) -> None:
     # One rank: memcompile's FSDP2 copy and an eager FSDP2 copy of the same model, trained side
     # by side with Adam; the parameters (DTensor shards) are compared whole.
     join_ranks(rank, world, out)
     try:
-        model = _MLP()
+        model = _Blocks() if blocks else _MLP()
         ref = _shard(copy.deepcopy(model), per_layer, world, bf16)
         model = _shard(model, per_layer, world, bf16)
         compiled = torch.compile(model, backend="memcompile", options=options)
@@ -133,6 +167,23 @@ def test_fsdp2_units_train_bit_identical_to_eager_fsdp2(tmp_path, per_layer, bf1
         assert r["sharded_param_bytes"] == PARAM_BYTES and not r["exact"], r
         assert "FSDP2 manages 2.05 MiB of parameters (unsharded)" in r["text"], r
         assert not r["budget_warnings"], r
+
+
+def test_fsdp2_blocks_called_in_a_loop_are_fragments_under_a_non_recursive_disable(
+    tmp_path,
+) -> None:
+    # Per-block FSDP with the blocks called in a loop: with the loop's function compiled,
+    # FSDP's hooks would break the graph inside the loop and Dynamo would run it all eagerly.
+    # Disabled non-recursively, the loop runs eagerly and every block's forward is compiled by
+    # the same compiler (one budget for the step).
+    args = (WORLD, True, {}, str(tmp_path), False, True)
+    results = spawn_ranks(_rank, args, tmp_path, WORLD)
+    for r in results:
+        assert r["same"], r
+        # Block 0; one graph with dynamic sizes for the 512-wide GELU blocks (Dynamo's
+        # automatic dynamic shapes after the second block's new sizes); the last block.
+        assert r["fragments"] == 3 and r["fallbacks"] == 0, r
+        assert r["sharded_param_bytes"] == PARAM_BYTES, r
 
 
 @pytest.mark.parametrize(
