@@ -411,12 +411,7 @@ class _FragmentBuild:
         out = []
         for i in static:
             t = self.example_inputs[i] if i < len(self.example_inputs) else None
-            if (
-                isinstance(t, torch.nn.Parameter)
-                and can_host_place(t)
-                and not is_host_placed(t)
-                and not self.compiler.is_sharded(t)
-            ):
+            if isinstance(t, torch.Tensor) and self.compiler.may_host(t) and not is_host_placed(t):
                 out.append(i)
         return self._with_aliases(out)
 
@@ -1377,13 +1372,7 @@ class MemCompiler:
         return [
             t
             for t in self._model_tensors()
-            if id(t) not in hosted
-            and not (
-                assume
-                and isinstance(t, torch.nn.Parameter)
-                and can_host_place(t)
-                and not self.is_sharded(t)
-            )
+            if id(t) not in hosted and not (assume and self.may_host(t))
         ]
 
     def _model_tensors(self) -> tuple[torch.Tensor, ...]:
@@ -1578,8 +1567,7 @@ class MemCompiler:
         model = self._model()
         found = sharded_params(model)
         if found is None:
-            if self.config.check_ranks and not self._paths_warned and not self.fragments:
-                self._paths_warned = True
+            if self.config.check_ranks and not self.fragments:  # the first compile only
                 warnings.warn(
                     "memcompile: check_ranks=True, but the model has no FSDP2 fully_shard units "
                     "(found at its first compile): there is nothing to check",
@@ -1654,6 +1642,11 @@ class MemCompiler:
     def is_sharded(self, t: torch.Tensor) -> bool:
         """Whether FSDP2 manages ``t`` (a parameter memcompile must leave in place)."""
         return id(t) in self._sharded_ids
+
+    def may_host(self, t: Any) -> bool:
+        """Whether ``t`` is a parameter the host tier may take (``store.can_host_place``) and
+        no one else manages (FSDP2's are FSDP's)."""
+        return isinstance(t, torch.nn.Parameter) and can_host_place(t) and not self.is_sharded(t)
 
     def _compile_fragment(
         self,

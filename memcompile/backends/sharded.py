@@ -63,17 +63,19 @@ class ShardedParams:
         param_ids: ``id`` of each parameter object the units hold now: the sharded ``DTensor``
             of a resharded unit, the unsharded ``nn.Parameter`` of a unit FSDP has all-gathered
             (FSDP2 reuses that object in every step).
-        unsharded_bytes: the bytes of every managed parameter at its full (unsharded) size,
-            in the dtype it has now (a unit FSDP has gathered under a ``MixedPrecisionPolicy``
-            holds its compute dtype's copy).
-        param_bytes: those bytes by parameter name (``MemCompiler`` keeps the largest seen, the
-            sharded parameter's dtype).
+        param_bytes: by parameter name, its bytes at its full (unsharded) size, in the dtype it
+            has now (a unit FSDP has gathered under a ``MixedPrecisionPolicy`` holds its compute
+            dtype's copy; ``MemCompiler`` keeps the largest seen, the sharded parameter's).
     """
 
     units: int
     param_ids: frozenset[int]
-    unsharded_bytes: int
     param_bytes: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def unsharded_bytes(self) -> int:
+        """The bytes of every managed parameter at its full size (see ``param_bytes``)."""
+        return sum(n for _, n in self.param_bytes)
 
 
 def _fsdp_module_type() -> type | None:
@@ -102,9 +104,7 @@ def sharded_params(model: torch.nn.Module | None) -> ShardedParams | None:
     full = {id(p): n for n, p in model.named_parameters()}
     # A DTensor's shape is the global one: every rank counts the full parameter.
     by_name = {full.get(i, n): p.numel() * p.element_size() for i, (n, p) in named.items()}
-    return ShardedParams(
-        len(units), frozenset(named), sum(by_name.values()), tuple(sorted(by_name.items()))
-    )
+    return ShardedParams(len(units), frozenset(named), tuple(sorted(by_name.items())))
 
 
 class RankCheck:

@@ -103,16 +103,20 @@ def _writes_out(target: torch._ops.OpOverload) -> bool:
     return any(a.is_out for a in target._schema.arguments)
 
 
+def _arg_storages(node: fx.Node) -> list[StorageWeakRef]:
+    """The storages of ``node``'s tensor arguments (fake values), in argument order."""
+    return [
+        StorageWeakRef(t.untyped_storage())
+        for a in node.all_input_nodes
+        for t in tensor_vals(a.meta.get("val"))
+    ]
+
+
 def _alias_key(node: fx.Node) -> tuple[int, ...]:
     """Which tensor arguments of ``node`` share a storage: for each, the position of the first
     one with its storage (part of the probe's cache key)."""
     seen: dict[StorageWeakRef, int] = {}
-    out = []
-    for a in node.all_input_nodes:
-        for t in tensor_vals(a.meta.get("val")):
-            ref = StorageWeakRef(t.untyped_storage())
-            out.append(seen.setdefault(ref, len(seen)))
-    return tuple(out)
+    return tuple(seen.setdefault(ref, len(seen)) for ref in _arg_storages(node))
 
 
 def _probeable(node: fx.Node) -> bool:
@@ -124,11 +128,7 @@ def _probeable(node: fx.Node) -> bool:
     outs = tensor_vals(node.meta.get("val"))
     if not outs or any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in outs):
         return False
-    inputs = {
-        StorageWeakRef(t.untyped_storage())
-        for a in node.all_input_nodes
-        for t in tensor_vals(a.meta.get("val"))
-    }
+    inputs = set(_arg_storages(node))
     # Aliases of an input have no kernel, but for an ``out=`` overload's result.
     aliases = all(StorageWeakRef(t.untyped_storage()) in inputs for t in outs)
     return not aliases or _writes_out(target)
@@ -148,12 +148,7 @@ def _run_probes(
             log.debug("no workspace probe for %s: %s", node.target, e)
             results[key] = 0
             continue
-        # New output memory only: an out= result is its argument's.
-        inputs = {
-            StorageWeakRef(t.untyped_storage())
-            for a in node.all_input_nodes
-            for t in tensor_vals(a.meta.get("val"))
-        }
+        inputs = set(_arg_storages(node))  # new output memory only: an out= result is theirs
         out_bytes = sum(
             _concrete(t.untyped_storage().nbytes())
             for t in tensor_vals(node.meta["val"])
