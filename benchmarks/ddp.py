@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("OMP_NUM_THREADS") != "1":
         print("warning: set OMP_NUM_THREADS=1 (shared machines)", file=sys.stderr)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from machine import describe_machine
+    from machine import write_results
 
     rows = []
     for model in models:
@@ -247,35 +247,25 @@ def main(argv: list[str] | None = None) -> int:
         for config, budget in configs:
             rows.append(run_row(model, config, budget, args.steps, args.timed))
             print(_table(rows[-1:])[-1], flush=True)
-    command = "OMP_NUM_THREADS=1 python benchmarks/ddp.py " + " ".join(
-        argv if argv is not None else sys.argv[1:]
+    write_results(
+        args.out,
+        "ddp",
+        title="memcompile under DistributedDataParallel (2 CPU ranks, gloo)",
+        argv=argv if argv is not None else sys.argv[1:],
+        notes=[
+            "rows: one spawned pair of ranks each; rank 0's figures; `DistributedDataParallel("
+            "bucket_cap_mb=1)`, so Dynamo's DDP graph splitter compiles one piece per bucket",
+            "measured: CPU profiler (`memcompile.measure_peak`), absolute: the parameters and the "
+            "batch plus the step's peak above them (DDP's bucket buffers and Adam's state are "
+            "allocated before and not counted); budgets: a fraction of eager DDP's measured peak",
+            f"time: median over {args.timed} steps of the row's copy's process CPU time over an "
+            "eager DDP copy's, interleaved in the same process (Adam steps included)",
+            "`mc_rF`: budget F, parameters on the device; `mc_hF`: the same budget with "
+            "`offload_params=True`",
+        ],
+        table=_table(rows),
+        rows=rows,
     )
-    machine = f"{describe_machine()}, torch {torch.__version__}"
-    date = datetime.date.today().isoformat()
-    lines = [
-        "# memcompile under DistributedDataParallel (2 CPU ranks, gloo)",
-        "",
-        f"- command: `{command.strip()}`",
-        f"- machine: {machine}",
-        f"- date: {date}",
-        "- rows: one spawned pair of ranks each; rank 0's figures; `DistributedDataParallel("
-        "bucket_cap_mb=1)`, so Dynamo's DDP graph splitter compiles one piece per bucket",
-        "- measured: CPU profiler (`memcompile.measure_peak`), absolute: the parameters and the "
-        "batch plus the step's peak above them (DDP's bucket buffers and Adam's state are "
-        "allocated before and not counted); budgets: a fraction of eager DDP's measured peak",
-        f"- time: median over {args.timed} steps of the row's copy's process CPU time over an "
-        "eager DDP copy's, interleaved in the same process (Adam steps included)",
-        "- `mc_rF`: budget F, parameters on the device; `mc_hF`: the same budget with "
-        "`offload_params=True`",
-        "",
-        *_table(rows),
-        "",
-    ]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ddp.md").write_text("\n".join(lines))
-    payload = {"command": command.strip(), "machine": machine, "date": date, "rows": rows}
-    (args.out / "ddp.json").write_text(json.dumps(payload, indent=1) + "\n")
-    print(f"wrote {args.out / 'ddp.md'}")
     return 0
 
 

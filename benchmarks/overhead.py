@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -137,38 +135,28 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("OMP_NUM_THREADS") != "1":
         print("warning: set OMP_NUM_THREADS=1 (shared machines)", file=sys.stderr)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from machine import describe_machine
+    from machine import write_results
 
     rows = []
     for size in sizes:
         for name in models:
             rows.append(measure(name, size, rounds=args.rounds, batches=args.batches))
             print(_table(rows[-1:])[-1], flush=True)
-    command = "OMP_NUM_THREADS=1 python benchmarks/overhead.py " + " ".join(
-        argv if argv is not None else sys.argv[1:]
+    write_results(
+        args.out,
+        "overhead",
+        title="Step time without a budget: memcompile beside eager and aot_eager",
+        argv=argv if argv is not None else sys.argv[1:],
+        notes=[
+            f"time: median over {args.rounds} rounds of process CPU time per training step "
+            f"(zero_grad, forward, backward; {args.batches} batches a round, the three copies "
+            "one after the other in each round); columns after the first: ratio to eager's",
+            "memcompile vs aot_eager: memcompile's own share (aot_eager is AOTAutograd with the "
+            "same eager kernels, and no budget work)",
+        ],
+        table=_table(rows),
+        rows=rows,
     )
-    machine = f"{describe_machine()}, torch {torch.__version__}"
-    date = datetime.date.today().isoformat()
-    lines = [
-        "# Step time without a budget: memcompile beside eager and aot_eager",
-        "",
-        f"- command: `{command.strip()}`",
-        f"- machine: {machine}",
-        f"- date: {date}",
-        f"- time: median over {args.rounds} rounds of process CPU time per training step "
-        f"(zero_grad, forward, backward; {args.batches} batches a round, the three copies "
-        "one after the other in each round); columns after the first: ratio to eager's",
-        "- memcompile vs aot_eager: memcompile's own share (aot_eager is AOTAutograd with the "
-        "same eager kernels, and no budget work)",
-        "",
-        *_table(rows),
-        "",
-    ]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "overhead.md").write_text("\n".join(lines))
-    payload = {"command": command.strip(), "machine": machine, "date": date, "rows": rows}
-    (args.out / "overhead.json").write_text(json.dumps(payload, indent=1) + "\n")
-    print(f"wrote {args.out / 'overhead.md'}")
     return 0
 
 
