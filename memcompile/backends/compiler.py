@@ -87,6 +87,7 @@ from memcompile.passes.prefetch import plan_prefetch, prefetch_pass
 from memcompile.passes.rematerialize import plan_rematerialize, rematerialize_pass
 from memcompile.passes.step import CacheUse, OutputLife, StepPrediction, simulate_step
 from memcompile.passes.swap import swap_pass
+from memcompile.passes.tiling import row_tile_pass
 from memcompile.passes.workspace import clone_workspace, probe_workspaces
 from memcompile.runtime.measure import storage_sizes
 from memcompile.runtime.peakwatch import PeakWatch
@@ -198,6 +199,12 @@ ELEMENTWISE_IN_PLACE = True
 #: die there (passes/inplace.py, ``built=True``) where that lowers the exact profile; ``False``
 #: is for tests and benchmarks that compare.
 BUILT_IN_PLACE = True
+
+#: A plan still over its budget makes elementwise results a block of rows at a time from
+#: operands that then exist a block at a time (passes/tiling.py) where that lowers the exact
+#: profile and each distinct chain probes bit-identical; ``False`` is for tests and benchmarks
+#: that compare.
+ROW_TILING = True
 
 #: A plan over its budget makes backward values again for their late readers where that lowers
 #: the backward's exact profile (passes/rematerialize.py); ``False`` is for tests and benchmarks
@@ -537,27 +544,28 @@ class _FragmentBuild:
         self.prefetch_reserve = host_reserve if hosted else self._reserve(hosted)
         # Building the graphs changes nothing outside them: an infeasible plan still raises
         # below with the parameters untouched.
-        fw, bw = partition_pass(joint, ctx, model=model, plan=plan)
-        if plan.swapped:
-            saved = {
-                model.storage_named(d.tensor) for d in plan.decisions if d.action != "recompute"
-            }
-            by_storage = {model.storage_named(n): tier for n, tier in plan.swapped.items()}
-            holders = model.swap_holders(saved, by_storage)
-            swaps = {holders[s]: tier for s, tier in by_storage.items()}
-            fw, bw = swap_pass(fw, bw, ctx, swaps=swaps, store=compiler.store_key)
-        # Not in a re-plan (backends/replan.py): its caps share the budget between fragments
-        # by the joint model's figures, which do not price the splits.
-        if not plan.feasible and self.replan_resident is None:
-            split = (
-                tuple(static),
-                model.num_mutated_outputs,
-                num_fwd_outputs - model.num_mutated_outputs,
+        fw, bw, plan = self._build(joint, model, plan, static, num_fwd_outputs)
+        if not plan.feasible and plan.swapped and config.recompute and self.replan_resident is None:
+            # The rewrites of a plan over its target (in place, blocks of rows) act on values
+            # the graphs make themselves, never on reloads: recomputing what this plan swaps
+            # may end lower.
+            model2, plan2 = self._plan(
+                joint,
+                num_fwd_outputs,
+                static,
+                host=hosted,
+                reserve=self.prefetch_reserve,
+                swap=False,
             )
-            if BUILT_IN_PLACE and config.inner == "eager":
-                fw, bw, plan = self._in_place_built(fw, bw, plan, split)
-            if not plan.feasible and REMATERIALIZE:
-                plan = self._rematerialize(fw, bw, plan, split)
+            fw2, bw2, plan2 = self._build(joint, model2, plan2, static, num_fwd_outputs)
+            log.info(
+                "F%d: recomputing instead of swapping, the plan peaks at %s (%s swapping)",
+                self.index,
+                format_bytes(plan2.predicted_peak),
+                format_bytes(plan.predicted_peak),
+            )
+            if plan2.feasible or plan2.predicted_peak < plan.predicted_peak:
+                fw, bw, model, plan = fw2, bw2, model2, plan2
         if not plan.feasible:
             held = sum(model.nbytes[s] for s in model.held_outputs)
             compiler.infeasible(
@@ -599,6 +607,53 @@ class _FragmentBuild:
         )
         return fw, bw
 
+    def _build(
+        self,
+        joint: fx.GraphModule,
+        model: JointModel,
+        plan: FragmentPlan,
+        static: Sequence[int],
+        num_fwd_outputs: int,
+    ) -> tuple[fx.GraphModule, fx.GraphModule, FragmentPlan]:
+        """The forward and backward graphs of ``plan`` (partitioned, swaps inserted), and for
+        a plan over its target the rewrites that may still bring it under (``plan`` with the
+        peak they reach). Changes nothing outside the graphs."""
+        config, compiler = self.compiler.config, self.compiler
+        ctx = PassContext(fragment=f"F{self.index}", graph="joint")
+        fw, bw = partition_pass(joint, ctx, model=model, plan=plan)
+        if plan.swapped:
+            saved = {
+                model.storage_named(d.tensor) for d in plan.decisions if d.action != "recompute"
+            }
+            by_storage = {model.storage_named(n): tier for n, tier in plan.swapped.items()}
+            holders = model.swap_holders(saved, by_storage)
+            swaps = {holders[s]: tier for s, tier in by_storage.items()}
+            fw, bw = swap_pass(fw, bw, ctx, swaps=swaps, store=compiler.store_key)
+        # Not in a re-plan (backends/replan.py): its caps share the budget between fragments
+        # by the joint model's figures, which do not price the splits.
+        if not plan.feasible and self.replan_resident is None:
+            split = (
+                tuple(static),
+                model.num_mutated_outputs,
+                num_fwd_outputs - model.num_mutated_outputs,
+            )
+            if BUILT_IN_PLACE and config.inner == "eager":
+                fw, bw, plan = self._built_rewrite(
+                    fw,
+                    bw,
+                    plan,
+                    split,
+                    functools.partial(in_place_pass, built=True),
+                    "elementwise results written into the graphs' own dying values",
+                )
+            if not plan.feasible and ROW_TILING and config.inner == "eager":
+                fw, bw, plan = self._built_rewrite(
+                    fw, bw, plan, split, _tile_rows, "elementwise ops made by blocks of rows"
+                )
+            if not plan.feasible and REMATERIALIZE:
+                plan = self._rematerialize(fw, bw, plan, split)
+        return fw, bw, plan
+
     def _plan(
         self,
         joint: fx.GraphModule,
@@ -608,11 +663,13 @@ class _FragmentBuild:
         host: Sequence[int] = (),
         start: Collection[str] = (),
         reserve: int | None = None,
+        swap: bool = True,
     ) -> tuple[JointModel, FragmentPlan]:
         """The joint model of ``joint`` and the planner's plan for this fragment's target, with
         the inputs at positions ``host`` counted as host-placed (not resident); ``start``: a
         saved set the search also starts from (``planner.search_saved_set``); ``reserve``: the
-        prefetch cache's share of the budget (``None``: :meth:`_reserve`'s)."""
+        prefetch cache's share of the budget (``None``: :meth:`_reserve`'s); ``swap=False``:
+        recompute only, whatever the ``swap`` option."""
         config, compiler = self.compiler.config, self.compiler
         primals = [
             p.meta.get("val")
@@ -639,7 +696,7 @@ class _FragmentBuild:
             target=None if config.budget is None else config.budget - resident,
             resident_bytes=resident,
             recompute=config.recompute,
-            swap_tier=config.offload_to if config.swap else None,
+            swap_tier=config.offload_to if config.swap and swap else None,
             reorder=config.reorder,
             start=start,
             saved_cap=self.replan_saved_cap,
@@ -691,24 +748,28 @@ class _FragmentBuild:
 
         return profile
 
-    def _in_place_built(
+    def _built_rewrite(
         self,
         fw: fx.GraphModule,
         bw: fx.GraphModule,
         plan: FragmentPlan,
         split: tuple[tuple[int, ...], int, int],
+        rewrite: Callable[[fx.GraphModule, PassContext], fx.GraphModule],
+        what: str,
     ) -> tuple[fx.GraphModule, fx.GraphModule, FragmentPlan]:
-        """``fw``, ``bw`` and ``plan`` (over its target) after writing elementwise results into
-        inputs of the graph's own that die there (``inplace.in_place_pass(built=True)``: the
-        same kernels), when that lowers a phase's exact peak: a value the plan recomputes for
-        the backward, rather than saves, is the graph's own in both graphs. The joint model
-        the planner searched with does not see these, so only a plan over its target tries
-        them (as :meth:`_rematerialize`)."""
+        """``fw``, ``bw`` and ``plan`` (over its target) after ``rewrite`` of both built graphs,
+        when that lowers a phase's exact peak (else as they were). The joint model the planner
+        searched with does not see these rewrites, so only a plan over its target tries them
+        (as :meth:`_rematerialize`): ``inplace.in_place_pass(built=True)`` writes elementwise
+        results into the graphs' own dying values (a value the plan recomputes for the
+        backward, rather than saves, is the graph's own in both graphs);
+        ``tiling.row_tile_pass`` makes elementwise results a block of rows at a time. ``what``
+        names the rewrite in the log."""
         target = plan.target
         if target is None or (plan.saved_cap is not None and plan.held_bytes > plan.saved_cap):
             return fw, bw, plan
-        fw2 = in_place_pass(fw, PassContext(f"F{self.index}", "forward"), built=True)
-        bw2 = in_place_pass(bw, PassContext(f"F{self.index}", "backward"), built=True)
+        fw2 = rewrite(fw, PassContext(f"F{self.index}", "forward"))
+        bw2 = rewrite(bw, PassContext(f"F{self.index}", "backward"))
         if fw2 is fw and bw2 is bw:
             return fw, bw, plan
         before = max(self._built_profiler(fw, bw, split)(fw, bw).phase_peaks().values())
@@ -717,14 +778,9 @@ class _FragmentBuild:
         if after >= before:
             return fw, bw, plan
         log.info(
-            "F%d: %d elementwise results written into the graphs' own dying values: the step "
-            "peaks at %s (%s without; budget %s)",
+            "F%d: %s: the step peaks at %s (%s without; budget %s)",
             self.index,
-            sum(
-                len(new.meta["memcompile_in_place"])
-                for old, new in ((fw, fw2), (bw, bw2))
-                if new is not old
-            ),
+            what,
             format_bytes(plan.resident_bytes + after),
             format_bytes(plan.resident_bytes + before),
             format_bytes(plan.resident_bytes + target),
@@ -1157,6 +1213,19 @@ def _device_of(values: Sequence[Any]) -> torch.device | None:
     of a CUDA model are CPU tensors), else the CPU; ``None``: no tensors."""
     devices = [t.device for t in values if isinstance(t, torch.Tensor)]
     return next((d for d in devices if d.type != "cpu"), devices[0] if devices else None)
+
+
+def _tile_rows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """``row_tile_pass``, then the in-place pass again where it tiled: a value the blocks now
+    make again dies at its other reader, which may then write into it."""
+    try:
+        tiled = row_tile_pass(gm, ctx)
+    except Exception:  # a graph the pass does not know: the plan stands without it
+        log.warning(
+            "%s %s: row tiling failed; left as built", ctx.fragment, ctx.graph, exc_info=True
+        )
+        return gm
+    return gm if tiled is gm else in_place_pass(tiled, ctx, built=True)
 
 
 class _PrimeWorkspaces(torch.autograd.Function):

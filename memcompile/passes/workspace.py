@@ -34,7 +34,7 @@ from memcompile.runtime.measure import allocation_trace
 
 log = logging.getLogger(__name__)
 
-__all__ = ["clear_cache", "clone_workspace", "probe_workspaces"]
+__all__ = ["clear_cache", "clone_workspace", "materialize", "probe_workspaces"]
 
 _PROBED_NAMESPACES = ("aten", "prims")
 _RANGE_PREFIX = "memcompile_probe:"
@@ -72,7 +72,7 @@ def _concrete(x: Any) -> Any:
     return x
 
 
-def _materialize(
+def materialize(
     v: Any, device: torch.device, bases: dict[tuple[StorageWeakRef, torch.dtype], torch.Tensor]
 ) -> Any:
     """Real tensors of ``v``'s metadata. Arguments that share a storage share one here too
@@ -92,9 +92,9 @@ def _materialize(
             bases[key] = base
         return base.as_strided(shape, stride, _concrete(v.storage_offset()))
     if isinstance(v, (list, tuple)):
-        return type(v)(_materialize(a, device, bases) for a in v)
+        return type(v)(materialize(a, device, bases) for a in v)
     if isinstance(v, Mapping):  # kwargs: an out= argument is a tensor
-        return {k: _materialize(a, device, bases) for k, a in v.items()}
+        return {k: materialize(a, device, bases) for k, a in v.items()}
     return _concrete(v)
 
 
@@ -143,7 +143,7 @@ def _run_probes(
         try:
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
             bases: dict[tuple[StorageWeakRef, torch.dtype], torch.Tensor] = {}
-            args, kwargs = _materialize(args, device, bases), _materialize(kwargs, device, bases)
+            args, kwargs = materialize(args, device, bases), materialize(kwargs, device, bases)
         except Exception as e:  # unbacked sizes, unsupported metadata: no probe
             log.debug("no workspace probe for %s: %s", node.target, e)
             results[key] = 0

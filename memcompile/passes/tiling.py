@@ -1,0 +1,621 @@
+"""Row tiling: an elementwise result made a block of rows at a time, from operands that then
+exist only a block at a time.
+
+In a built backward, an elementwise op often reads values made just for it: a pre-activation
+the plan recomputes, a gradient the graph broadcasts and scales. Branchy's branch backward at
+bench size holds three 16 MiB tensors for one 16 MiB result (the recomputed pre-activation,
+the dense scaled gradient, and the result written into it). Each row of the result depends on
+the same row of those operands only, so they can be made a block of rows at a time:
+
+    built backward before                               after
+      g = div(expand(dy, [B, T, H]), H)                   out = empty([B*T, H])
+      p = view(addmm(b, x, w_t), [B, T, H])               for each block r of rows (BLOCKS):
+      gx = gelu_backward(g, p)                              g_r = div(view(expand(..))[r], H)
+      ... = sum(view(gx, ..)); mm(t(view(gx)), x)           p_r = addmm(b, x[r], w_t)
+                                                            gelu_backward.grad_input(
+                                                                g_r, p_r, grad_input=out[r])
+                                                          gx = view(out, [B, T, H])
+
+The result is whole again for its readers (the weight gradient sums over every row: making it
+by blocks would change the order of that sum), so only the operands' memory goes: the result
+plus one block of each, instead of the result and every operand.
+
+**What is tiled.** The *op* is an elementwise op with an ``out=`` form (``inplace.OPS`` and
+``FORWARD_OPS``, or that form already, writing into an operand) whose result is dense, with
+static sizes. Its *chain* is the values it reads, transitively, that nothing else reads and
+that are made row by row: ``view``/``reshape`` between ``[B, T, H]`` and ``[B*T, H]``,
+pointwise ops (``torch.Tag.pointwise``), and ``mm``/``addmm`` whose row operand is such a value
+or a leaf. Everything the chain reads from outside is a *leaf*, read whole: a leaf with the
+op's rows is sliced per block (``view`` to ``[rows, k]`` first), one whose leading sizes are all
+1 (a bias, a scalar) is read as it is; any other leaf, or a matmul whose right operand is in
+the chain, leaves the op untiled. Values are handled as ``[rows, k]`` throughout.
+
+**Bit-identical, measured.** A block of rows of ``addmm`` is the same dot products as the whole,
+and an elementwise kernel computes each element alike, but that is the kernels' business (a
+BLAS may pick another path for fewer rows). So each distinct chain is run once, whole and by
+blocks, on random values of its leaves' metadata, on the graph's device, and tiled only if the
+results are bitwise equal (:func:`tiles_exactly`; cached per chain). A chain that differs is
+left as it was and logged.
+
+Decided by :func:`find_row_tilings`, rewritten by :func:`row_tile_pass`. The compiler tries the
+pass on built graphs whose plan is over its target and keeps it only where the exact profile's
+peak drops (``backends/compiler.py``), as for ``inplace.py``'s ``built=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+from torch.utils._python_dispatch import _disable_current_modes
+
+from memcompile.passes.context import PassContext
+from memcompile.passes.inplace import FORWARD_OPS, OPS
+from memcompile.passes.inplace import _owned as owned_nodes
+from memcompile.passes.rebuild import rebuilt_module, refresh_view, storage_refs
+from memcompile.passes.workspace import materialize
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BLOCKS", "RowTiling", "find_row_tilings", "row_tile_pass", "tiles_exactly"]
+
+aten = torch.ops.aten
+
+#: Blocks of rows a tiled op runs in: one block of each operand is held at a time.
+BLOCKS = 8
+
+#: Matmuls a tiled op's blocks may make again for themselves (values that stay whole for their
+#: other readers): each is that matmul's time again.
+MAX_KEPT_MATMULS = 1
+
+#: Elementwise op -> (its out= overload, the out argument); and back.
+_FORMS: dict[torch._ops.OpOverload, tuple[torch._ops.OpOverload, str]] = {**OPS, **FORWARD_OPS}
+_FUNCTIONAL: dict[torch._ops.OpOverload, tuple[torch._ops.OpOverload, str]] = {
+    out: (op, name) for op, (out, name) in _FORMS.items()
+}
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+_MATMULS = (aten.mm.default, aten.addmm.default)
+#: Name prefix of the nodes the pass creates.
+PREFIX = "tiled"
+
+
+@dataclass(frozen=True)
+class RowTiling:
+    """One elementwise op made a block of rows at a time.
+
+    Attributes:
+        node: the op's node in the graph given to the pass.
+        op: the op (``aten.gelu_backward.default``).
+        chain: the nodes now made a block at a time (graph order).
+        kept: those of them that stay in the graph whole for their other readers, which all
+            come before the op (the blocks make them again; they die at those readers now).
+        leaves: the nodes the chain reads whole.
+        rows: rows of the result (``B*T``).
+        blocks: blocks of rows.
+        nbytes: bytes of the chain's values no longer held whole.
+        new: the node that holds the whole result now (``""`` before the rewrite).
+    """
+
+    node: str
+    op: str
+    chain: tuple[str, ...]
+    kept: tuple[str, ...]
+    leaves: tuple[str, ...]
+    rows: int
+    blocks: int
+    nbytes: int
+    new: str = ""
+
+
+def _static(shape: Sequence[Any]) -> tuple[int, ...] | None:
+    return tuple(shape) if all(isinstance(s, int) for s in shape) else None  # type: ignore[arg-type]
+
+
+def _val(n: object) -> torch.Tensor | None:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _functional(n: fx.Node) -> tuple[torch._ops.OpOverload, fx.Node | None] | None:
+    """``(op, destination)`` of an elementwise node in either form (destination: the operand an
+    ``out=`` form writes into, ``None`` for the functional form)."""
+    if n.op != "call_function":
+        return None
+    if n.target in _FORMS:
+        return n.target, None  # type: ignore[return-value]
+    if n.target in _FUNCTIONAL:
+        op, name = _FUNCTIONAL[n.target]  # type: ignore[index]
+        dest = n.kwargs.get(name)
+        if isinstance(dest, fx.Node) and dest in n.args:
+            return op, dest
+    return None
+
+
+def _rows_of(v: torch.Tensor) -> int:
+    return v.numel() // v.shape[-1] if v.ndim and v.shape[-1] else 0
+
+
+def _broadcast(v: torch.Tensor) -> bool:
+    # Read alike by every row: a scalar, or leading sizes all 1.
+    return v.ndim <= 1 or all(s == 1 for s in v.shape[:-1])
+
+
+class _Chain:
+    """The search from one op (see the module docstring)."""
+
+    def __init__(self, op_node: fx.Node, owned: set[fx.Node], rows: int) -> None:
+        self.op_node = op_node
+        self.owned = owned
+        self.rows = rows
+        self.chain: set[fx.Node] = set()
+        self.leaves: set[fx.Node] = set()
+
+    def operand(self, a: fx.Node, consumer: torch.Tensor, *, matmul: bool = False) -> bool:
+        """Take ``a`` (read by a pointwise node with result ``consumer``, or as a matmul's row
+        operand) into the chain or as a leaf; ``False``: the op cannot be tiled."""
+        v = _val(a)
+        if v is None or _static(v.shape) is None or _static(v.stride()) is None:
+            return False
+        rowwise = (
+            (v.ndim == 2 and v.shape[0] == self.rows)
+            if matmul
+            else (v.ndim == consumer.ndim and tuple(v.shape[:-1]) == tuple(consumer.shape[:-1]))
+        )
+        if rowwise and self._made_by_rows(a, v):
+            return True
+        if not rowwise and not matmul and _broadcast(v):
+            self.leaves.add(a)
+            return True
+        if rowwise and self._viewable(v):
+            self.leaves.add(a)
+            return True
+        return False
+
+    def _viewable(self, v: torch.Tensor) -> bool:
+        try:
+            fake = detect_fake_mode([v])
+            if fake is None:
+                return False
+            with fake:
+                v.view(self.rows, v.shape[-1])
+        except (RuntimeError, ValueError):  # fake tensors raise either
+            return False
+        return True
+
+    def _made_by_rows(self, n: fx.Node, v: torch.Tensor) -> bool:
+        """Whether ``n`` joins the chain (with what it reads)."""
+        if n in self.chain:
+            return True
+        if n not in self.owned or n.op != "call_function" or n is self.op_node:
+            return False
+        if _static(v.shape) is None:
+            return False
+        if not v.is_contiguous() or _rows_of(v) != self.rows:
+            return False
+        target = n.target
+        if target in _VIEWS:
+            src = n.args[0]
+            sv = _val(src)
+            if sv is None or sv.shape[-1:] != v.shape[-1:] or not isinstance(src, fx.Node):
+                return False
+            # A view of a leaf is a leaf (the caller takes it): only what a view makes by
+            # blocks joins the chain.
+            if not self._made_by_rows(src, sv):
+                return False
+            self.chain.add(n)
+            return True
+        if target in _MATMULS:
+            a, w = (n.args[0], n.args[1]) if target is aten.mm.default else n.args[1:3]
+            bias = n.args[0] if target is aten.addmm.default else None
+            if not isinstance(a, fx.Node) or not isinstance(w, fx.Node):
+                return False
+            wv = _val(w)
+            if wv is None or w in self.chain or wv.ndim != 2:
+                return False
+            self.chain.add(n)
+            ok = self.operand(a, v, matmul=True)
+            if ok and bias is not None:
+                ok = isinstance(bias, fx.Node) and self.operand(bias, v)
+            if not ok:
+                self.chain.discard(n)
+                return False
+            self.leaves.add(w)
+            return True
+        if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+            if any(isinstance(k, fx.Node) for k in n.kwargs.values()):
+                return False
+            self.chain.add(n)
+            for a in n.args:
+                if isinstance(a, fx.Node) and not self.operand(a, v):
+                    self.chain.discard(n)
+                    return False
+                if isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a):
+                    self.chain.discard(n)
+                    return False
+            return True
+        return False
+
+    def shared(self, order: dict[fx.Node, int]) -> set[fx.Node] | None:
+        """The chain values that stay in the graph for other readers (the blocks make them
+        again), with the chain values they read; ``None`` when a chain value has a reader
+        after the op (holding it whole there too would gain nothing) or is a graph output,
+        or a chain value is also a leaf."""
+        if self.chain & self.leaves:
+            return None
+        inside = self.chain | {self.op_node}
+        kept: set[fx.Node] = set()
+        for c in self.chain:
+            outside = [u for u in c.users if u not in inside]
+            if any(u.op == "output" or order[u] > order[self.op_node] for u in outside):
+                return None
+            if outside:
+                kept.add(c)
+        todo = list(kept)
+        while todo:  # what a kept value reads must stay too
+            for a in todo.pop().all_input_nodes:
+                if a in self.chain and a not in kept:
+                    kept.add(a)
+                    todo.append(a)
+        return kept
+
+
+def _written(n: fx.Node) -> set[Any]:
+    """Storages node ``n`` writes into (its schema's mutable arguments: ``out=``, in place)."""
+    target = n.target
+    if n.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return set()
+    out: set[Any] = set()
+    for i, a in enumerate(target._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        value = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+        for m in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(m, fx.Node):
+                out |= storage_refs(m.meta.get("val"))
+    return out
+
+
+def _overwritten(gm: fx.GraphModule, leaves: set[fx.Node], start: int, end: int) -> bool:
+    """Whether a node strictly between positions ``start`` and ``end`` writes into a leaf's
+    storage: the blocks read the leaves at the op (``end``), where the chain read them from
+    ``start`` on."""
+    read = set().union(*(storage_refs(leaf.meta.get("val")) for leaf in leaves))
+    nodes = list(gm.graph.nodes)[start + 1 : end]
+    return any(_written(m) & read for m in nodes)
+
+
+def find_row_tilings(gm: fx.GraphModule, *, blocks: int = BLOCKS) -> tuple[RowTiling, ...]:
+    """The elementwise ops of the built graph ``gm`` that can be made a block of rows at a time
+    (see the module docstring), in graph order. Decides only: ``gm`` is not changed, and the
+    bit-identity probe has not run (:func:`row_tile_pass` runs it)."""
+    owned = owned_nodes(gm)
+    order = {m: i for i, m in enumerate(gm.graph.nodes)}
+    found = []
+    for n in gm.graph.nodes:
+        form = _functional(n)
+        v = _val(n)
+        if form is None or v is None or n not in owned:
+            continue
+        shape = _static(v.shape)
+        if shape is None or v.ndim < 2 or not v.is_contiguous() or v.numel() == 0:
+            continue
+        if any(u.op == "output" for u in n.users):
+            continue
+        op, dest = form
+        rows = _rows_of(v)
+        search = _Chain(n, owned, rows)
+        ok = True
+        for a in n.args:
+            if isinstance(a, fx.Node) and not search.operand(a, v):
+                ok = False
+                break
+        kept = search.shared(order) if ok and search.chain else None
+        if kept is None:
+            continue
+        if dest is not None and dest in search.leaves and not dest.meta["val"].is_contiguous():
+            continue
+        chain = sorted(search.chain, key=order.__getitem__)
+        if _overwritten(gm, search.leaves, order[chain[0]], order[n]):
+            continue
+        nbytes = sum(
+            c.meta["val"].untyped_storage().nbytes()
+            for c in chain
+            if c.target not in _VIEWS and c not in kept
+        )
+        # Worth its kernel calls and recomputation: operands of at least half the result's
+        # bytes go, and the blocks make at most one matmul again (a kept one).
+        if 2 * nbytes < v.untyped_storage().nbytes():
+            continue
+        if sum(c.target in _MATMULS for c in kept) > MAX_KEPT_MATMULS:
+            continue
+        found.append(
+            RowTiling(
+                node=n.name,
+                op=str(op),
+                chain=tuple(c.name for c in chain),
+                kept=tuple(c.name for c in chain if c in kept),
+                leaves=tuple(sorted((m.name for m in search.leaves), key=lambda s: s)),
+                rows=rows,
+                blocks=max(1, min(blocks, rows)),
+                nbytes=nbytes,
+            )
+        )
+    return tuple(found)
+
+
+def _bounds(rows: int, blocks: int) -> list[tuple[int, int]]:
+    step = math.ceil(rows / blocks)
+    return [(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
+class _Blocks:
+    """Writes the op by blocks of rows into a graph whose placeholders are its leaves."""
+
+    def __init__(self, gm: fx.GraphModule, t: RowTiling) -> None:
+        nodes = {n.name: n for n in gm.graph.nodes}
+        self.t = t
+        self.op_node = nodes[t.node]
+        self.chain = [nodes[c] for c in t.chain]
+        self.leaves = [nodes[name] for name in t.leaves]
+        self.graph = fx.Graph()
+        self.ph = {leaf: self.graph.placeholder(f"leaf{i}") for i, leaf in enumerate(self.leaves)}
+        self.flat: dict[fx.Node, fx.Node] = {}  # leaves with rows, as [rows, k]
+
+    def rows_view(self, leaf: fx.Node) -> fx.Node:
+        """``leaf`` viewed as ``[rows, k]`` (one node, made on first use)."""
+        if leaf not in self.flat:
+            lv = leaf.meta["val"]
+            self.flat[leaf] = (
+                self.ph[leaf]
+                if lv.ndim == 2
+                else self.graph.call_function(
+                    aten.view.default, (self.ph[leaf], [self.t.rows, lv.shape[-1]])
+                )
+            )
+        return self.flat[leaf]
+
+    def arg(
+        self,
+        a: Any,
+        consumer: torch.Tensor | None,
+        block: dict[fx.Node, fx.Node],
+        rows: tuple[int, int],
+        *,
+        matmul: bool = False,
+    ) -> Any:
+        """Argument ``a`` of a node with result ``consumer`` (``None``: read whole, a matmul's
+        weight) in block ``rows``; ``matmul``: a matmul's row operand."""
+        if not isinstance(a, fx.Node):
+            return a
+        if a in block:
+            return block[a]
+        av = a.meta["val"]
+        if consumer is None:
+            return self.ph[a]
+        rowwise = (
+            (av.ndim == 2 and av.shape[0] == self.t.rows)
+            if matmul
+            else (av.ndim == consumer.ndim and tuple(av.shape[:-1]) == tuple(consumer.shape[:-1]))
+        )
+        if rowwise:
+            return self.graph.call_function(aten.slice.Tensor, (self.rows_view(a), 0, *rows))
+        if av.ndim > 1:  # a bias: every row reads it whole, as its last size
+            return self.graph.call_function(aten.view.default, (self.ph[a], [av.shape[-1]]))
+        return self.ph[a]
+
+    def block(self, buffer: fx.Node, rows: tuple[int, int]) -> None:
+        """The chain and the op for one block of rows, the op writing into ``buffer``."""
+        g = self.graph
+        block: dict[fx.Node, fx.Node] = {}
+        for c in self.chain:
+            cv = c.meta["val"]
+            if c.target in _VIEWS:  # [B, T, H] and [B*T, H] are the same blocks of rows
+                src = c.args[0]
+                assert isinstance(src, fx.Node)
+                block[c] = (
+                    block[src]
+                    if src in block
+                    else g.call_function(aten.slice.Tensor, (self.rows_view(src), 0, *rows))
+                )
+            elif c.target is aten.mm.default:
+                a, w = c.args[:2]
+                block[c] = g.call_function(
+                    aten.mm.default,
+                    (self.arg(a, cv, block, rows, matmul=True), self.arg(w, None, block, rows)),
+                )
+            elif c.target is aten.addmm.default:
+                bias, a, w = c.args[:3]
+                block[c] = g.call_function(
+                    aten.addmm.default,
+                    (
+                        self.arg(bias, cv, block, rows),
+                        self.arg(a, cv, block, rows, matmul=True),
+                        self.arg(w, None, block, rows),
+                        *c.args[3:],
+                    ),
+                    dict(c.kwargs),
+                )
+            else:
+                args = tuple(self.arg(a, cv, block, rows) for a in c.args)
+                block[c] = g.call_function(c.target, args, dict(c.kwargs))  # type: ignore[arg-type]
+        form = _functional(self.op_node)
+        assert form is not None
+        out_op, out_name = _FORMS[form[0]]
+        v = self.op_node.meta["val"]
+        kwargs = {k: a for k, a in self.op_node.kwargs.items() if k != out_name}
+        args = tuple(self.arg(a, v, block, rows) for a in self.op_node.args)
+        out = g.call_function(aten.slice.Tensor, (buffer, 0, *rows))
+        g.call_function(out_op, args, {**kwargs, out_name: out})
+
+    def build(self) -> fx.Graph:
+        """The graph: the result's buffer (or the leaf the op writes into), each block, the
+        result in the op's shape."""
+        g, t, v = self.graph, self.t, self.op_node.meta["val"]
+        form = _functional(self.op_node)
+        assert form is not None
+        dest = form[1]
+        if dest is not None and dest in self.ph:
+            buffer, result = self.rows_view(dest), self.ph[dest]
+        else:
+            buffer = g.call_function(
+                aten.empty.memory_format,
+                ([t.rows, v.shape[-1]],),
+                {
+                    "dtype": v.dtype,
+                    "layout": torch.strided,
+                    "device": v.device,
+                    "pin_memory": False,
+                },
+            )
+            result = (
+                buffer
+                if v.ndim == 2
+                else g.call_function(aten.view.default, (buffer, list(v.shape)))
+            )
+        for rows in _bounds(t.rows, t.blocks):
+            self.block(buffer, rows)
+        g.output(result)
+        return g
+
+
+def _whole_graph(gm: fx.GraphModule, t: RowTiling) -> fx.Graph:
+    """The op as it was, over ``t``'s leaves (placeholders, in ``t.leaves`` order). Nodes are
+    named afresh, so equal chains give equal code (the probe's cache key)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    whole = fx.Graph()
+    env = {nodes[name]: whole.placeholder(f"leaf{i}") for i, name in enumerate(t.leaves)}
+    for name in (*t.chain, t.node):
+        c = nodes[name]
+        args, kwargs = fx.node.map_arg((c.args, c.kwargs), env.__getitem__)
+        env[c] = whole.call_function(c.target, args, kwargs)  # type: ignore[arg-type]
+    whole.output(env[nodes[t.node]])
+    return whole
+
+
+#: Probe results by (graph code, leaf metadata, device).
+_exact_cache: dict[tuple[object, ...], bool] = {}
+
+
+def _leaf_key(v: torch.Tensor) -> tuple[object, ...]:
+    return (tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype, str(v.device))
+
+
+def tiles_exactly(whole: fx.Graph, tiled: fx.Graph, leaves: Sequence[torch.Tensor]) -> bool:
+    """Whether ``tiled`` gives bitwise the result of ``whole`` on random values of ``leaves``'
+    metadata (fake tensors), run on their device. Cached per code and metadata."""
+    key = (whole.python_code("self").src, tiled.python_code("self").src, *map(_leaf_key, leaves))
+    if key in _exact_cache:
+        return _exact_cache[key]
+    device = leaves[0].device if leaves else torch.device("cpu")
+    devices = [device] if device.type == "cuda" else []
+    with _disable_current_modes(), torch.random.fork_rng(devices=devices), torch.no_grad():
+        results = []
+        for graph in (whole, tiled):
+            torch.manual_seed(0)  # the same leaf values for both (the op may write into one)
+            inputs = materialize(list(leaves), device, {})
+            module = fx.GraphModule(torch.nn.Module(), graph)
+            results.append(module(*inputs))
+        same = bool(
+            results[0].shape == results[1].shape
+            and results[0].stride() == results[1].stride()
+            and torch.equal(results[0], results[1])
+        )
+    _exact_cache[key] = same
+    return same
+
+
+def _inline(new: fx.Graph, tiled: fx.Graph, leaves: Sequence[fx.Node], fake_mode: Any) -> fx.Node:
+    """Copy ``tiled`` into ``new`` at its end, its placeholders being ``leaves``; the node of
+    its result. Each new node gets its fake value (a view of the buffer it writes into)."""
+    local: dict[fx.Node, fx.Node] = dict(
+        zip(tiled.find_nodes(op="placeholder"), leaves, strict=True)
+    )
+    result = None
+    for m in tiled.nodes:
+        if m.op == "placeholder":
+            continue
+        if m.op == "output":
+            result = local[m.args[0]]  # type: ignore[index]
+            continue
+        args, kwargs = fx.node.map_arg((m.args, m.kwargs), local.__getitem__)
+        made = new.create_node(
+            "call_function",
+            m.target,
+            args,  # type: ignore[arg-type]
+            kwargs,  # type: ignore[arg-type]
+            name=f"{PREFIX}_{m.name}",
+        )
+        vals = fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
+        with fake_mode:
+            made.meta["val"] = m.target(*vals[0], **vals[1])  # type: ignore[operator]
+        local[m] = made
+    assert result is not None
+    return result
+
+
+def row_tile_pass(gm: fx.GraphModule, ctx: PassContext, *, blocks: int = BLOCKS) -> fx.GraphModule:
+    """A copy of the built graph ``gm`` with the ops :func:`find_row_tilings` picks made a block
+    of rows at a time, where the probe finds the blocks bit-identical (:func:`tiles_exactly`);
+    ``gm`` itself when there is none. ``gm`` is not changed; the copy shares the fake values of
+    every node it keeps. The rewrites are in ``meta['memcompile_row_tiles']`` (a tuple of
+    :class:`RowTiling`, ``new`` filled in)."""
+    decided = find_row_tilings(gm, blocks=blocks)
+    if not decided:
+        return gm
+    nodes = {n.name: n for n in gm.graph.nodes}
+    graphs = {}
+    for t in decided:
+        whole, tiled = _whole_graph(gm, t), _Blocks(gm, t).build()
+        leaves = [nodes[name].meta["val"] for name in t.leaves]
+        if tiles_exactly(whole, tiled, leaves):
+            graphs[t.node] = (t, tiled)
+        else:
+            log.info(
+                "%s %s: %s by blocks of rows differs in its bits here: left whole",
+                ctx.fragment,
+                ctx.graph,
+                t.node,
+            )
+    if not graphs:
+        return gm
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes])
+    assert fake_mode is not None, "built graphs carry fake tensors"
+    skipped = {c for t, _ in graphs.values() for c in t.chain if c not in t.kept}
+
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    replaced: set[Any] = set()
+    done: list[RowTiling] = []
+    for n in gm.graph.nodes:
+        if n.name in skipped:
+            continue
+        entry = graphs.get(n.name)
+        if entry is None:
+            env[n] = new.node_copy(n, lambda a: env[a])
+            if n.op == "call_function" and storage_refs(n.meta.get("val")) & replaced:
+                refresh_view(env[n], n, fake_mode)
+            continue
+        t, tiled = entry
+        result = _inline(new, tiled, [env[nodes[name]] for name in t.leaves], fake_mode)
+        replaced.update(storage_refs(n.meta.get("val")))
+        env[n] = result
+        done.append(dataclasses.replace(t, new=result.name))
+    # A value kept for readers that were themselves tiled away has none left.
+    for n in reversed(list(gm.graph.nodes)):
+        if any(n.name in t.kept for t in done) and n in env and not env[n].users:
+            new.erase_node(env[n])
+    out = rebuilt_module(gm, new, "memcompile_row_tiles", done)
+    log.info(
+        "%s: %d elementwise ops made by blocks of rows (%d bytes of operands not held whole)",
+        ctx.fragment,
+        len(done),
+        sum(t.nbytes for t in done),
+    )
+    return out

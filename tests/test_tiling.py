@@ -1,0 +1,177 @@
+"""Row tiling (passes/tiling.py): an elementwise result made a block of rows at a time equals the
+whole op bit for bit, the chain's operands are never held whole, a value other readers need
+stays for them, the probe's verdict is obeyed, and training under a budget only tiling reaches
+stays bit-identical with the predicted peak equal to the allocator's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import memcompile
+import memcompile.backends.compiler as compiler_mod
+from memcompile.passes import tiling
+from memcompile.passes.context import PassContext
+from memcompile.passes.tiling import find_row_tilings, row_tile_pass, tiles_exactly
+
+from helpers import train_under_budget
+
+aten = torch.ops.aten
+CTX = PassContext(fragment="F0", graph="backward")
+B, T, K, H = 2, 24, 16, 40
+N = B * T
+
+
+def _branch_backward(dy, x, w, b):
+    # Branchy's branch backward: the mean's broadcast gradient scaled, the recomputed
+    # pre-activation, the GELU's gradient; the weight gradient sums over every row.
+    g = aten.div.Scalar(aten.expand.default(aten.unsqueeze.default(dy, -1), [B, T, H]), H)
+    h = aten.view.default(aten.addmm.default(b, x, aten.t.default(w)), [B, T, H])
+    gx = aten.view.default(aten.gelu_backward.default(g, h), [N, H])
+    return aten.mm.default(aten.t.default(gx), x), aten.sum.dim_IntList(gx, [0])
+
+
+def _mlp_backward(x, w1, b1, d_out, w2, *, late_reader=False):
+    # GPT's MLP backward: the recomputed pre-activation is read by the GELU (for the down
+    # projection's weight gradient) before the GELU's gradient reads it.
+    pre = aten.view.default(aten.addmm.default(b1, x, aten.t.default(w1)), [B, T, H])
+    act = aten.view.default(aten.gelu.default(pre), [N, H])
+    d_w2 = aten.mm.default(aten.t.default(d_out), act)
+    d_act = aten.view.default(aten.mm.default(d_out, w2), [B, T, H])
+    d_pre = aten.gelu_backward.default(d_act, pre)
+    out = (d_w2, aten.mm.default(aten.t.default(aten.view.default(d_pre, [N, H])), x))
+    return (*out, aten.relu.default(pre)) if late_reader else out
+
+
+def _inputs(fn):
+    g = torch.Generator().manual_seed(0)
+    if fn is _branch_backward:
+        shapes = [(B, T), (N, K), (H, K), (H,)]
+    else:
+        shapes = [(N, K), (H, K), (H,), (N, K), (K, H)]
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def _trace(fn, **kwargs):
+    return make_fx(lambda *a: fn(*a, **kwargs), tracing_mode="fake")(*_inputs(fn))
+
+
+def _full_rows(gm: fx.GraphModule, op) -> list[str]:
+    """Nodes of ``op`` that make all ``N`` rows."""
+    return [
+        n.name
+        for n in gm.graph.nodes
+        if n.target is op and n.meta["val"].numel() == N * n.meta["val"].shape[-1]
+    ]
+
+
+def test_the_branch_backward_is_made_by_blocks_bit_identically():
+    gm = _trace(_branch_backward)
+    (found,) = find_row_tilings(gm, blocks=4)
+    assert found.op == "aten.gelu_backward.default"
+    # The scaled gradient and the pre-activation (with its view) are made by blocks.
+    assert {n.split("_")[0] for n in found.chain} == {"div", "addmm", "view"}
+    assert found.kept == ()
+    assert found.rows == N and found.nbytes == 2 * N * H * 4
+
+    out = row_tile_pass(gm, CTX, blocks=4)
+    assert out is not gm
+    (done,) = out.meta["memcompile_row_tiles"]
+    assert done.new
+    assert _full_rows(gm, aten.addmm.default) and not _full_rows(out, aten.addmm.default)
+    assert not _full_rows(out, aten.div.Scalar)
+    assert len(out.graph.find_nodes(op="call_function", target=aten.addmm.default)) == 4
+    args = _inputs(_branch_backward)
+    for a, b in zip(gm(*args), out(*args), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_value_read_earlier_stays_for_its_reader_and_the_blocks_make_it_again():
+    gm = _trace(_mlp_backward)
+    found = [t for t in find_row_tilings(gm, blocks=3) if "gelu_backward" in t.op]
+    assert len(found) == 1
+    (t,) = found
+    # The pre-activation (an addmm and its view) stays for the GELU; the gradient's matmul
+    # is made by blocks only.
+    assert {n.split("_")[0] for n in t.kept} == {"addmm", "view"}
+    assert any(n.startswith("mm") for n in t.chain if n not in t.kept)
+    out = row_tile_pass(gm, CTX, blocks=3)
+    gelu_backwards = [n for n in out.graph.nodes if n.target is aten.gelu_backward.grad_input]
+    assert len(gelu_backwards) == 3
+    # The whole pre-activation is read by the GELU alone now: it dies there.
+    (pre,) = next(n for n in out.graph.nodes if n.target is aten.gelu.default).all_input_nodes
+    assert set(pre.users) == {n for n in out.graph.nodes if n.target is aten.gelu.default}
+    args = _inputs(_mlp_backward)
+    for a, b in zip(gm(*args), out(*args), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_value_read_after_the_op_leaves_it_whole():
+    gm = _trace(_mlp_backward, late_reader=True)
+    assert not [t for t in find_row_tilings(gm) if "gelu_backward" in t.op]
+
+
+def test_a_leaf_written_between_the_chain_and_the_op_leaves_it_whole():
+    # The blocks read the leaves at the op: an in-place write into one after the chain read it
+    # would change what they read.
+    def written(dy, x, w, b):
+        h = aten.view.default(aten.addmm.default(b, x, aten.t.default(w)), [B, T, H])
+        aten.add_.Tensor(x, 1.0)
+        g = aten.div.Scalar(aten.expand.default(aten.unsqueeze.default(dy, -1), [B, T, H]), H)
+        return aten.sum.dim_IntList(aten.gelu_backward.default(g, h), [0])
+
+    gm = make_fx(written, tracing_mode="fake")(*_inputs(_branch_backward))
+    assert not find_row_tilings(gm)
+    assert find_row_tilings(_trace(_branch_backward))  # the same op, nothing written between
+
+
+def test_the_probes_verdict_is_obeyed(monkeypatch):
+    gm = _trace(_branch_backward)
+    monkeypatch.setattr(tiling, "tiles_exactly", lambda *a: False)
+    assert row_tile_pass(gm, CTX) is gm
+
+
+def test_tiles_exactly_tells_different_bits_apart():
+    def graph(fn) -> fx.Graph:
+        return make_fx(fn, tracing_mode="fake")(torch.randn(64, 8)).graph
+
+    leaf = [next(iter(graph(lambda x: x).find_nodes(op="placeholder"))).meta["val"]]
+    tiling._exact_cache.clear()
+    assert tiles_exactly(graph(lambda x: x / 3), graph(lambda x: x / 3), leaf)
+    assert not tiles_exactly(graph(lambda x: x / 3), graph(lambda x: x * (1 / 3)), leaf)
+
+
+def _floor(monkeypatch, tiled: bool, **options) -> int:
+    monkeypatch.setattr(compiler_mod, "ROW_TILING", tiled)
+    torch._dynamo.reset()
+    from memcompile import zoo
+
+    wl = zoo.build("branchy", size="tiny")
+    compiled = memcompile.compile(wl.model, budget=1, **options)
+    with pytest.raises(memcompile.MemoryBudgetError) as info:
+        compiled(*wl.batch(0)).backward()
+    return info.value.min_feasible
+
+
+def test_row_tiling_lowers_branchys_smallest_plan_and_trains_bit_identically(monkeypatch):
+    recompute = dict(swap=False, offload_params=False, pilot="off")
+    untiled = _floor(monkeypatch, False, **recompute)
+    tiled = _floor(monkeypatch, True, **recompute)
+    assert tiled < untiled
+    budget = (tiled + untiled) // 2
+    # Bit-identical to eager over 3 Adam steps (train_under_budget asserts it).
+    compiled, _, measured = train_under_budget("branchy", "adam", budget, **recompute)
+    assert measured <= budget
+    assert memcompile.report(compiled).predicted_peak == measured
+    monkeypatch.setattr(compiler_mod, "ROW_TILING", False)
+    with pytest.raises(memcompile.MemoryBudgetError):
+        train_under_budget("branchy", "adam", budget, **recompute)
+
+
+def test_a_swapping_plan_over_its_target_falls_back_to_recomputing(monkeypatch):
+    # Tiling acts on values the graphs make, not on reloads: with swaps allowed the smallest
+    # plan is no larger than recomputing alone.
+    host = dict(offload_params=True, pilot="off")
+    assert _floor(monkeypatch, True, **host) <= _floor(monkeypatch, True, swap=False, **host)
