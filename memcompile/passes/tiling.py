@@ -22,14 +22,22 @@ plus one block of each, instead of the result and every operand.
 
 **What is tiled.** The *op* is an elementwise op with an ``out=`` form (``inplace.OPS`` and
 ``FORWARD_OPS``, or that form already, writing into an operand) whose result is dense, with
-static sizes. Its *chain* is the values it reads, transitively, that nothing else reads and
-that are made row by row: ``view``/``reshape`` between ``[B, T, H]`` and ``[B*T, H]``,
+static sizes, and not a graph output. Its *chain* is the values it reads, transitively, that are
+made row by row: ``view``/``reshape`` between ``[B, T, H]`` and ``[B*T, H]`` of such a value,
 pointwise ops (``torch.Tag.pointwise``), and ``mm``/``addmm`` whose row operand is such a value
 or a leaf. Everything the chain reads from outside is a *leaf*, read whole: a leaf with the
 op's rows is sliced per block (``view`` to ``[rows, k]`` first), one whose leading sizes are all
-1 (a bias, a scalar) is read as it is; any other leaf, or a matmul whose right operand is in
-the chain, leaves the op untiled. Values are handled as ``[rows, k]`` throughout.
+1 (a bias, a scalar) is read as it is, a matmul's right operand always whole; any other leaf
+leaves the op untiled. Values are handled as ``[rows, k]`` throughout.
 
+A chain value that other nodes read too is *kept*: it stays in the graph for them and the
+blocks make it again (GPT's recomputed pre-activation, read by the GELU for the down
+projection's weight gradient and then by the GELU's gradient: it now dies at the GELU, which
+the in-place pass then writes into). Only when those readers all come before the op (else it
+would be held whole at the op anyway), and with at most :data:`MAX_KEPT_MATMULS` matmul made
+again. The op is tiled only where the values that go are at least half its result's bytes,
+and where nothing between the chain's first node and the op writes into a leaf (the blocks read
+the leaves at the op).
 **Bit-identical, measured.** A block of rows of ``addmm`` is the same dot products as the whole,
 and an elementwise kernel computes each element alike, but that is the kernels' business (a
 BLAS may pick another path for fewer rows). So each distinct chain is run once, whole and by
