@@ -124,8 +124,9 @@ def _check_case(program: list[tuple[str, int, int]], fraction: float, batch: int
     return plan
 
 
-# Random graphs x budgets in CI: 100 here, 40 + 30 with dropouts below, 30 with host-placed
-# parameters (test_params.py): 200 examples, as the issue asks (CI time: ~0.6 s each).
+# Random graphs x budgets in CI: 100 here, 40 + 30 with dropouts and 30 at tight budgets (row
+# tiling) below, 30 with host-placed parameters (test_params.py): 230 examples (the issue asks
+# for 200; CI time: ~0.6 s each).
 @settings(max_examples=100, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
 @given(program=programs, fraction=st.floats(0.3, 1.0), batch=st.sampled_from([16, 64]))
@@ -191,3 +192,21 @@ def test_reordering_keeps_random_ops_in_program_order() -> None:
             warnings.simplefilter("ignore", MemoryBudgetWarning)
             grads = _step(compiled, x)
         assert all(torch.equal(a, b) for a, b in zip(eager_grads, grads, strict=True)), options
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
+@given(program=programs, fraction=st.floats(0.1, 0.6), batch=st.sampled_from([16, 64]))
+def test_random_network_with_rows_tiled(program, fraction: float, batch: int) -> None:
+    # Tight budgets, where plans miss their targets and the built graphs are tiled by rows
+    # (passes/tiling.py) wherever that lowers the peak (about 1 example in 8 here; the next
+    # test is one): bit-identical, predicted = measured.
+    _check_case(program, fraction, batch)
+
+
+def test_a_random_network_whose_plan_is_tiled() -> None:
+    # Found by the property above: the loss's squares make their gradients' products by
+    # blocks of rows.
+    program = [("linear", 18, 3), ("add", 14, 3), ("linear", 20, 18), ("tanh", 18, 14)]
+    plan = _check_case([*program, ("mul", 1, 2)], 0.23, 16)
+    assert plan.row_tiled and all(op.startswith("backward:") for op in plan.row_tiled)

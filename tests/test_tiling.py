@@ -14,6 +14,7 @@ import memcompile
 import memcompile.backends.compiler as compiler_mod
 from memcompile.passes import tiling
 from memcompile.passes.context import PassContext
+from memcompile.passes.plan import MemoryPlan
 from memcompile.passes.tiling import find_row_tilings, row_tile_pass, tiles_exactly
 
 from helpers import train_under_budget
@@ -164,7 +165,12 @@ def test_row_tiling_lowers_branchys_smallest_plan_and_trains_bit_identically(mon
     # Bit-identical to eager over 3 Adam steps (train_under_budget asserts it).
     compiled, _, measured = train_under_budget("branchy", "adam", budget, **recompute)
     assert measured <= budget
-    assert memcompile.report(compiled).predicted_peak == measured
+    rep = memcompile.report(compiled)
+    assert rep.predicted_peak == measured
+    # Branch by branch, the GELU's gradient made by blocks; the record survives JSON.
+    (plan,) = rep.plan.fragments
+    assert len([op for op in plan.row_tiled if "gelu_backward" in op]) == 8
+    assert MemoryPlan.from_json(rep.plan.to_json()) == rep.plan
     monkeypatch.setattr(compiler_mod, "ROW_TILING", False)
     with pytest.raises(memcompile.MemoryBudgetError):
         train_under_budget("branchy", "adam", budget, **recompute)

@@ -650,6 +650,12 @@ class _FragmentBuild:
                 fw, bw, plan = self._built_rewrite(
                     fw, bw, plan, split, _tile_rows, "elementwise ops made by blocks of rows"
                 )
+                tiled = tuple(
+                    f"{graph}:{t.node}"
+                    for graph, gm in (("forward", fw), ("backward", bw))
+                    for t in gm.meta.get("memcompile_row_tiles", ())
+                )
+                plan = dataclasses.replace(plan, row_tiled=tiled)
             if not plan.feasible and REMATERIALIZE:
                 plan = self._rematerialize(fw, bw, plan, split)
         return fw, bw, plan

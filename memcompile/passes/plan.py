@@ -72,6 +72,9 @@ class FragmentPlan:
             reload or a repeatable op) is made again right before ``before`` for the readers
             from there on, so it is not held across the peak (``rematerialize.py``); only
             when the plan did not fit without.
+        row_tiled: ops of the built graphs made a block of rows at a time
+            (``"backward:gelu_backward"``, ``tiling.py``); only when the plan did not fit
+            without.
     """
 
     fragment: str
@@ -91,6 +94,7 @@ class FragmentPlan:
     saved_cap: int | None = None
     saved_input_bytes: int = 0
     rematerialized: tuple[tuple[str, str], ...] = ()
+    row_tiled: tuple[str, ...] = ()
 
     @property
     def recomputed(self) -> tuple[str, ...]:
@@ -123,6 +127,7 @@ class FragmentPlan:
         fields["prefetch"] = tuple(tuple(p) for p in fields.get("prefetch", ()))
         fields["host_params"] = tuple(fields.get("host_params", ()))
         fields["rematerialized"] = tuple(tuple(p) for p in fields.get("rematerialized", ()))
+        fields["row_tiled"] = tuple(fields.get("row_tiled", ()))
         return cls(**fields)
 
 
