@@ -76,7 +76,7 @@ from memcompile.passes.rebuild import rebuilt_module, refresh_view, storage_refs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FORWARD_OPS", "OPS", "InPlaceRewrite", "find_in_place", "in_place_pass"]
+__all__ = ["FORWARD_OPS", "OPS", "InPlaceRewrite", "find_in_place", "in_place_pass", "owned_nodes"]
 
 aten = torch.ops.aten
 
@@ -142,7 +142,7 @@ def _from_tangents(gm: fx.GraphModule) -> set[fx.Node]:
     return out
 
 
-def _owned(gm: fx.GraphModule) -> set[fx.Node]:
+def owned_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes of a built forward or backward graph that make memory of the graph's own, new in
     every call: aten ops (not memcompile's fetches and reloads, whose memory a cache or the
     tier may share). Views of a graph input are among them, but its storage is not: the input
@@ -220,7 +220,7 @@ def find_in_place(
     unknown = [o for o in (ops or ()) if o not in forms]
     if unknown:
         raise ValueError(f"in_place_pass: no in-place form for {unknown}; known: {list(forms)}")
-    gradients = _owned(gm) if built else _from_tangents(gm)
+    gradients = owned_nodes(gm) if built else _from_tangents(gm)
     holders: dict[StorageWeakRef, list[fx.Node]] = {}  # storage -> nodes sharing it
     for n in gm.graph.nodes:
         for s in storage_refs(n.meta.get("val")):

@@ -65,8 +65,7 @@ from torch._guards import detect_fake_mode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memcompile.passes.context import PassContext
-from memcompile.passes.inplace import FORWARD_OPS, OPS
-from memcompile.passes.inplace import _owned as owned_nodes
+from memcompile.passes.inplace import FORWARD_OPS, OPS, owned_nodes
 from memcompile.passes.rebuild import rebuilt_module, refresh_view, storage_refs
 from memcompile.passes.workspace import materialize
 
@@ -176,8 +175,11 @@ class _Chain:
             if matmul
             else (v.ndim == consumer.ndim and tuple(v.shape[:-1]) == tuple(consumer.shape[:-1]))
         )
-        if rowwise and self._made_by_rows(a, v):
-            return True
+        if rowwise:
+            before = (set(self.chain), set(self.leaves))
+            if self._made_by_rows(a, v):
+                return True
+            self.chain, self.leaves = before  # what a failed search took, it gives back
         if not rowwise and not matmul and _broadcast(v):
             self.leaves.add(a)
             return True
@@ -349,7 +351,7 @@ def find_row_tilings(gm: fx.GraphModule, *, blocks: int = BLOCKS) -> tuple[RowTi
                 op=str(op),
                 chain=tuple(c.name for c in chain),
                 kept=tuple(c.name for c in chain if c in kept),
-                leaves=tuple(sorted((m.name for m in search.leaves), key=lambda s: s)),
+                leaves=tuple(sorted(m.name for m in search.leaves)),
                 rows=rows,
                 blocks=max(1, min(blocks, rows)),
                 nbytes=nbytes,
