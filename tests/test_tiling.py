@@ -34,6 +34,14 @@ def _branch_backward(dy, x, w, b):
     return aten.mm.default(aten.t.default(gx), x), aten.sum.dim_IntList(gx, [0])
 
 
+def _branch_forward(dy, x, w, b, *, in_place=False):
+    # Branchy's branch forward: the mean over the last dim of the GELU of a linear layer (with
+    # ``in_place``, the GELU written into its input, as the in-place pass leaves it).
+    h = aten.view.default(aten.addmm.default(b, x, aten.t.default(w)), [B, T, H])
+    g = aten.gelu.out(h, out=h) if in_place else aten.gelu.default(h)
+    return aten.mul.Tensor(aten.mean.dim(g, [-1]), dy)
+
+
 def _mlp_backward(x, w1, b1, d_out, w2, *, late_reader=False):
     # GPT's MLP backward: the recomputed pre-activation is read by the GELU (for the down
     # projection's weight gradient) before the GELU's gradient reads it.
@@ -48,7 +56,7 @@ def _mlp_backward(x, w1, b1, d_out, w2, *, late_reader=False):
 
 def _inputs(fn):
     g = torch.Generator().manual_seed(0)
-    if fn is _branch_backward:
+    if fn in (_branch_backward, _branch_forward):
         shapes = [(B, T), (N, K), (H, K), (H,)]
     else:
         shapes = [(N, K), (H, K), (H,), (N, K), (K, H)]
@@ -87,6 +95,27 @@ def test_the_branch_backward_is_made_by_blocks_bit_identically():
     args = _inputs(_branch_backward)
     for a, b in zip(gm(*args), out(*args), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_row_reduction_is_made_by_blocks_and_its_operands_never_whole(in_place):
+    gm = _trace(_branch_forward, in_place=in_place)
+    found = {t.node: t for t in find_row_tilings(gm, blocks=4)}
+    # The mean (whose chain holds the GELU) and the GELU itself are candidates; the mean's
+    # chain takes the GELU's.
+    assert {t.op for t in found.values()} == {"aten.mean.dim", "aten.gelu.default"}
+    out = row_tile_pass(gm, CTX, blocks=4)
+    (done,) = out.meta["memcompile_row_tiles"]
+    assert done.op == "aten.mean.dim"
+    gelu = aten.gelu.out if in_place else aten.gelu.default
+    assert _full_rows(gm, aten.addmm.default) and _full_rows(gm, gelu)
+    # By blocks the in-place GELU is the functional one.
+    assert not _full_rows(out, aten.addmm.default) and not _full_rows(out, aten.gelu.default)
+    assert not out.graph.find_nodes(op="call_function", target=aten.gelu.out)
+    assert len(out.graph.find_nodes(op="call_function", target=aten.mean.out)) == 4
+    args = _inputs(_branch_forward)
+    assert torch.equal(gm(*args), out(*args))
+    assert torch.equal(out(*args), _branch_forward(*args))
 
 
 def test_a_value_read_earlier_stays_for_its_reader_and_the_blocks_make_it_again():

@@ -87,6 +87,12 @@ _FORMS: dict[torch._ops.OpOverload, tuple[torch._ops.OpOverload, str]] = {**OPS,
 _FUNCTIONAL: dict[torch._ops.OpOverload, tuple[torch._ops.OpOverload, str]] = {
     out: (op, name) for op, (out, name) in _FORMS.items()
 }
+#: Reductions over the last dim -> their out= overload: a block of rows reduces each row as the
+#: whole does (the probe checks it).
+_REDUCTIONS: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {
+    aten.mean.dim: aten.mean.out,
+    aten.sum.dim_IntList: aten.sum.IntList_out,
+}
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _MATMULS = (aten.mm.default, aten.addmm.default)
 #: Name prefix of the nodes the pass creates.
@@ -143,6 +149,19 @@ def _functional(n: fx.Node) -> tuple[torch._ops.OpOverload, fx.Node | None] | No
         if isinstance(dest, fx.Node) and dest in n.args:
             return op, dest
     return None
+
+
+def _reduction(n: fx.Node) -> tuple[torch._ops.OpOverload, None] | None:
+    """``(op, None)`` for a reduction over its input's last dim only (:data:`_REDUCTIONS`)."""
+    if n.op != "call_function" or n.target not in _REDUCTIONS or not n.args:
+        return None
+    x, dims = n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+    xv = _val(x)
+    if xv is None or not isinstance(dims, (list, tuple)) or len(dims) != 1:
+        return None
+    if dims[0] not in (-1, xv.ndim - 1):
+        return None
+    return n.target, None  # type: ignore[return-value]
 
 
 def _rows_of(v: torch.Tensor) -> int:
@@ -238,6 +257,15 @@ class _Chain:
                 return False
             self.leaves.add(w)
             return True
+        form = _functional(n)
+        if form is not None and form[1] is not None:
+            # An elementwise op the in-place pass wrote into an operand: by blocks it is the
+            # functional op (the operand it wrote into dies there, so nothing reads it after).
+            self.chain.add(n)
+            if all(self.operand(a, v) for a in n.args if isinstance(a, fx.Node)):
+                return True
+            self.chain.discard(n)
+            return False
         if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
             if any(isinstance(k, fx.Node) for k in n.kwargs.values()):
                 return False
@@ -309,23 +337,23 @@ def find_row_tilings(gm: fx.GraphModule, *, blocks: int = BLOCKS) -> tuple[RowTi
     order = {m: i for i, m in enumerate(gm.graph.nodes)}
     found = []
     for n in gm.graph.nodes:
-        form = _functional(n)
+        form = _functional(n) or _reduction(n)
         v = _val(n)
         if form is None or v is None or n not in owned:
             continue
-        shape = _static(v.shape)
-        if shape is None or v.ndim < 2 or not v.is_contiguous() or v.numel() == 0:
+        op, dest = form
+        # What the blocks' rows are rows of: the result, or a reduction's input.
+        rowed = v if op in _FORMS else n.args[0].meta["val"]  # type: ignore[union-attr]
+        if _static(v.shape) is None or _static(rowed.shape) is None:
+            continue
+        if rowed.ndim < 2 or not v.is_contiguous() or rowed.numel() == 0:
             continue
         if any(u.op == "output" for u in n.users):
             continue
-        op, dest = form
-        rows = _rows_of(v)
+        rows = _rows_of(rowed)
         search = _Chain(n, owned, rows)
-        ok = True
-        for a in n.args:
-            if isinstance(a, fx.Node) and not search.operand(a, v):
-                ok = False
-                break
+        operands = [a for a in (n.args if op in _FORMS else n.args[:1]) if isinstance(a, fx.Node)]
+        ok = all(search.operand(a, rowed) for a in operands)
         kept = search.shared(order) if ok and search.chain else None
         if kept is None:
             continue
@@ -454,14 +482,30 @@ class _Blocks:
                 )
             else:
                 args = tuple(self.arg(a, cv, block, rows) for a in c.args)
-                block[c] = g.call_function(c.target, args, dict(c.kwargs))  # type: ignore[arg-type]
-        form = _functional(self.op_node)
-        assert form is not None
-        out_op, out_name = _FORMS[form[0]]
-        v = self.op_node.meta["val"]
-        kwargs = {k: a for k, a in self.op_node.kwargs.items() if k != out_name}
-        args = tuple(self.arg(a, v, block, rows) for a in self.op_node.args)
+                target, kwargs = c.target, dict(c.kwargs)
+                form = _functional(c)
+                if form is not None and form[1] is not None:  # its functional op, by blocks
+                    target = form[0]
+                    kwargs.pop(_FORMS[form[0]][1])
+                block[c] = g.call_function(target, args, kwargs)  # type: ignore[arg-type]
+        op_node = self.op_node
         out = g.call_function(aten.slice.Tensor, (buffer, 0, *rows))
+        form = _functional(op_node)
+        if form is None:  # a reduction over the last dim: of the block's rows
+            x, kwargs = op_node.args[0], dict(op_node.kwargs)
+            kwargs.pop("dim", None)
+            keepdim = op_node.args[2] if len(op_node.args) > 2 else kwargs.pop("keepdim", False)
+            xs = self.arg(x, x.meta["val"], block, rows)  # type: ignore[union-attr]
+            g.call_function(
+                _REDUCTIONS[op_node.target],  # type: ignore[index]
+                (xs, [-1], keepdim),
+                {**kwargs, "out": out},
+            )
+            return
+        out_op, out_name = _FORMS[form[0]]
+        v = op_node.meta["val"]
+        kwargs = {k: a for k, a in op_node.kwargs.items() if k != out_name}
+        args = tuple(self.arg(a, v, block, rows) for a in op_node.args)
         g.call_function(out_op, args, {**kwargs, out_name: out})
 
     def build(self) -> fx.Graph:
@@ -469,14 +513,16 @@ class _Blocks:
         result in the op's shape."""
         g, t, v = self.graph, self.t, self.op_node.meta["val"]
         form = _functional(self.op_node)
-        assert form is not None
-        dest = form[1]
+        dest = form[1] if form is not None else None
         if dest is not None and dest in self.ph:
             buffer, result = self.rows_view(dest), self.ph[dest]
         else:
+            # An elementwise result as [rows, H]; a reduction's as [rows], or [rows, 1] kept.
+            keep = v.numel() == t.rows and v.ndim > 0 and v.shape[-1] == 1
+            shape = [t.rows, v.shape[-1]] if form is not None else [t.rows, 1] if keep else [t.rows]
             buffer = g.call_function(
                 aten.empty.memory_format,
-                ([t.rows, v.shape[-1]],),
+                (shape,),
                 {
                     "dtype": v.dtype,
                     "layout": torch.strided,
@@ -486,7 +532,7 @@ class _Blocks:
             )
             result = (
                 buffer
-                if v.ndim == 2
+                if list(v.shape) == shape
                 else g.call_function(aten.view.default, (buffer, list(v.shape)))
             )
         for rows in _bounds(t.rows, t.blocks):
@@ -577,6 +623,10 @@ def row_tile_pass(gm: fx.GraphModule, ctx: PassContext, *, blocks: int = BLOCKS)
     every node it keeps. The rewrites are in ``meta['memcompile_row_tiles']`` (a tuple of
     :class:`RowTiling`, ``new`` filled in)."""
     decided = find_row_tilings(gm, blocks=blocks)
+    # An op that another's chain makes by blocks goes with that chain (its own blocks would
+    # read values the other removes).
+    inside = {c for t in decided for c in t.chain}
+    decided = tuple(t for t in decided if t.node not in inside)
     if not decided:
         return gm
     nodes = {n.name: n for n in gm.graph.nodes}
