@@ -21,11 +21,14 @@ by blocks would change the order of that sum), so only the operands' memory goes
 plus one block of each, instead of the result and every operand.
 
 **What is tiled.** The *op* is an elementwise op with an ``out=`` form (``inplace.OPS`` and
-``FORWARD_OPS``, or that form already, writing into an operand) whose result is dense, with
-static sizes, and not a graph output. Its *chain* is the values it reads, transitively, that are
-made row by row: ``view``/``reshape`` between ``[B, T, H]`` and ``[B*T, H]`` of such a value,
-pointwise ops (``torch.Tag.pointwise``), and ``mm``/``addmm`` whose row operand is such a value
-or a leaf. Everything the chain reads from outside is a *leaf*, read whole: a leaf with the
+``FORWARD_OPS``, or that form already, writing into an operand), or a ``mean``/``sum`` over the
+last dim only (branchy's forward: the mean of a GELU of a linear layer, whose 16 MiB GELU
+output is then never whole), whose result is dense, with static sizes, and not a graph output.
+Its *chain* is the values it reads, transitively, that are made row by row: ``view``/``reshape``
+between ``[B, T, H]`` and ``[B*T, H]`` of such a value, pointwise ops (``torch.Tag.pointwise``;
+an elementwise ``out=`` node that wrote into its operand counts as its functional op), and
+``mm``/``addmm`` whose row operand is such a value or a leaf. An op inside another's chain goes
+with that chain. Everything the chain reads from outside is a *leaf*, read whole: a leaf with the
 op's rows is sliced per block (``view`` to ``[rows, k]`` first), one whose leading sizes are all
 1 (a bias, a scalar) is read as it is, a matmul's right operand always whole; any other leaf
 leaves the op untiled. Values are handled as ``[rows, k]`` throughout.
