@@ -46,7 +46,7 @@ from memcompile.passes.schedule import has_effect
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Rematerialize", "plan_rematerialize", "rematerialize_pass"]
+__all__ = ["Rematerialize", "plan_rematerialize", "rematerialize_pass", "written_between"]
 
 _RELOAD = torch.ops.memcompile.reload.default
 _WAIT = torch.ops.memcompile.wait.default
@@ -106,7 +106,7 @@ def _family(head: fx.Node, nodes: Sequence[fx.Node], storage: StorageWeakRef) ->
     return members
 
 
-def _written_between(nodes: Sequence[fx.Node], inputs: Sequence[fx.Node], lo: int, hi: int) -> bool:
+def written_between(nodes: Sequence[fx.Node], inputs: Sequence[fx.Node], lo: int, hi: int) -> bool:
     """A node in ``nodes[lo:hi]`` writes a storage one of ``inputs`` reads."""
     storages = {_ref(t) for a in inputs for t in tensor_vals(a.meta.get("val"))}
     for n in nodes[lo:hi]:
@@ -151,7 +151,7 @@ def _candidates(gm: fx.GraphModule, profile: GraphProfile) -> list[Rematerialize
         if any(_mutates(u) for u in readers if position[u] <= at):
             continue  # an early reader writes into the value: a second copy would miss it
         first = min(late, key=position.__getitem__)
-        if head.target is not _RELOAD and _written_between(
+        if head.target is not _RELOAD and written_between(
             nodes, head.all_input_nodes, position[head], position[first]
         ):
             continue

@@ -70,6 +70,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from memcompile.passes.context import PassContext
 from memcompile.passes.inplace import FORWARD_OPS, OPS, owned_nodes
 from memcompile.passes.rebuild import rebuilt_module, refresh_view, storage_refs
+from memcompile.passes.rematerialize import written_between
 from memcompile.passes.workspace import materialize
 
 log = logging.getLogger(__name__)
@@ -171,6 +172,14 @@ def _rows_of(v: torch.Tensor) -> int:
     return v.numel() // v.shape[-1] if v.ndim and v.shape[-1] else 0
 
 
+def _rowwise(v: torch.Tensor, consumer: torch.Tensor, rows: int, *, matmul: bool) -> bool:
+    """Whether operand ``v`` has its reader's rows: a matmul's ``[rows, k]`` row operand, or a
+    pointwise operand with the leading sizes of the reader's result ``consumer``."""
+    if matmul:
+        return v.ndim == 2 and v.shape[0] == rows
+    return v.ndim == consumer.ndim and tuple(v.shape[:-1]) == tuple(consumer.shape[:-1])
+
+
 def _broadcast(v: torch.Tensor) -> bool:
     # Read alike by every row: a scalar, or leading sizes all 1.
     return v.ndim <= 1 or all(s == 1 for s in v.shape[:-1])
@@ -192,11 +201,7 @@ class _Chain:
         v = _val(a)
         if v is None or _static(v.shape) is None or _static(v.stride()) is None:
             return False
-        rowwise = (
-            (v.ndim == 2 and v.shape[0] == self.rows)
-            if matmul
-            else (v.ndim == consumer.ndim and tuple(v.shape[:-1]) == tuple(consumer.shape[:-1]))
-        )
+        rowwise = _rowwise(v, consumer, self.rows, matmul=matmul)
         if rowwise:
             before = (set(self.chain), set(self.leaves))
             if self._made_by_rows(a, v):
@@ -222,7 +227,8 @@ class _Chain:
         return True
 
     def _made_by_rows(self, n: fx.Node, v: torch.Tensor) -> bool:
-        """Whether ``n`` joins the chain (with what it reads)."""
+        """Whether ``n`` joins the chain (with what it reads). What a failed search took stays
+        until its caller, :meth:`operand`, gives it back."""
         if n in self.chain:
             return True
         if n not in self.owned or n.op != "call_function" or n is self.op_node:
@@ -252,36 +258,29 @@ class _Chain:
             if wv is None or w in self.chain or wv.ndim != 2:
                 return False
             self.chain.add(n)
-            ok = self.operand(a, v, matmul=True)
-            if ok and bias is not None:
-                ok = isinstance(bias, fx.Node) and self.operand(bias, v)
-            if not ok:
-                self.chain.discard(n)
+            if not self.operand(a, v, matmul=True):
+                return False
+            if bias is not None and not (isinstance(bias, fx.Node) and self.operand(bias, v)):
                 return False
             self.leaves.add(w)
             return True
         form = _functional(n)
-        if form is not None and form[1] is not None:
-            # An elementwise op the in-place pass wrote into an operand: by blocks it is the
-            # functional op (the operand it wrote into dies there, so nothing reads it after).
-            self.chain.add(n)
-            if all(self.operand(a, v) for a in n.args if isinstance(a, fx.Node)):
-                return True
-            self.chain.discard(n)
+        # An elementwise op the in-place pass wrote into an operand is, by blocks, its
+        # functional op (the operand it wrote into dies there: nothing reads it after).
+        in_place = form is not None and form[1] is not None
+        pointwise = (
+            isinstance(target, torch._ops.OpOverload)
+            and torch.Tag.pointwise in target.tags
+            and not any(isinstance(k, fx.Node) for k in n.kwargs.values())
+        )
+        if not (in_place or pointwise):
             return False
-        if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
-            if any(isinstance(k, fx.Node) for k in n.kwargs.values()):
-                return False
-            self.chain.add(n)
-            for a in n.args:
-                if isinstance(a, fx.Node) and not self.operand(a, v):
-                    self.chain.discard(n)
-                    return False
-                if isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a):
-                    self.chain.discard(n)
-                    return False
-            return True
-        return False
+        if any(
+            isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a) for a in n.args
+        ):
+            return False
+        self.chain.add(n)
+        return all(self.operand(a, v) for a in n.args if isinstance(a, fx.Node))
 
     def shared(self, order: dict[fx.Node, int]) -> set[fx.Node] | None:
         """The chain values that stay in the graph for other readers (the blocks make them
@@ -307,44 +306,20 @@ class _Chain:
         return kept
 
 
-def _written(n: fx.Node) -> set[Any]:
-    """Storages node ``n`` writes into (its schema's mutable arguments: ``out=``, in place)."""
-    target = n.target
-    if n.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return set()
-    out: set[Any] = set()
-    for i, a in enumerate(target._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        value = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
-        for m in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(m, fx.Node):
-                out |= storage_refs(m.meta.get("val"))
-    return out
-
-
-def _overwritten(gm: fx.GraphModule, leaves: set[fx.Node], start: int, end: int) -> bool:
-    """Whether a node strictly between positions ``start`` and ``end`` writes into a leaf's
-    storage: the blocks read the leaves at the op (``end``), where the chain read them from
-    ``start`` on."""
-    read = set().union(*(storage_refs(leaf.meta.get("val")) for leaf in leaves))
-    nodes = list(gm.graph.nodes)[start + 1 : end]
-    return any(_written(m) & read for m in nodes)
-
-
 def find_row_tilings(gm: fx.GraphModule, *, blocks: int = BLOCKS) -> tuple[RowTiling, ...]:
     """The elementwise ops of the built graph ``gm`` that can be made a block of rows at a time
     (see the module docstring), in graph order. Decides only: ``gm`` is not changed, and the
     bit-identity probe has not run (:func:`row_tile_pass` runs it)."""
     owned = owned_nodes(gm)
-    order = {m: i for i, m in enumerate(gm.graph.nodes)}
+    nodes = list(gm.graph.nodes)
+    order = {m: i for i, m in enumerate(nodes)}
     found = []
     for n in gm.graph.nodes:
         form = _functional(n) or _reduction(n)
         v = _val(n)
         if form is None or v is None or n not in owned:
             continue
-        op, dest = form
+        op = form[0]
         # What the blocks' rows are rows of: the result, or a reduction's input.
         rowed = v if op in _FORMS else n.args[0].meta["val"]  # type: ignore[union-attr]
         if _static(v.shape) is None or _static(rowed.shape) is None:
@@ -360,10 +335,9 @@ def find_row_tilings(gm: fx.GraphModule, *, blocks: int = BLOCKS) -> tuple[RowTi
         kept = search.shared(order) if ok and search.chain else None
         if kept is None:
             continue
-        if dest is not None and dest in search.leaves and not dest.meta["val"].is_contiguous():
-            continue
         chain = sorted(search.chain, key=order.__getitem__)
-        if _overwritten(gm, search.leaves, order[chain[0]], order[n]):
+        # The blocks read the leaves at the op, where the chain read them from its first node.
+        if written_between(nodes, list(search.leaves), order[chain[0]] + 1, order[n]):
             continue
         nbytes = sum(
             c.meta["val"].untyped_storage().nbytes()
@@ -440,12 +414,7 @@ class _Blocks:
         av = a.meta["val"]
         if consumer is None:
             return self.ph[a]
-        rowwise = (
-            (av.ndim == 2 and av.shape[0] == self.t.rows)
-            if matmul
-            else (av.ndim == consumer.ndim and tuple(av.shape[:-1]) == tuple(consumer.shape[:-1]))
-        )
-        if rowwise:
+        if _rowwise(av, consumer, self.t.rows, matmul=matmul):
             return self.graph.call_function(aten.slice.Tensor, (self.rows_view(a), 0, *rows))
         if av.ndim > 1:  # a bias: every row reads it whole, as its last size
             return self.graph.call_function(aten.view.default, (self.ph[a], [av.shape[-1]]))
