@@ -29,13 +29,15 @@ def write_results(
     notes: Sequence[str],
     table: Sequence[str],
     rows: Sequence[dict[str, Any]],
+    script: str | None = None,
 ) -> Path:
     """Write ``out/STEM.md`` (``# title``, the command, machine and date, ``notes`` as list
     items, then ``table``) and ``out/STEM.json`` (the same header and ``rows``); the command is
-    ``OMP_NUM_THREADS=1 python benchmarks/STEM.py`` with ``argv``. Returns the Markdown path."""
+    ``OMP_NUM_THREADS=1 python benchmarks/SCRIPT.py`` (``script`` defaults to ``stem``) with
+    ``argv``. Returns the Markdown path."""
     import torch
 
-    command = f"OMP_NUM_THREADS=1 python benchmarks/{stem}.py {' '.join(argv)}".strip()
+    command = f"OMP_NUM_THREADS=1 python benchmarks/{script or stem}.py {' '.join(argv)}".strip()
     machine = f"{describe_machine()}, torch {torch.__version__}"
     date = datetime.date.today().isoformat()
     lines = [

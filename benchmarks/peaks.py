@@ -17,7 +17,6 @@ plan that cannot fit runs its smallest one), predicted vs measured again. Result
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -25,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from machine import describe_machine
+from machine import write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Steps measured at most until one compiles nothing (a re-plan compiles in the next step).
@@ -163,23 +162,14 @@ def main() -> None:
             budgeted.append({**row, "fraction": f})
         rows.append({"memcompile": mc, "eager": eager, "budgets": budgeted})
 
-    command = "OMP_NUM_THREADS=1 python " + " ".join(sys.argv)
-    machine = describe_machine()
-    import torch
-
-    date = datetime.date.today().isoformat()
-    lines = [
-        f"# Predicted vs measured step peak (size `{args.size}`)",
-        "",
-        f"- command: `{command}`",
-        f"- machine: {machine}, torch {torch.__version__}",
-        f"- date: {date}",
-        "- measured: CPU profiler (`memcompile.measure_peak`), absolute (resident parameters, "
+    note = (
+        "measured: CPU profiler (`memcompile.measure_peak`), absolute (resident parameters, "
         "buffers, inputs + peak above them), in the first step after 3 training steps that "
         f"compiles nothing (at most {SETTLE_TRIES} tries); one process per row and mode; "
         + ("first table: " if fractions else "")
-        + "no budget (memcompile keeps eager's saved set)",
-        "",
+        + "no budget (memcompile keeps eager's saved set)"
+    )
+    lines = [
         "| workload | fragments | calls/step | predicted MiB | measured MiB | error | exact model "
         "| eager measured MiB | fallbacks |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -218,12 +208,15 @@ def main() -> None:
                     f"| {b['workload']} | {b['fraction']:g}x | {_mib(b['budget'])} | {_peaks(b)} "
                     f"| {', '.join(notes)} |"
                 )
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"peaks_{args.size}"
-    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    (args.out / f"{stem}.json").write_text(
-        json.dumps({"command": command, "machine": machine, "date": date, "rows": rows}, indent=2)
-        + "\n"
+    write_results(
+        args.out,
+        f"peaks_{args.size}",
+        script="peaks",
+        title=f"Predicted vs measured step peak (size `{args.size}`)",
+        argv=sys.argv[1:],
+        notes=[note],
+        table=lines,
+        rows=rows,
     )
     print("\n".join(lines))
 
