@@ -112,6 +112,33 @@ def test_prefetch_never_raises_the_peak() -> None:
     assert names.index("reload_default") > names.index("mm_default")  # not above the wide matmul
 
 
+def test_a_reload_of_a_block_of_rows_is_never_issued_above_its_slice() -> None:
+    # A tiled op reloads a block of rows of the host copy (passes/tiling.py): the reload may
+    # move up to the slice it reads, however slow the link and large the slack.
+    slow = DeviceProfile(**{**PROFILE.__dict__, "host_bandwidth": 2**20})
+    key = register_store(TieredStore())
+    g = fx.Graph()
+    x_host, a = g.placeholder("x_host"), g.placeholder("a")
+    first = g.call_function(aten.mm.default, (a, a))
+    part = g.call_function(aten.slice.Tensor, (x_host, 0, 0, N // 2))
+    c = g.call_function(aten.mm.default, (first, a))
+    x = g.call_function(torch.ops.memcompile.reload.default, (part, torch.device("cpu"), key, 0))
+    g.call_function(torch.ops.memcompile.wait.default, (x, key))
+    half = g.call_function(aten.slice.Tensor, (c, 0, 0, N // 2))
+    g.output((g.call_function(aten.add.Tensor, (x, half)),))
+    gm = fx.GraphModule({}, g)
+    inputs = _inputs(key)
+    FakeTensorProp(gm).propagate(*inputs)
+    expected = gm(*inputs)
+    prof = profile_graph(gm, kind="backward", persistent_inputs=[0, 1])
+    plan = plan_prefetch(gm, prof, slow, slack=2**30)
+    prefetch_pass(gm, PassContext("F0", "backward"), plan=plan)  # lints the moved graph
+    names = [n.name for n in gm.graph.nodes]
+    assert names.index("reload_default") == names.index("slice_tensor") + 1
+    assert plan.issue_before  # it did move: above the matmul after the slice, not above both
+    assert torch.equal(gm(*inputs)[0], expected[0])
+
+
 def test_prefetch_uses_the_slack_the_budget_leaves_and_no_more() -> None:
     # The same wide temporary: with one tensor's bytes of slack (the budget above the plan's
     # peak) the reload may cross it, and the peak rises by exactly that; one byte less: not.

@@ -19,6 +19,7 @@ from memcompile.passes import tiling
 from memcompile.passes.context import PassContext
 from memcompile.passes.plan import MemoryPlan
 from memcompile.passes.tiling import find_row_tilings, row_tile_pass, tiles_exactly
+from memcompile.runtime.store import TieredStore, register_store
 
 from helpers import train_under_budget
 
@@ -57,10 +58,32 @@ def _mlp_backward(x, w1, b1, d_out, w2, *, late_reader=False):
     return (*out, aten.relu.default(pre)) if late_reader else out
 
 
+def _forward_read_early(dy, x, w, b):
+    # Branchy's branch forward with the pre-activation read whole before the mean too (as a
+    # swap plan's offload reads it): the mean's blocks may make it again or read it.
+    pre = aten.addmm.default(b, x, aten.t.default(w))
+    early = aten.sum.default(pre)
+    g = aten.gelu.default(aten.view.default(pre, [B, T, H]))
+    return aten.add.Tensor(aten.mul.Tensor(aten.mean.dim(g, [-1]), dy), early)
+
+
+def _swapped_backward(dy, x, h_host, *, key, late_reader=False):
+    # Branchy's branch backward in a plan that swaps the pre-activation: reloaded whole from its
+    # host copy, read by the GELU's gradient alone (or also by a later reader).
+    g = aten.div.Scalar(aten.expand.default(aten.unsqueeze.default(dy, -1), [B, T, H]), H)
+    h = torch.ops.memcompile.reload.default(h_host, torch.device("cpu"), key, 0)
+    torch.ops.memcompile.wait.default(h, key)
+    gx = aten.view.default(aten.gelu_backward.default(g, aten.view.default(h, [B, T, H])), [N, H])
+    out = (aten.mm.default(aten.t.default(gx), x), aten.sum.dim_IntList(gx, [0]))
+    return (*out, aten.relu.default(h)) if late_reader else out
+
+
 def _inputs(fn):
     g = torch.Generator().manual_seed(0)
-    if fn in (_branch_backward, _branch_forward):
+    if fn in (_branch_backward, _branch_forward, _forward_read_early):
         shapes = [(B, T), (N, K), (H, K), (H,)]
+    elif fn is _swapped_backward:
+        shapes = [(B, T), (N, K), (N, H)]
     else:
         shapes = [(N, K), (H, K), (H,), (N, K), (K, H)]
     return [torch.randn(s, generator=g) for s in shapes]
@@ -141,6 +164,56 @@ def test_a_value_read_earlier_stays_for_its_reader_and_the_blocks_make_it_again(
         assert torch.equal(a, b)
 
 
+def test_a_swapped_operand_is_reloaded_a_block_of_rows_at_a_time():
+    store = TieredStore()
+    key = register_store(store)
+    gm = _trace(_swapped_backward, key=key)
+    (found,) = find_row_tilings(gm, blocks=4)
+    assert found.op == "aten.gelu_backward.default"
+    (leaf,) = found.reloaded  # the reload's view, read by rows only
+    assert leaf in found.leaves
+    assert found.nbytes == 2 * N * H * 4  # the scaled gradient and the reload go
+
+    out = row_tile_pass(gm, CTX, blocks=4)
+    reloads = out.graph.find_nodes(op="call_function", target=torch.ops.memcompile.reload.default)
+    assert [tuple(r.meta["val"].shape) for r in reloads] == [(N // 4, H)] * 4
+    waits = out.graph.find_nodes(op="call_function", target=torch.ops.memcompile.wait.default)
+    assert sorted(w.args[0] for w in waits) == sorted(reloads)
+    # Each block's copy is issued before the previous block computes (it overlaps on a GPU).
+    order = {n: i for i, n in enumerate(out.graph.nodes)}
+    grads = out.graph.find_nodes(op="call_function", target=aten.gelu_backward.grad_input)
+    assert len(grads) == 4
+    assert all(order[reloads[i + 1]] < order[grads[i]] for i in range(3))
+    args = _inputs(_swapped_backward)
+    before = store.bytes_in["host"]
+    for a, b in zip(gm(*args), out(*args), strict=True):
+        assert torch.equal(a, b)
+    assert store.bytes_in["host"] - before == 2 * N * H * 4  # the whole once, then by blocks
+
+
+def test_a_swapped_operand_read_again_later_is_reloaded_whole():
+    key = register_store(TieredStore())
+    gm = _trace(_swapped_backward, key=key, late_reader=True)
+    assert all(not t.reloaded for t in find_row_tilings(gm, blocks=4))
+
+
+@pytest.mark.parametrize("kept", [0, 1])
+def test_a_matmul_kept_for_an_earlier_reader_is_made_again_only_if_allowed(kept):
+    gm = _trace(_forward_read_early)
+    (t,) = [t for t in find_row_tilings(gm, blocks=4, max_kept_matmuls=kept) if "mean" in t.op]
+    out = row_tile_pass(gm, CTX, blocks=4, max_kept_matmuls=kept)
+    addmms = out.graph.find_nodes(op="call_function", target=aten.addmm.default)
+    if kept:  # made again by the blocks: it dies at its earlier reader
+        assert [c for c in t.kept if c.startswith("addmm")]
+        assert len(addmms) == 1 + 4
+    else:  # read by rows from the whole, made once
+        assert not [c for c in t.chain if c.startswith("addmm")]
+        assert len(addmms) == 1
+    assert not _full_rows(out, aten.gelu.default)
+    args = _inputs(_forward_read_early)
+    assert torch.equal(gm(*args), out(*args))
+
+
 def test_a_value_read_after_the_op_leaves_it_whole():
     gm = _trace(_mlp_backward, late_reader=True)
     assert not [t for t in find_row_tilings(gm) if "gelu_backward" in t.op]
@@ -207,10 +280,33 @@ def test_row_tiling_lowers_branchys_smallest_plan_and_trains_bit_identically(mon
 
 
 def test_a_swapping_plan_over_its_target_falls_back_to_recomputing(monkeypatch):
-    # Tiling acts on values the graphs make, not on reloads: with swaps allowed the smallest
-    # plan is no larger than recomputing alone.
+    # With no reload read by rows, tiling acts on values the graphs make only: with swaps
+    # allowed the smallest plan is still no larger than recomputing alone.
+    monkeypatch.setattr(tiling, "_reloaded", lambda *a: set())
     host = dict(offload_params=True, pilot="off")
     assert _floor(monkeypatch, True, **host) <= _floor(monkeypatch, True, swap=False, **host)
+
+
+def test_a_swapping_plan_reloads_by_rows_below_the_recomputing_floor(monkeypatch):
+    # Branchy (tiny), host tier: each branch's swapped pre-activation is reloaded a block of
+    # rows at a time for the GELU's gradient, so swapping (no recomputation) fits where
+    # recomputing does not.
+    host = dict(offload_params=True, pilot="off")
+    swapping = _floor(monkeypatch, True, **host)
+    recomputing = _floor(monkeypatch, True, swap=False, **host)
+    assert swapping < recomputing
+    budget = (swapping + recomputing) // 2
+    # Bit-identical to eager over 3 Adam steps (train_under_budget asserts it).
+    compiled, _, measured = train_under_budget("branchy", "adam", budget, **host)
+    assert measured <= budget
+    rep = memcompile.report(compiled)
+    assert rep.predicted_peak == measured
+    (plan,) = rep.plan.fragments
+    assert len(plan.swapped) == 8 and not plan.recomputed
+    assert len([op for op in plan.row_tiled if "gelu_backward" in op]) == 8
+    monkeypatch.setattr(tiling, "_reloaded", lambda *a: set())
+    with pytest.raises(memcompile.MemoryBudgetError):
+        train_under_budget("branchy", "adam", budget, **host)
 
 
 def test_gpts_mlp_backward_is_tiled_below_its_floor_and_trains_bit_identically(monkeypatch):

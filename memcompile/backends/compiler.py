@@ -87,7 +87,7 @@ from memcompile.passes.prefetch import plan_prefetch, prefetch_pass
 from memcompile.passes.rematerialize import plan_rematerialize, rematerialize_pass
 from memcompile.passes.step import CacheUse, OutputLife, StepPrediction, simulate_step
 from memcompile.passes.swap import swap_pass
-from memcompile.passes.tiling import row_tile_pass
+from memcompile.passes.tiling import MAX_KEPT_MATMULS, row_tile_pass
 from memcompile.passes.workspace import clone_workspace, probe_workspaces
 from memcompile.runtime.measure import storage_sizes
 from memcompile.runtime.peakwatch import PeakWatch
@@ -647,9 +647,7 @@ class _FragmentBuild:
                     "elementwise results written into the graphs' own dying values",
                 )
             if not plan.feasible and ROW_TILING and config.inner == "eager":
-                fw, bw, plan = self._built_rewrite(
-                    fw, bw, plan, split, _tile_rows, "elementwise ops made by blocks of rows"
-                )
+                fw, bw, plan = self._tiled(fw, bw, plan, split)
                 tiled = tuple(
                     f"{graph}:{t.node}"
                     for graph, gm in (("forward", fw), ("backward", bw))
@@ -797,6 +795,33 @@ class _FragmentBuild:
             feasible=after <= target,
         )
         return fw2, bw2, plan
+
+    def _tiled(
+        self,
+        fw: fx.GraphModule,
+        bw: fx.GraphModule,
+        plan: FragmentPlan,
+        split: tuple[tuple[int, ...], int, int],
+    ) -> tuple[fx.GraphModule, fx.GraphModule, FragmentPlan]:
+        """:meth:`_built_rewrite` with row tiling: first with no matmul made again by the
+        blocks (a value kept whole for another reader is read whole instead), which costs no
+        time; where that does not fit, also with them, and the lower peak is kept."""
+        best = None
+        for kept in sorted({0, MAX_KEPT_MATMULS}):
+            found = self._built_rewrite(
+                fw,
+                bw,
+                plan,
+                split,
+                functools.partial(_tile_rows, max_kept_matmuls=kept),
+                f"elementwise ops made by blocks of rows ({kept} matmuls made again)",
+            )
+            if best is None or found[2].predicted_peak < best[2].predicted_peak:
+                best = found
+            if best[2].feasible:
+                break
+        assert best is not None
+        return best
 
     def _rematerialize(
         self,
@@ -1221,11 +1246,13 @@ def _device_of(values: Sequence[Any]) -> torch.device | None:
     return next((d for d in devices if d.type != "cpu"), devices[0] if devices else None)
 
 
-def _tile_rows(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+def _tile_rows(
+    gm: fx.GraphModule, ctx: PassContext, *, max_kept_matmuls: int = MAX_KEPT_MATMULS
+) -> fx.GraphModule:
     """``row_tile_pass``, then the in-place pass again where it tiled: a value the blocks now
     make again dies at its other reader, which may then write into it."""
     try:
-        tiled = row_tile_pass(gm, ctx)
+        tiled = row_tile_pass(gm, ctx, max_kept_matmuls=max_kept_matmuls)
     except Exception:  # a graph the pass does not know: the plan stands without it
         log.warning(
             "%s %s: row tiling failed; left as built", ctx.fragment, ctx.graph, exc_info=True

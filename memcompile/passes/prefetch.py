@@ -86,8 +86,10 @@ def _positions(
         p, need = index[rel], start_s[index[w]]
         seconds, size = copy_seconds(rel, profile), copied_bytes(rel)
         q = p
+        # Never above what it reads (a block of rows of a host copy is sliced for it).
+        lo = max([floor, *(index[a] + 1 for a in rel.all_input_nodes)])
         # Walk up while memory allows and the copy would still finish late.
-        while q > floor and live[q - 1] + size <= peak:
+        while q > lo and live[q - 1] + size <= peak:
             if max(start_s[q], copy_free) + seconds <= need:
                 break
             q -= 1

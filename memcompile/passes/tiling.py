@@ -37,10 +37,26 @@ A chain value that other nodes read too is *kept*: it stays in the graph for the
 blocks make it again (GPT's recomputed pre-activation, read by the GELU for the down
 projection's weight gradient and then by the GELU's gradient: it now dies at the GELU, which
 the in-place pass then writes into). Only when those readers all come before the op (else it
-would be held whole at the op anyway), and with at most :data:`MAX_KEPT_MATMULS` matmul made
-again. The op is tiled only where the values that go are at least half its result's bytes,
-and where nothing between the chain's first node and the op writes into a leaf (the blocks read
-the leaves at the op).
+would be held whole at the op anyway), and with at most ``max_kept_matmuls`` matmuls made
+again (:data:`MAX_KEPT_MATMULS`): a chain that would make more reads those matmuls whole, as
+leaves, instead (no time; held whole up to the op). The compiler tries none first. The op is
+tiled only where the values that go are at least half its result's bytes, and where nothing
+between the chain's first node and the op writes into a leaf (the blocks read the leaves at
+the op).
+
+**Reloads by rows.** A leaf that is a swapped tensor's ``reload`` (or a view of it), read by
+rows only, goes with its ``wait``: each block reloads its own rows from the host copy, the next
+block's copy issued before this block computes (on a GPU it overlaps)::
+
+    before                                       after
+      h = memcompile.reload(h_host, dev, s, 0)     for each block r of rows:
+      memcompile.wait(h, s)                          h_r = memcompile.reload(
+      gx = gelu_backward(g, view(h, [B, T, H]))          view(h_host, [B*T, H])[r], dev, s, 0)
+                                                     memcompile.wait(h_r, s)
+                                                     gelu_backward.grad_input(g_r, h_r, ...)
+
+(branchy's host tier: a plan that swaps every pre-activation peaks as low as one that
+recomputes them, without their matmuls).
 **Bit-identical, measured.** A block of rows of ``addmm`` is the same dot products as the whole,
 and an elementwise kernel computes each element alike, but that is the kernels' business (a
 BLAS may pick another path for fewer rows). So each distinct chain is run once, whole and by
@@ -99,6 +115,8 @@ _REDUCTIONS: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {
 }
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _MATMULS = (aten.mm.default, aten.addmm.default)
+_RELOAD = torch.ops.memcompile.reload.default
+_WAIT = torch.ops.memcompile.wait.default
 #: Name prefix of the nodes the pass creates.
 PREFIX = "tiled"
 
@@ -114,9 +132,12 @@ class RowTiling:
         kept: those of them that stay in the graph whole for their other readers, which all
             come before the op (the blocks make them again; they die at those readers now).
         leaves: the nodes the chain reads whole.
+        reloaded: those of them that are the reload of a swapped tensor (or a view of it), read
+            only by rows: the blocks reload their rows from the host copy instead, and the
+            whole reload goes (with its views and ``wait``).
         rows: rows of the result (``B*T``).
         blocks: blocks of rows.
-        nbytes: bytes of the chain's values no longer held whole.
+        nbytes: bytes of the chain's values (and the reloads) no longer held whole.
         new: the node that holds the whole result now (``""`` before the rewrite).
     """
 
@@ -125,6 +146,7 @@ class RowTiling:
     chain: tuple[str, ...]
     kept: tuple[str, ...]
     leaves: tuple[str, ...]
+    reloaded: tuple[str, ...]
     rows: int
     blocks: int
     nbytes: int
@@ -185,15 +207,71 @@ def _broadcast(v: torch.Tensor) -> bool:
     return v.ndim <= 1 or all(s == 1 for s in v.shape[:-1])
 
 
+def _reload_path(leaf: fx.Node) -> tuple[list[fx.Node], fx.Node] | None:
+    """``(nodes, reload)`` when ``leaf`` is the value of a swapped tensor's ``reload`` (or a
+    view of it with the same last size): the nodes that make it from the host copy (the views
+    on the way, the reload, its ``wait`` ops) and the reload; else ``None``."""
+    path, n = [leaf], leaf
+    while n.target in _VIEWS and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+        path.append(n)
+    if n.target is not _RELOAD or not isinstance(n.args[0], fx.Node):
+        return None
+    rv, lv = _val(n), _val(leaf)
+    if rv is None or lv is None or not rv.is_contiguous() or rv.shape[-1:] != lv.shape[-1:]:
+        return None
+    return [*path, *(u for u in n.users if u.target is _WAIT)], n
+
+
+def _reload_nodes(leaf: fx.Node) -> list[fx.Node]:
+    """What makes a reloaded leaf (:func:`_reload_path`): its views, the reload, its waits."""
+    made = _reload_path(leaf)
+    assert made is not None, f"{leaf.name} is not a reload"
+    return made[0]
+
+
+def _reload_of(leaf: fx.Node) -> fx.Node:
+    """The reload a reloaded leaf (:func:`_reload_path`) is made by."""
+    made = _reload_path(leaf)
+    assert made is not None, f"{leaf.name} is not a reload"
+    return made[1]
+
+
+def _source(leaf: fx.Node) -> fx.Node:
+    """The host copy a reloaded leaf (:func:`_reload_path`) is made from."""
+    return _reload_of(leaf).args[0]  # type: ignore[return-value]
+
+
+def _reloaded(rowed: set[fx.Node], readers: set[fx.Node]) -> set[fx.Node]:
+    """The leaves of ``rowed`` (read only by rows) whose reload can go: they and what makes them
+    from the host copy (:func:`_reload_path`) are read by ``readers`` (the nodes the rewrite
+    removes) only."""
+    found = set()
+    for leaf in rowed:
+        made = _reload_path(leaf)
+        if made is None:
+            continue
+        inside = readers | set(made[0])
+        if all(u in inside for m in made[0] for u in m.users):
+            found.add(leaf)
+    return found
+
+
 class _Chain:
     """The search from one op (see the module docstring)."""
 
-    def __init__(self, op_node: fx.Node, owned: set[fx.Node], rows: int) -> None:
+    def __init__(
+        self, op_node: fx.Node, owned: set[fx.Node], rows: int, as_leaves: frozenset[fx.Node]
+    ) -> None:
         self.op_node = op_node
         self.owned = owned
         self.rows = rows
+        self.as_leaves = as_leaves  # read whole, never made by the blocks
         self.chain: set[fx.Node] = set()
         self.leaves: set[fx.Node] = set()
+        #: Leaves read a block of rows at a time, and leaves read whole (a bias, a weight).
+        self.rowed: set[fx.Node] = set()
+        self.whole: set[fx.Node] = set()
 
     def operand(self, a: fx.Node, consumer: torch.Tensor, *, matmul: bool = False) -> bool:
         """Take ``a`` (read by a pointwise node with result ``consumer``, or as a matmul's row
@@ -203,15 +281,17 @@ class _Chain:
             return False
         rowwise = _rowwise(v, consumer, self.rows, matmul=matmul)
         if rowwise:
-            before = (set(self.chain), set(self.leaves))
+            before = [set(s) for s in (self.chain, self.leaves, self.rowed, self.whole)]
             if self._made_by_rows(a, v):
                 return True
-            self.chain, self.leaves = before  # what a failed search took, it gives back
+            self.chain, self.leaves, self.rowed, self.whole = before  # a failed search gives back
         if not rowwise and not matmul and _broadcast(v):
             self.leaves.add(a)
+            self.whole.add(a)
             return True
         if rowwise and self._viewable(v):
             self.leaves.add(a)
+            self.rowed.add(a)
             return True
         return False
 
@@ -232,6 +312,8 @@ class _Chain:
         if n in self.chain:
             return True
         if n not in self.owned or n.op != "call_function" or n is self.op_node:
+            return False
+        if n in self.as_leaves:
             return False
         if _static(v.shape) is None:
             return False
@@ -263,6 +345,7 @@ class _Chain:
             if bias is not None and not (isinstance(bias, fx.Node) and self.operand(bias, v)):
                 return False
             self.leaves.add(w)
+            self.whole.add(w)
             return True
         form = _functional(n)
         # An elementwise op the in-place pass wrote into an operand is, by blocks, its
@@ -306,10 +389,14 @@ class _Chain:
         return kept
 
 
-def find_row_tilings(gm: fx.GraphModule, *, blocks: int = BLOCKS) -> tuple[RowTiling, ...]:
+def find_row_tilings(
+    gm: fx.GraphModule, *, blocks: int = BLOCKS, max_kept_matmuls: int = MAX_KEPT_MATMULS
+) -> tuple[RowTiling, ...]:
     """The elementwise ops of the built graph ``gm`` that can be made a block of rows at a time
     (see the module docstring), in graph order. Decides only: ``gm`` is not changed, and the
-    bit-identity probe has not run (:func:`row_tile_pass` runs it)."""
+    bit-identity probe has not run (:func:`row_tile_pass` runs it). ``max_kept_matmuls``:
+    matmuls an op's blocks may make again; a chain that would make more reads them whole
+    instead, as leaves (no time, but held whole up to the op)."""
     owned = owned_nodes(gm)
     nodes = list(gm.graph.nodes)
     order = {m: i for i, m in enumerate(nodes)}
@@ -319,50 +406,76 @@ def find_row_tilings(gm: fx.GraphModule, *, blocks: int = BLOCKS) -> tuple[RowTi
         v = _val(n)
         if form is None or v is None or n not in owned:
             continue
-        op = form[0]
         # What the blocks' rows are rows of: the result, or a reduction's input.
-        rowed = v if op in _FORMS else n.args[0].meta["val"]  # type: ignore[union-attr]
+        rowed = v if form[0] in _FORMS else n.args[0].meta["val"]  # type: ignore[union-attr]
         if _static(v.shape) is None or _static(rowed.shape) is None:
             continue
         if rowed.ndim < 2 or not v.is_contiguous() or rowed.numel() == 0:
             continue
         if any(u.op == "output" for u in n.users):
             continue
-        rows = _rows_of(rowed)
-        search = _Chain(n, owned, rows)
-        operands = [a for a in (n.args if op in _FORMS else n.args[:1]) if isinstance(a, fx.Node)]
-        ok = all(search.operand(a, rowed) for a in operands)
-        kept = search.shared(order) if ok and search.chain else None
-        if kept is None:
-            continue
-        chain = sorted(search.chain, key=order.__getitem__)
-        # The blocks read the leaves at the op, where the chain read them from its first node.
-        if written_between(nodes, list(search.leaves), order[chain[0]] + 1, order[n]):
-            continue
-        nbytes = sum(
-            c.meta["val"].untyped_storage().nbytes()
-            for c in chain
-            if c.target not in _VIEWS and c not in kept
-        )
-        # Worth its kernel calls and recomputation: operands of at least half the result's
-        # bytes go, and the blocks make at most one matmul again (a kept one).
-        if 2 * nbytes < v.untyped_storage().nbytes():
-            continue
-        if sum(c.target in _MATMULS for c in kept) > MAX_KEPT_MATMULS:
-            continue
-        found.append(
-            RowTiling(
-                node=n.name,
-                op=str(op),
-                chain=tuple(c.name for c in chain),
-                kept=tuple(c.name for c in chain if c in kept),
-                leaves=tuple(sorted(m.name for m in search.leaves)),
-                rows=rows,
-                blocks=max(1, min(blocks, rows)),
-                nbytes=nbytes,
-            )
-        )
+        found_one = _tiling(n, form[0], rowed, owned, nodes, order, blocks, frozenset())
+        if found_one is not None and len(found_one.kept_matmuls) > max_kept_matmuls:
+            as_leaves = found_one.kept_matmuls
+            found_one = _tiling(n, form[0], rowed, owned, nodes, order, blocks, as_leaves)
+        if found_one is not None and len(found_one.kept_matmuls) <= max_kept_matmuls:
+            found.append(found_one.tiling)
     return tuple(found)
+
+
+@dataclass(frozen=True)
+class _Found:
+    tiling: RowTiling
+    kept_matmuls: frozenset[fx.Node]
+
+
+def _tiling(
+    n: fx.Node,
+    op: torch._ops.OpOverload,
+    rowed: torch.Tensor,
+    owned: set[fx.Node],
+    nodes: list[fx.Node],
+    order: dict[fx.Node, int],
+    blocks: int,
+    as_leaves: frozenset[fx.Node],
+) -> _Found | None:
+    """The tiling of op node ``n`` (rows of ``rowed``) with the nodes ``as_leaves`` read whole
+    as leaves, and the matmuls its blocks make again; ``None``: not worth it, or not possible."""
+    rows = _rows_of(rowed)
+    search = _Chain(n, owned, rows, as_leaves)
+    operands = [a for a in (n.args if op in _FORMS else n.args[:1]) if isinstance(a, fx.Node)]
+    ok = all(search.operand(a, rowed) for a in operands)
+    kept = search.shared(order) if ok else None
+    if kept is None:
+        return None
+    # A swapped operand read by rows only is reloaded a block at a time from its host copy.
+    reloaded = _reloaded(search.rowed - search.whole, (search.chain - kept) | {n})
+    if not search.chain and not reloaded:
+        return None
+    chain = sorted(search.chain, key=order.__getitem__)
+    sources = [_source(leaf) if leaf in reloaded else leaf for leaf in search.leaves]
+    # The blocks read the leaves at the op, where the chain read them from its first node.
+    start = order[chain[0]] if chain else order[n]
+    if written_between(nodes, sources, start + 1, order[n]):
+        return None
+    gone = [c for c in chain if c.target not in _VIEWS and c not in kept]
+    gone += [_reload_of(leaf) for leaf in sorted(reloaded, key=order.__getitem__)]
+    nbytes = sum(c.meta["val"].untyped_storage().nbytes() for c in gone)
+    # Worth its kernel calls: operands of at least half the result's bytes go.
+    if 2 * nbytes < n.meta["val"].untyped_storage().nbytes():
+        return None
+    tiling = RowTiling(
+        node=n.name,
+        op=str(op),
+        chain=tuple(c.name for c in chain),
+        kept=tuple(c.name for c in chain if c in kept),
+        leaves=tuple(sorted(m.name for m in search.leaves)),
+        reloaded=tuple(sorted(m.name for m in reloaded)),
+        rows=rows,
+        blocks=max(1, min(blocks, rows)),
+        nbytes=nbytes,
+    )
+    return _Found(tiling, frozenset(c for c in kept if c.target in _MATMULS))
 
 
 def _bounds(rows: int, blocks: int) -> list[tuple[int, int]]:
@@ -371,22 +484,34 @@ def _bounds(rows: int, blocks: int) -> list[tuple[int, int]]:
 
 
 class _Blocks:
-    """Writes the op by blocks of rows into a graph whose placeholders are its leaves."""
+    """Writes the op by blocks of rows into a graph whose placeholders are its leaves (a
+    reloaded leaf's: its host copy, see :attr:`inputs`). With ``reload=False`` the reloaded
+    leaves are sliced like the others (the probe's graph: a reload copies bits)."""
 
-    def __init__(self, gm: fx.GraphModule, t: RowTiling) -> None:
+    def __init__(self, gm: fx.GraphModule, t: RowTiling, *, reload: bool = True) -> None:
         nodes = {n.name: n for n in gm.graph.nodes}
         self.t = t
         self.op_node = nodes[t.node]
         self.chain = [nodes[c] for c in t.chain]
         self.leaves = [nodes[name] for name in t.leaves]
+        #: Reloaded leaves -> their reload (read by rows from its host copy).
+        self.sources: dict[fx.Node, fx.Node] = {}
+        for name in t.reloaded if reload else ():
+            made = _reload_path(nodes[name])
+            assert made is not None, f"{name} is not a reload"
+            self.sources[nodes[name]] = made[1]
+        #: The nodes the placeholders stand for, in order.
+        self.inputs = [_source(n) if n in self.sources else n for n in self.leaves]
         self.graph = fx.Graph()
         self.ph = {leaf: self.graph.placeholder(f"leaf{i}") for i, leaf in enumerate(self.leaves)}
         self.flat: dict[fx.Node, fx.Node] = {}  # leaves with rows, as [rows, k]
+        self.loaded: dict[tuple[fx.Node, tuple[int, int]], fx.Node] = {}  # reloaded blocks
 
     def rows_view(self, leaf: fx.Node) -> fx.Node:
         """``leaf`` viewed as ``[rows, k]`` (one node, made on first use)."""
         if leaf not in self.flat:
-            lv = leaf.meta["val"]
+            # A reloaded leaf's placeholder is its host copy, in the reload's shape.
+            lv = (self.sources[leaf] if leaf in self.sources else leaf).meta["val"]
             self.flat[leaf] = (
                 self.ph[leaf]
                 if lv.ndim == 2
@@ -395,6 +520,28 @@ class _Blocks:
                 )
             )
         return self.flat[leaf]
+
+    def leaf_rows(self, leaf: fx.Node, rows: tuple[int, int]) -> fx.Node:
+        """Block ``rows`` of ``leaf``: a slice, or for a reloaded leaf the block's reload."""
+        if leaf in self.sources:
+            return self.loaded[(leaf, rows)]
+        return self.graph.call_function(aten.slice.Tensor, (self.rows_view(leaf), 0, *rows))
+
+    def reload(self, rows: tuple[int, int], ahead: tuple[int, int] | None) -> None:
+        """Reload block ``rows`` of each reloaded leaf (where not yet issued) and the next
+        block's (``ahead``: its copy overlaps this block's compute on a GPU), then wait for
+        this block's."""
+        for leaf, src in self.sources.items():
+            for r in (rows, ahead):
+                if r is not None and (leaf, r) not in self.loaded:
+                    part = self.graph.call_function(
+                        aten.slice.Tensor, (self.rows_view(leaf), 0, *r)
+                    )
+                    self.loaded[(leaf, r)] = self.graph.call_function(
+                        _RELOAD, (part, *src.args[1:]), dict(src.kwargs)
+                    )
+        for leaf, src in self.sources.items():
+            self.graph.call_function(_WAIT, (self.loaded[(leaf, rows)], src.args[2]))
 
     def arg(
         self,
@@ -415,25 +562,23 @@ class _Blocks:
         if consumer is None:
             return self.ph[a]
         if _rowwise(av, consumer, self.t.rows, matmul=matmul):
-            return self.graph.call_function(aten.slice.Tensor, (self.rows_view(a), 0, *rows))
+            return self.leaf_rows(a, rows)
         if av.ndim > 1:  # a bias: every row reads it whole, as its last size
             return self.graph.call_function(aten.view.default, (self.ph[a], [av.shape[-1]]))
         return self.ph[a]
 
-    def block(self, buffer: fx.Node, rows: tuple[int, int]) -> None:
-        """The chain and the op for one block of rows, the op writing into ``buffer``."""
+    def block(self, buffer: fx.Node, rows: tuple[int, int], ahead: tuple[int, int] | None) -> None:
+        """The chain and the op for one block of rows, the op writing into ``buffer``
+        (``ahead``: the next block's rows)."""
         g = self.graph
+        self.reload(rows, ahead)
         block: dict[fx.Node, fx.Node] = {}
         for c in self.chain:
             cv = c.meta["val"]
             if c.target in _VIEWS:  # [B, T, H] and [B*T, H] are the same blocks of rows
                 src = c.args[0]
                 assert isinstance(src, fx.Node)
-                block[c] = (
-                    block[src]
-                    if src in block
-                    else g.call_function(aten.slice.Tensor, (self.rows_view(src), 0, *rows))
-                )
+                block[c] = block[src] if src in block else self.leaf_rows(src, rows)
             elif c.target is aten.mm.default:
                 a, w = c.args[:2]
                 block[c] = g.call_function(
@@ -507,8 +652,9 @@ class _Blocks:
                 if list(v.shape) == shape
                 else g.call_function(aten.view.default, (buffer, list(v.shape)))
             )
-        for rows in _bounds(t.rows, t.blocks):
-            self.block(buffer, rows)
+        bounds = _bounds(t.rows, t.blocks)
+        for i, rows in enumerate(bounds):
+            self.block(buffer, rows, bounds[i + 1] if i + 1 < len(bounds) else None)
         g.output(result)
         return g
 
@@ -588,13 +734,19 @@ def _inline(new: fx.Graph, tiled: fx.Graph, leaves: Sequence[fx.Node], fake_mode
     return result
 
 
-def row_tile_pass(gm: fx.GraphModule, ctx: PassContext, *, blocks: int = BLOCKS) -> fx.GraphModule:
+def row_tile_pass(
+    gm: fx.GraphModule,
+    ctx: PassContext,
+    *,
+    blocks: int = BLOCKS,
+    max_kept_matmuls: int = MAX_KEPT_MATMULS,
+) -> fx.GraphModule:
     """A copy of the built graph ``gm`` with the ops :func:`find_row_tilings` picks made a block
     of rows at a time, where the probe finds the blocks bit-identical (:func:`tiles_exactly`);
     ``gm`` itself when there is none. ``gm`` is not changed; the copy shares the fake values of
     every node it keeps. The rewrites are in ``meta['memcompile_row_tiles']`` (a tuple of
     :class:`RowTiling`, ``new`` filled in)."""
-    decided = find_row_tilings(gm, blocks=blocks)
+    decided = find_row_tilings(gm, blocks=blocks, max_kept_matmuls=max_kept_matmuls)
     # An op that another's chain makes by blocks goes with that chain (its own blocks would
     # read values the other removes).
     inside = {c for t in decided for c in t.chain}
@@ -604,10 +756,12 @@ def row_tile_pass(gm: fx.GraphModule, ctx: PassContext, *, blocks: int = BLOCKS)
     nodes = {n.name: n for n in gm.graph.nodes}
     graphs = {}
     for t in decided:
-        whole, tiled = _whole_graph(gm, t), _Blocks(gm, t).build()
+        # Probed with the reloaded leaves sliced (a reload copies their bits).
+        whole, probe = _whole_graph(gm, t), _Blocks(gm, t, reload=False).build()
         leaves = [nodes[name].meta["val"] for name in t.leaves]
-        if tiles_exactly(whole, tiled, leaves):
-            graphs[t.node] = (t, tiled)
+        if tiles_exactly(whole, probe, leaves):
+            maker = _Blocks(gm, t)
+            graphs[t.node] = (t, maker.build(), maker.inputs)
         else:
             log.info(
                 "%s %s: %s by blocks of rows differs in its bits here: left whole",
@@ -619,7 +773,9 @@ def row_tile_pass(gm: fx.GraphModule, ctx: PassContext, *, blocks: int = BLOCKS)
         return gm
     fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes])
     assert fake_mode is not None, "built graphs carry fake tensors"
-    skipped = {c for t, _ in graphs.values() for c in t.chain if c not in t.kept}
+    skipped = {c for t, _, _ in graphs.values() for c in t.chain if c not in t.kept}
+    for t, _, _ in graphs.values():  # a reloaded leaf's whole reload goes (views, wait)
+        skipped.update(m.name for name in t.reloaded for m in _reload_nodes(nodes[name]))
 
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -634,8 +790,8 @@ def row_tile_pass(gm: fx.GraphModule, ctx: PassContext, *, blocks: int = BLOCKS)
             if n.op == "call_function" and storage_refs(n.meta.get("val")) & replaced:
                 refresh_view(env[n], n, fake_mode)
             continue
-        t, tiled = entry
-        result = _inline(new, tiled, [env[nodes[name]] for name in t.leaves], fake_mode)
+        t, tiled, inputs = entry
+        result = _inline(new, tiled, [env[m] for m in inputs], fake_mode)
         replaced.update(storage_refs(n.meta.get("val")))
         env[n] = result
         done.append(dataclasses.replace(t, new=result.name))

@@ -299,7 +299,9 @@ class TieredStore:
         except (OSError, RuntimeError) as e:
             raise OffloadError(f"{tier} tier: reading a swapped tensor back failed: {e}") from e
         with self._lock:
-            self.bytes_in[tier] += h.untyped_storage().nbytes()
+            # The bytes copied: a block of rows of a swapped tensor (passes/tiling.py) reads
+            # a part of its storage.
+            self.bytes_in[tier] += h.numel() * h.element_size()
         return out
 
     def wait(self, y: torch.Tensor) -> None:
