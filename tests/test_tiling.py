@@ -287,11 +287,13 @@ def test_a_swapping_plan_over_its_target_falls_back_to_recomputing(monkeypatch):
     assert _floor(monkeypatch, True, **host) <= _floor(monkeypatch, True, swap=False, **host)
 
 
-def test_a_swapping_plan_reloads_by_rows_below_the_recomputing_floor(monkeypatch):
-    # Branchy (tiny), host tier: each branch's swapped pre-activation is reloaded a block of
-    # rows at a time for the GELU's gradient, so swapping (no recomputation) fits where
-    # recomputing does not.
-    host = dict(offload_params=True, pilot="off")
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_swapping_plan_reloads_by_rows_below_the_recomputing_floor(monkeypatch, tier):
+    # Branchy (tiny): each branch's swapped pre-activation is reloaded a block of rows at a
+    # time for the GELU's gradient, so swapping (no recomputation) fits where recomputing does
+    # not. On the disk tier the planner's own plan recomputes: the compiler also plans
+    # swapping instead, and keeps that.
+    host = dict(offload_params=True, pilot="off", offload_to=tier)
     swapping = _floor(monkeypatch, True, **host)
     recomputing = _floor(monkeypatch, True, swap=False, **host)
     assert swapping < recomputing

@@ -545,27 +545,46 @@ class _FragmentBuild:
         # Building the graphs changes nothing outside them: an infeasible plan still raises
         # below with the parameters untouched.
         fw, bw, plan = self._build(joint, model, plan, static, num_fwd_outputs)
-        if not plan.feasible and plan.swapped and config.recompute and self.replan_resident is None:
-            # The rewrites of a plan over its target (in place, blocks of rows) act on values
-            # the graphs make themselves, never on reloads: recomputing what this plan swaps
-            # may end lower.
-            model2, plan2 = self._plan(
-                joint,
-                num_fwd_outputs,
-                static,
-                host=hosted,
-                reserve=self.prefetch_reserve,
-                swap=False,
+        if not plan.feasible and self.replan_resident is None:
+            # The rewrites of a plan over its target (in place, blocks of rows, reloads by
+            # rows) act on what the plan recomputes and what it swaps differently, which the
+            # planner does not price: a plan with one of the two only may end lower.
+            tried = [(fw, bw, model, plan)]
+            for swap, recompute, what in (
+                (False, True, "recomputing instead of swapping"),
+                (True, False, "swapping instead of recomputing"),
+            ):
+                other = plan.recomputed if swap else plan.swapped
+                if not other or not (config.swap if swap else config.recompute):
+                    continue
+                model2, plan2 = self._plan(
+                    joint,
+                    num_fwd_outputs,
+                    static,
+                    host=hosted,
+                    reserve=self.prefetch_reserve,
+                    swap=swap,
+                    recompute=recompute,
+                )
+                fw2, bw2, plan2 = self._build(joint, model2, plan2, static, num_fwd_outputs)
+                log.info(
+                    "F%d: %s, the plan peaks at %s (%s as planned)",
+                    self.index,
+                    what,
+                    format_bytes(plan2.predicted_peak),
+                    format_bytes(plan.predicted_peak),
+                )
+                tried.append((fw2, bw2, model2, plan2))
+            # One that fits, the least predicted time (copies counted as not hidden); else
+            # the lowest peak.
+            fw, bw, model, plan = min(
+                tried,
+                key=lambda t: (
+                    not t[3].feasible,
+                    t[3].recompute_time + t[3].swap_time if t[3].feasible else 0.0,
+                    t[3].predicted_peak,
+                ),
             )
-            fw2, bw2, plan2 = self._build(joint, model2, plan2, static, num_fwd_outputs)
-            log.info(
-                "F%d: recomputing instead of swapping, the plan peaks at %s (%s swapping)",
-                self.index,
-                format_bytes(plan2.predicted_peak),
-                format_bytes(plan.predicted_peak),
-            )
-            if plan2.feasible or plan2.predicted_peak < plan.predicted_peak:
-                fw, bw, model, plan = fw2, bw2, model2, plan2
         if not plan.feasible:
             held = sum(model.nbytes[s] for s in model.held_outputs)
             compiler.infeasible(
@@ -668,12 +687,14 @@ class _FragmentBuild:
         start: Collection[str] = (),
         reserve: int | None = None,
         swap: bool = True,
+        recompute: bool = True,
     ) -> tuple[JointModel, FragmentPlan]:
         """The joint model of ``joint`` and the planner's plan for this fragment's target, with
         the inputs at positions ``host`` counted as host-placed (not resident); ``start``: a
         saved set the search also starts from (``planner.search_saved_set``); ``reserve``: the
         prefetch cache's share of the budget (``None``: :meth:`_reserve`'s); ``swap=False``:
-        recompute only, whatever the ``swap`` option."""
+        recompute only, whatever the ``swap`` option; ``recompute=False``: swap only, whatever
+        the ``recompute`` option."""
         config, compiler = self.compiler.config, self.compiler
         primals = [
             p.meta.get("val")
@@ -699,7 +720,7 @@ class _FragmentBuild:
             model,
             target=None if config.budget is None else config.budget - resident,
             resident_bytes=resident,
-            recompute=config.recompute,
+            recompute=config.recompute and recompute,
             swap_tier=config.offload_to if config.swap and swap else None,
             reorder=config.reorder,
             start=start,
