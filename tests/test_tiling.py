@@ -214,6 +214,72 @@ def test_a_matmul_kept_for_an_earlier_reader_is_made_again_only_if_allowed(kept)
     assert torch.equal(gm(*args), out(*args))
 
 
+HEADS, D = 3, 8
+
+
+def _attention_backward(d_out, v, probs):
+    # Hand-written attention's backward: the probabilities' gradient (a batched matmul), the
+    # softmax's gradient over the last dim, then the query and key gradients (which sum over
+    # rows: they read the result whole).
+    d_probs = aten.view.default(
+        aten.bmm.default(d_out, aten.transpose.int(v, 1, 2)), [B, HEADS, T, T]
+    )
+    d_scores = aten._softmax_backward_data.default(d_probs, probs, -1, torch.float32)
+    flat = aten.view.default(d_scores, [B * HEADS, T, T])
+    return aten.bmm.default(aten.transpose.int(flat, 1, 2), d_out), aten.bmm.default(flat, v)
+
+
+def test_the_softmax_gradient_is_made_by_blocks_of_whole_batches():
+    g = torch.Generator().manual_seed(0)
+    args = [
+        torch.randn(B * HEADS, T, D, generator=g),
+        torch.randn(B * HEADS, T, D, generator=g),
+        torch.randn(B, HEADS, T, T, generator=g).softmax(-1),
+    ]
+    gm = make_fx(_attention_backward, tracing_mode="fake")(*args)
+    (found,) = find_row_tilings(gm, blocks=4)
+    assert found.op == "aten._softmax_backward_data.default"
+    assert {n.split("_")[0] for n in found.chain} == {"bmm", "view"}
+    assert found.rows == B * HEADS * T and found.align == T
+    out = row_tile_pass(gm, CTX, blocks=4)
+    # 6 batches of T rows in 4 blocks: blocks of 2 whole batches, so 3 of them.
+    products = [
+        tuple(n.meta["val"].shape)
+        for n in out.graph.find_nodes(op="call_function", target=aten.bmm.default)
+    ]
+    assert products.count((2, T, T)) == 3 and (B * HEADS, T, T) not in products
+    assert (
+        len(out.graph.find_nodes(op="call_function", target=aten._softmax_backward_data.out)) == 3
+    )
+    for a, b in zip(gm(*args), out(*args), strict=True):
+        assert torch.equal(a, b)
+
+
+def _attention_probs(q, k, v, mask):
+    # Hand-written attention's probabilities (recomputed in a backward): scores by a batched
+    # matmul, scaled, the causal mask ([T, T], the same for every batch) filled in, softmax.
+    scores = aten.view.default(aten.bmm.default(q, aten.transpose.int(k, 1, 2)), [B, HEADS, T, T])
+    masked = aten.masked_fill.Scalar(aten.mul.Tensor(scores, 0.125), mask, float("-inf"))
+    probs = aten.view.default(aten._softmax.default(masked, -1, False), [B * HEADS, T, T])
+    return aten.bmm.default(probs, v)
+
+
+def test_the_softmax_is_made_by_blocks_with_the_mask_repeated_per_batch():
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(B * HEADS, T, D, generator=g) for _ in range(3)]
+    args.append(torch.ones(T, T, dtype=torch.bool).triu(1))
+    gm = make_fx(_attention_probs, tracing_mode="fake")(*args)
+    (found,) = [t for t in find_row_tilings(gm, blocks=4) if t.op == "aten._softmax.default"]
+    assert {n.split("_")[0] for n in found.chain} == {"bmm", "view", "mul", "masked"}
+    assert "mask_1" in found.leaves and found.align == T
+    out = row_tile_pass(gm, CTX, blocks=4)
+    # No [B, H, T, T] scores: the softmax's result alone is whole.
+    whole = [n for n in out.graph.nodes if n.meta.get("val") is not None and n.op != "placeholder"]
+    big = {n.target for n in whole if n.meta["val"].numel() == B * HEADS * T * T}
+    assert big <= {aten.empty.memory_format, aten.view.default, aten.slice.Tensor}
+    assert torch.equal(gm(*args), out(*args))
+
+
 def test_a_value_read_after_the_op_leaves_it_whole():
     gm = _trace(_mlp_backward, late_reader=True)
     assert not [t for t in find_row_tilings(gm) if "gelu_backward" in t.op]

@@ -107,11 +107,19 @@ def _family(head: fx.Node, nodes: Sequence[fx.Node], storage: StorageWeakRef) ->
 
 
 def written_between(nodes: Sequence[fx.Node], inputs: Sequence[fx.Node], lo: int, hi: int) -> bool:
-    """A node in ``nodes[lo:hi]`` writes a storage one of ``inputs`` reads."""
+    """A node in ``nodes[lo:hi]`` writes a storage one of ``inputs`` reads (``wait`` writes
+    nothing: it is declared to mutate the reload it waits for only so that no compiler moves a
+    reader above it; the readers after it, it still precedes)."""
     storages = {_ref(t) for a in inputs for t in tensor_vals(a.meta.get("val"))}
     for n in nodes[lo:hi]:
-        if _mutates(n) and any(
-            _ref(t) in storages for a in n.all_input_nodes for t in tensor_vals(a.meta.get("val"))
+        if (
+            _mutates(n)
+            and n.target is not _WAIT
+            and any(
+                _ref(t) in storages
+                for a in n.all_input_nodes
+                for t in tensor_vals(a.meta.get("val"))
+            )
         ):
             return True
     return False

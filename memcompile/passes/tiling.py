@@ -113,7 +113,21 @@ _REDUCTIONS: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {
     aten.mean.dim: aten.mean.out,
     aten.sum.dim_IntList: aten.sum.IntList_out,
 }
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+#: Ops over the last dim whose result has their first operand's shape -> (their out= overload,
+#: its out argument, the position of the dim argument): a block of rows computes each row as the
+#: whole does (the probe checks it).
+_ROW_OPS: dict[torch._ops.OpOverload, tuple[torch._ops.OpOverload, str, int]] = {
+    aten._softmax.default: (aten._softmax.out, "out", 1),
+    aten._softmax_backward_data.default: (aten._softmax_backward_data.out, "grad_input", 2),
+}
+#: Same rows, same last size (a detach or alias is its input's rows as they are).
+_VIEWS = (
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.detach.default,
+    aten.alias.default,
+)
 _MATMULS = (aten.mm.default, aten.addmm.default)
 _RELOAD = torch.ops.memcompile.reload.default
 _WAIT = torch.ops.memcompile.wait.default
@@ -136,8 +150,9 @@ class RowTiling:
             only by rows: the blocks reload their rows from the host copy instead, and the
             whole reload goes (with its views and ``wait``).
         rows: rows of the result (``B*T``).
-        blocks: blocks of rows.
+        blocks: blocks of rows (at most).
         nbytes: bytes of the chain's values (and the reloads) no longer held whole.
+        align: each block's rows are a multiple of it (a batched matmul's rows per batch).
         new: the node that holds the whole result now (``""`` before the rewrite).
     """
 
@@ -150,6 +165,7 @@ class RowTiling:
     rows: int
     blocks: int
     nbytes: int
+    align: int = 1
     new: str = ""
 
 
@@ -190,6 +206,22 @@ def _reduction(n: fx.Node) -> tuple[torch._ops.OpOverload, None] | None:
     return n.target, None  # type: ignore[return-value]
 
 
+def _row_op(n: fx.Node) -> tuple[torch._ops.OpOverload, None] | None:
+    """``(op, None)`` for an op of :data:`_ROW_OPS` over its result's last dim."""
+    if n.op != "call_function" or n.target not in _ROW_OPS:
+        return None
+    v, at = _val(n), _ROW_OPS[n.target][2]  # type: ignore[index]
+    dim = n.args[at] if len(n.args) > at else None
+    if v is None or dim not in (-1, v.ndim - 1):
+        return None
+    return n.target, None  # type: ignore[return-value]
+
+
+def _shaped(op: object) -> bool:
+    # The result has the rows and columns of the operands (else: a reduction of the last dim).
+    return op in _FORMS or op in _ROW_OPS
+
+
 def _rows_of(v: torch.Tensor) -> int:
     return v.numel() // v.shape[-1] if v.ndim and v.shape[-1] else 0
 
@@ -200,6 +232,17 @@ def _rowwise(v: torch.Tensor, consumer: torch.Tensor, rows: int, *, matmul: bool
     if matmul:
         return v.ndim == 2 and v.shape[0] == rows
     return v.ndim == consumer.ndim and tuple(v.shape[:-1]) == tuple(consumer.shape[:-1])
+
+
+def _period(v: torch.Tensor, consumer: torch.Tensor) -> int:
+    """Rows after which operand ``v`` of a pointwise node with result ``consumer`` repeats its
+    rows (``[T, k]`` or ``[1, 1, T, k]`` read by ``[B, H, T, k]``: ``T``); 0: it does not."""
+    if v.ndim < 2 or consumer.ndim < 3 or v.ndim > consumer.ndim:
+        return 0
+    lead = [s for s in v.shape[:-2] if s != 1]
+    if lead or v.shape[-1] != consumer.shape[-1] or v.shape[-2] != consumer.shape[-2]:
+        return 0
+    return int(v.shape[-2])
 
 
 def _broadcast(v: torch.Tensor) -> bool:
@@ -269,9 +312,24 @@ class _Chain:
         self.as_leaves = as_leaves  # read whole, never made by the blocks
         self.chain: set[fx.Node] = set()
         self.leaves: set[fx.Node] = set()
-        #: Leaves read a block of rows at a time, and leaves read whole (a bias, a weight).
+        #: Leaves read a block of rows at a time, leaves read whole (a bias, a weight), and
+        #: leaves read a range of batches at a time (a batched matmul's operands).
         self.rowed: set[fx.Node] = set()
         self.whole: set[fx.Node] = set()
+        self.batched: set[fx.Node] = set()
+        #: Leaves whose rows repeat every ``period`` rows of their reader (a causal mask
+        #: ``[T, T]`` read by ``[B, H, T, T]`` scores): each block repeats them.
+        self.periodic: set[fx.Node] = set()
+        #: Blocks start at multiples of it (whole batches of a batched matmul, whole periods).
+        self.align = 1
+
+    def _state(self) -> tuple[Any, ...]:
+        sets = (self.chain, self.leaves, self.rowed, self.whole, self.batched, self.periodic)
+        return (*(set(x) for x in sets), self.align)
+
+    def _restore(self, state: tuple[Any, ...]) -> None:
+        (self.chain, self.leaves, self.rowed, self.whole, self.batched, self.periodic,
+         self.align) = state  # fmt: skip
 
     def operand(self, a: fx.Node, consumer: torch.Tensor, *, matmul: bool = False) -> bool:
         """Take ``a`` (read by a pointwise node with result ``consumer``, or as a matmul's row
@@ -281,10 +339,10 @@ class _Chain:
             return False
         rowwise = _rowwise(v, consumer, self.rows, matmul=matmul)
         if rowwise:
-            before = [set(s) for s in (self.chain, self.leaves, self.rowed, self.whole)]
+            before = self._state()
             if self._made_by_rows(a, v):
                 return True
-            self.chain, self.leaves, self.rowed, self.whole = before  # a failed search gives back
+            self._restore(before)  # what a failed search took, it gives back
         if not rowwise and not matmul and _broadcast(v):
             self.leaves.add(a)
             self.whole.add(a)
@@ -292,6 +350,12 @@ class _Chain:
         if rowwise and self._viewable(v):
             self.leaves.add(a)
             self.rowed.add(a)
+            return True
+        period = _period(v, consumer)
+        if not matmul and period:
+            self.leaves.add(a)
+            self.periodic.add(a)
+            self.align = math.lcm(self.align, period)
             return True
         return False
 
@@ -331,6 +395,19 @@ class _Chain:
                 return False
             self.chain.add(n)
             return True
+        if target is aten.bmm.default:
+            # A block of whole batches is the product of those batches of both operands
+            # (leaves, read by ranges of batches).
+            a, w = n.args[:2]
+            if not isinstance(a, fx.Node) or not isinstance(w, fx.Node) or v.ndim != 3:
+                return False
+            if a in self.chain or w in self.chain or _val(a) is None or _val(w) is None:
+                return False
+            self.align = math.lcm(self.align, v.shape[1])
+            self.chain.add(n)
+            self.leaves |= {a, w}
+            self.batched |= {a, w}
+            return True
         if target in _MATMULS:
             a, w = (n.args[0], n.args[1]) if target is aten.mm.default else n.args[1:3]
             bias = n.args[0] if target is aten.addmm.default else None
@@ -347,6 +424,9 @@ class _Chain:
             self.leaves.add(w)
             self.whole.add(w)
             return True
+        if _row_op(n) is not None:  # a row's values from that row's alone
+            self.chain.add(n)
+            return all(self.operand(a, v) for a in n.args if isinstance(a, fx.Node))
         form = _functional(n)
         # An elementwise op the in-place pass wrote into an operand is, by blocks, its
         # functional op (the operand it wrote into dies there: nothing reads it after).
@@ -402,12 +482,12 @@ def find_row_tilings(
     order = {m: i for i, m in enumerate(nodes)}
     found = []
     for n in gm.graph.nodes:
-        form = _functional(n) or _reduction(n)
+        form = _functional(n) or _reduction(n) or _row_op(n)
         v = _val(n)
         if form is None or v is None or n not in owned:
             continue
         # What the blocks' rows are rows of: the result, or a reduction's input.
-        rowed = v if form[0] in _FORMS else n.args[0].meta["val"]  # type: ignore[union-attr]
+        rowed = v if _shaped(form[0]) else n.args[0].meta["val"]  # type: ignore[union-attr]
         if _static(v.shape) is None or _static(rowed.shape) is None:
             continue
         if rowed.ndim < 2 or not v.is_contiguous() or rowed.numel() == 0:
@@ -443,13 +523,13 @@ def _tiling(
     as leaves, and the matmuls its blocks make again; ``None``: not worth it, or not possible."""
     rows = _rows_of(rowed)
     search = _Chain(n, owned, rows, as_leaves)
-    operands = [a for a in (n.args if op in _FORMS else n.args[:1]) if isinstance(a, fx.Node)]
+    operands = [a for a in (n.args if _shaped(op) else n.args[:1]) if isinstance(a, fx.Node)]
     ok = all(search.operand(a, rowed) for a in operands)
     kept = search.shared(order) if ok else None
     if kept is None:
         return None
     # A swapped operand read by rows only is reloaded a block at a time from its host copy.
-    reloaded = _reloaded(search.rowed - search.whole, (search.chain - kept) | {n})
+    reloaded = _reloaded(search.rowed - search.whole - search.batched, (search.chain - kept) | {n})
     if not search.chain and not reloaded:
         return None
     chain = sorted(search.chain, key=order.__getitem__)
@@ -474,12 +554,15 @@ def _tiling(
         rows=rows,
         blocks=max(1, min(blocks, rows)),
         nbytes=nbytes,
+        align=search.align,
     )
-    return _Found(tiling, frozenset(c for c in kept if c.target in _MATMULS))
+    return _Found(
+        tiling, frozenset(c for c in kept if c.target in _MATMULS or c.target is aten.bmm.default)
+    )
 
 
-def _bounds(rows: int, blocks: int) -> list[tuple[int, int]]:
-    step = math.ceil(rows / blocks)
+def _bounds(rows: int, blocks: int, align: int = 1) -> list[tuple[int, int]]:
+    step = math.ceil(math.ceil(rows / blocks) / align) * align
     return [(r, min(r + step, rows)) for r in range(0, rows, step)]
 
 
@@ -563,6 +646,14 @@ class _Blocks:
             return self.ph[a]
         if _rowwise(av, consumer, self.t.rows, matmul=matmul):
             return self.leaf_rows(a, rows)
+        period = _period(av, consumer)
+        if period and not matmul:  # its [period, k] rows, once per period of the block
+            flat = self.graph.call_function(
+                aten.reshape.default, (self.ph[a], [period, av.shape[-1]])
+            )
+            return self.graph.call_function(
+                aten.repeat.default, (flat, [(rows[1] - rows[0]) // period, 1])
+            )
         if av.ndim > 1:  # a bias: every row reads it whole, as its last size
             return self.graph.call_function(aten.view.default, (self.ph[a], [av.shape[-1]]))
         return self.ph[a]
@@ -579,6 +670,15 @@ class _Blocks:
                 src = c.args[0]
                 assert isinstance(src, fx.Node)
                 block[c] = block[src] if src in block else self.leaf_rows(src, rows)
+            elif c.target is aten.bmm.default:
+                per = cv.shape[1]  # rows per batch: the block is whole batches
+                batches = (rows[0] // per, rows[1] // per)
+                a, w = (self.graph.call_function(aten.slice.Tensor, (self.ph[x], 0, *batches))
+                        for x in c.args[:2])  # fmt: skip
+                product = g.call_function(aten.bmm.default, (a, w))
+                block[c] = g.call_function(
+                    aten.view.default, (product, [rows[1] - rows[0], cv.shape[-1]])
+                )
             elif c.target is aten.mm.default:
                 a, w = c.args[:2]
                 block[c] = g.call_function(
@@ -607,6 +707,13 @@ class _Blocks:
                 block[c] = g.call_function(target, args, kwargs)  # type: ignore[arg-type]
         op_node = self.op_node
         out = g.call_function(aten.slice.Tensor, (buffer, 0, *rows))
+        v = op_node.meta["val"]
+        if op_node.target in _ROW_OPS:  # over the last dim of the block's [rows, k]
+            out_op, out_name, at = _ROW_OPS[op_node.target]  # type: ignore[index]
+            row_args = [self.arg(a, v, block, rows) for a in op_node.args]
+            row_args[at] = -1
+            g.call_function(out_op, tuple(row_args), {**op_node.kwargs, out_name: out})
+            return
         form = _functional(op_node)
         if form is None:  # a reduction over the last dim: of the block's rows
             x, kwargs = op_node.args[0], dict(op_node.kwargs)
@@ -620,7 +727,6 @@ class _Blocks:
             )
             return
         out_op, out_name = _FORMS[form[0]]
-        v = op_node.meta["val"]
         kwargs = {k: a for k, a in op_node.kwargs.items() if k != out_name}
         args = tuple(self.arg(a, v, block, rows) for a in op_node.args)
         g.call_function(out_op, args, {**kwargs, out_name: out})
@@ -636,7 +742,8 @@ class _Blocks:
         else:
             # An elementwise result as [rows, H]; a reduction's as [rows], or [rows, 1] kept.
             keep = v.numel() == t.rows and v.ndim > 0 and v.shape[-1] == 1
-            shape = [t.rows, v.shape[-1]] if form is not None else [t.rows, 1] if keep else [t.rows]
+            shaped = form is not None or self.op_node.target in _ROW_OPS
+            shape = [t.rows, v.shape[-1]] if shaped else [t.rows, 1] if keep else [t.rows]
             buffer = g.call_function(
                 aten.empty.memory_format,
                 (shape,),
@@ -652,7 +759,7 @@ class _Blocks:
                 if list(v.shape) == shape
                 else g.call_function(aten.view.default, (buffer, list(v.shape)))
             )
-        bounds = _bounds(t.rows, t.blocks)
+        bounds = _bounds(t.rows, t.blocks, t.align)
         for i, rows in enumerate(bounds):
             self.block(buffer, rows, bounds[i + 1] if i + 1 < len(bounds) else None)
         g.output(result)
