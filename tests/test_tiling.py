@@ -264,6 +264,46 @@ def _attention_probs(q, k, v, mask):
     return aten.bmm.default(probs, v)
 
 
+def _attention_recomputed_backward(q, k, v, mask, d_out):
+    # The probabilities recomputed in a backward, read first by the value gradient, then by
+    # the softmax's gradient.
+    scores = aten.view.default(aten.bmm.default(q, aten.transpose.int(k, 1, 2)), [B, HEADS, T, T])
+    masked = aten.masked_fill.Scalar(aten.mul.Tensor(scores, 0.125), mask, float("-inf"))
+    probs = aten._softmax.default(masked, -1, False)
+    flat = aten.view.default(probs, [B * HEADS, T, T])
+    d_v = aten.bmm.default(aten.transpose.int(flat, 1, 2), d_out)
+    d_probs = aten.view.default(
+        aten.bmm.default(d_out, aten.transpose.int(v, 1, 2)), [B, HEADS, T, T]
+    )
+    d_scores = aten._softmax_backward_data.default(d_probs, probs, -1, torch.float32)
+    return d_v, aten.bmm.default(aten.view.default(d_scores, [B * HEADS, T, T]), k)
+
+
+def test_probabilities_kept_for_an_earlier_reader_are_made_by_their_own_blocks_too():
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(B * HEADS, T, D, generator=g) for _ in range(3)]
+    args += [torch.ones(T, T, dtype=torch.bool).triu(1), torch.randn(B * HEADS, T, D, generator=g)]
+    gm = make_fx(_attention_recomputed_backward, tracing_mode="fake")(*args)
+    out = row_tile_pass(gm, CTX, blocks=4)
+    done = {t.op: t for t in out.meta["memcompile_row_tiles"]}
+    # The softmax's gradient makes the probabilities again by blocks (kept whole for the value
+    # gradient), and the softmax itself is made by blocks: no whole scores or their gradient.
+    assert set(done) == {"aten._softmax.default", "aten._softmax_backward_data.default"}
+    assert any(c.startswith("_softmax") for c in done["aten._softmax_backward_data.default"].kept)
+    whole = [
+        n for n in out.graph.nodes if n.op == "call_function" and n.meta.get("val") is not None
+    ]
+    made = {n.target for n in whole if n.meta["val"].numel() == B * HEADS * T * T}
+    assert made <= {
+        aten.empty.memory_format,
+        aten.view.default,
+        aten.slice.Tensor,
+        aten.transpose.int,
+    }
+    for a, b in zip(gm(*args), out(*args), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_the_softmax_is_made_by_blocks_with_the_mask_repeated_per_batch():
     g = torch.Generator().manual_seed(0)
     args = [torch.randn(B * HEADS, T, D, generator=g) for _ in range(3)]
@@ -280,9 +320,18 @@ def test_the_softmax_is_made_by_blocks_with_the_mask_repeated_per_batch():
     assert torch.equal(gm(*args), out(*args))
 
 
-def test_a_value_read_after_the_op_leaves_it_whole():
+def test_a_value_read_after_the_op_is_read_whole_by_the_blocks():
+    # The pre-activation is whole at the op anyway (a reader after it): it is a leaf, read by
+    # rows, and the blocks make only the gradient's matmul.
     gm = _trace(_mlp_backward, late_reader=True)
-    assert not [t for t in find_row_tilings(gm) if "gelu_backward" in t.op]
+    (t,) = [t for t in find_row_tilings(gm, blocks=3) if "gelu_backward" in t.op]
+    assert [n.split("_")[0] for n in t.chain] == ["mm", "view"] and not t.kept
+    assert any(leaf.startswith("view") for leaf in t.leaves)
+    out = row_tile_pass(gm, CTX, blocks=3)
+    assert len(out.graph.find_nodes(op="call_function", target=aten.addmm.default)) == 1
+    args = _inputs(_mlp_backward)
+    for a, b in zip(gm(*args), out(*args), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_leaf_written_between_the_chain_and_the_op_leaves_it_whole():

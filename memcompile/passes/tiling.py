@@ -131,6 +131,9 @@ _VIEWS = (
 _MATMULS = (aten.mm.default, aten.addmm.default)
 _RELOAD = torch.ops.memcompile.reload.default
 _WAIT = torch.ops.memcompile.wait.default
+#: Searches of one op's chain at most, each reading the values the last found read after the
+#: op as leaves.
+_SEARCHES = 4
 #: Name prefix of the nodes the pass creates.
 PREFIX = "tiled"
 
@@ -445,6 +448,18 @@ class _Chain:
         self.chain.add(n)
         return all(self.operand(a, v) for a in n.args if isinstance(a, fx.Node))
 
+    def late(self, order: dict[fx.Node, int]) -> frozenset[fx.Node]:
+        """The chain values read after the op, or graph outputs."""
+        inside = self.chain | {self.op_node}
+        return frozenset(
+            c
+            for c in self.chain
+            if any(
+                u not in inside and (u.op == "output" or order[u] > order[self.op_node])
+                for u in c.users
+            )
+        )
+
     def shared(self, order: dict[fx.Node, int]) -> set[fx.Node] | None:
         """The chain values that stay in the graph for other readers (the blocks make them
         again), with the chain values they read; ``None`` when a chain value has a reader
@@ -522,10 +537,20 @@ def _tiling(
     """The tiling of op node ``n`` (rows of ``rowed``) with the nodes ``as_leaves`` read whole
     as leaves, and the matmuls its blocks make again; ``None``: not worth it, or not possible."""
     rows = _rows_of(rowed)
-    search = _Chain(n, owned, rows, as_leaves)
     operands = [a for a in (n.args if _shaped(op) else n.args[:1]) if isinstance(a, fx.Node)]
-    ok = all(search.operand(a, rowed) for a in operands)
-    kept = search.shared(order) if ok else None
+    for _ in range(_SEARCHES):
+        search = _Chain(n, owned, rows, as_leaves)
+        if not all(search.operand(a, rowed) for a in operands):
+            return None
+        # A value read after the op (a residual stream's gradient) is whole there anyway: it
+        # is read whole, as a leaf, and the search runs again without it.
+        late = search.late(order)
+        if not late:
+            break
+        as_leaves |= late
+    else:
+        return None
+    kept = search.shared(order)
     if kept is None:
         return None
     # A swapped operand read by rows only is reloaded a block at a time from its host copy.
@@ -855,9 +880,19 @@ def row_tile_pass(
     :class:`RowTiling`, ``new`` filled in)."""
     decided = find_row_tilings(gm, blocks=blocks, max_kept_matmuls=max_kept_matmuls)
     # An op that another's chain makes by blocks goes with that chain (its own blocks would
-    # read values the other removes).
-    inside = {c for t in decided for c in t.chain}
-    decided = tuple(t for t in decided if t.node not in inside)
+    # read values the other removes); one the other keeps whole for earlier readers (the
+    # probabilities the value gradient reads first) is made by its own blocks too, where
+    # neither removes what the other reads.
+    inside = {c for t in decided for c in t.chain if c not in t.kept}
+    chosen: list[RowTiling] = []
+    for t in (t for t in decided if t.node not in inside):
+        gone = set(t.chain) - set(t.kept)
+        if all(
+            not gone & set(o.leaves) and not (set(o.chain) - set(o.kept)) & set(t.leaves)
+            for o in chosen
+        ):
+            chosen.append(t)
+    decided = tuple(chosen)
     if not decided:
         return gm
     nodes = {n.name: n for n in gm.graph.nodes}
