@@ -21,17 +21,24 @@ by blocks would change the order of that sum), so only the operands' memory goes
 plus one block of each, instead of the result and every operand.
 
 **What is tiled.** The *op* is an elementwise op with an ``out=`` form (``inplace.OPS`` and
-``FORWARD_OPS``, or that form already, writing into an operand), or a ``mean``/``sum`` over the
+``FORWARD_OPS``, or that form already, writing into an operand), a ``mean``/``sum`` over the
 last dim only (branchy's forward: the mean of a GELU of a linear layer, whose 16 MiB GELU
-output is then never whole), whose result is dense, with static sizes, and not a graph output.
+output is then never whole), or ``_softmax``/``_softmax_backward_data`` over the last dim
+(:data:`_ROW_OPS`), whose result is dense, with static sizes, and not a graph output.
 Its *chain* is the values it reads, transitively, that are made row by row: ``view``/``reshape``
 between ``[B, T, H]`` and ``[B*T, H]`` of such a value, pointwise ops (``torch.Tag.pointwise``;
-an elementwise ``out=`` node that wrote into its operand counts as its functional op), and
-``mm``/``addmm`` whose row operand is such a value or a leaf. An op inside another's chain goes
-with that chain. Everything the chain reads from outside is a *leaf*, read whole: a leaf with the
-op's rows is sliced per block (``view`` to ``[rows, k]`` first), one whose leading sizes are all
-1 (a bias, a scalar) is read as it is, a matmul's right operand always whole; any other leaf
-leaves the op untiled. Values are handled as ``[rows, k]`` throughout.
+an elementwise ``out=`` node that wrote into its operand counts as its functional op; ``detach``
+and ``alias`` count as views), the row ops of :data:`_ROW_OPS`, ``mm``/``addmm`` whose row
+operand is such a value or a leaf, and ``bmm`` of two leaves (blocks then hold whole batches:
+``align`` rows). An op inside another's chain goes with that chain, unless the other keeps it
+whole for earlier readers (then it is made by its own blocks too, where neither removes what
+the other reads). Everything the chain reads from outside is a *leaf*, read whole: a leaf with
+the op's rows is sliced per block (``view`` to ``[rows, k]`` first), a ``bmm``'s operands by
+ranges of batches, one whose leading sizes are all 1 (a bias, a scalar) is read as it is, one
+whose ``[P, k]`` rows repeat every ``P`` rows of its reader (a causal mask read by
+``[B, H, T, T]`` scores) is repeated per block, a matmul's right operand always whole; any other
+leaf leaves the op untiled. Values are handled as ``[rows, k]`` throughout. A chain value read
+after the op is whole there anyway: it is read as a leaf instead, and the search runs again.
 
 A chain value that other nodes read too is *kept*: it stays in the graph for them and the
 blocks make it again (GPT's recomputed pre-activation, read by the GELU for the down
@@ -57,6 +64,7 @@ block's copy issued before this block computes (on a GPU it overlaps)::
 
 (branchy's host tier: a plan that swaps every pre-activation peaks as low as one that
 recomputes them, without their matmuls).
+
 **Bit-identical, measured.** A block of rows of ``addmm`` is the same dot products as the whole,
 and an elementwise kernel computes each element alike, but that is the kernels' business (a
 BLAS may pick another path for fewer rows). So each distinct chain is run once, whole and by
