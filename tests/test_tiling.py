@@ -269,7 +269,7 @@ def _attention_recomputed_backward(q, k, v, mask, d_out):
     # the softmax's gradient.
     scores = aten.view.default(aten.bmm.default(q, aten.transpose.int(k, 1, 2)), [B, HEADS, T, T])
     masked = aten.masked_fill.Scalar(aten.mul.Tensor(scores, 0.125), mask, float("-inf"))
-    probs = aten._softmax.default(masked, -1, False)
+    probs = aten._softmax.default(masked, 3, False)  # the last dim, counted from the front
     flat = aten.view.default(probs, [B * HEADS, T, T])
     d_v = aten.bmm.default(aten.transpose.int(flat, 1, 2), d_out)
     d_probs = aten.view.default(

@@ -732,6 +732,9 @@ class _Blocks:
                 )
             else:
                 args = tuple(self.arg(a, cv, block, rows) for a in c.args)
+                if c.target in _ROW_OPS:  # over the last dim of the block's [rows, k]
+                    at = _ROW_OPS[c.target][2]  # type: ignore[index]
+                    args = (*args[:at], -1, *args[at + 1 :])
                 target, kwargs = c.target, dict(c.kwargs)
                 form = _functional(c)
                 if form is not None and form[1] is not None:  # its functional op, by blocks
