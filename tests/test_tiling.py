@@ -197,6 +197,39 @@ def test_a_swapped_operand_read_again_later_is_reloaded_whole():
     assert all(not t.reloaded for t in find_row_tilings(gm, blocks=4))
 
 
+def _two_readers_of_a_reload(g, probs_host, w, other, *, key):
+    # The softmax's gradient reads the reloaded probabilities by rows only (its own tiling
+    # reloads them by rows); a later op's chain makes that gradient again (kept whole for an
+    # earlier reader) and reads the same reload (Mixtral's router backward).
+    probs = torch.ops.memcompile.reload.default(probs_host, torch.device("cpu"), key, 0)
+    torch.ops.memcompile.wait.default(probs, key)
+    d = aten._softmax_backward_data.default(g, aten.detach.default(probs), -1, torch.float32)
+    early = aten.sum.default(d)
+    return aten.sum.dim_IntList(aten.add.Tensor(other, aten.mm.default(d, w)), [0]), early
+
+
+def test_two_tilings_never_remove_what_the_other_reads():
+    key = register_store(TieredStore())
+    gen = torch.Generator().manual_seed(0)
+    args = [
+        torch.randn(N, H, generator=gen),
+        torch.randn(N, H, generator=gen).softmax(-1),
+        torch.randn(H, K, generator=gen),
+        torch.randn(N, K, generator=gen),
+    ]
+    gm = make_fx(lambda *a: _two_readers_of_a_reload(*a, key=key), tracing_mode="fake")(*args)
+    found = {t.op: t for t in find_row_tilings(gm, blocks=4)}
+    # Both are candidates: the softmax's gradient alone (its reload by rows), and the add
+    # whose chain keeps that gradient and reads the reload whole.
+    assert found["aten._softmax_backward_data.default"].reloaded
+    add = found["aten.add.Tensor"]
+    assert any(c.startswith("_softmax") for c in add.kept)
+    out = row_tile_pass(gm, CTX, blocks=4)  # one of the two, never both
+    assert len(out.meta["memcompile_row_tiles"]) == 1
+    for a, b in zip(gm(*args), out(*args), strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("kept", [0, 1])
 def test_a_matmul_kept_for_an_earlier_reader_is_made_again_only_if_allowed(kept):
     gm = _trace(_forward_read_early)

@@ -848,6 +848,14 @@ def tiles_exactly(whole: fx.Graph, tiled: fx.Graph, leaves: Sequence[torch.Tenso
     return same
 
 
+def _removed(t: RowTiling, nodes: dict[str, fx.Node]) -> set[str]:
+    """Names of the nodes ``t``'s rewrite removes: its chain but what it keeps, and each
+    reloaded leaf's whole reload (with its views and ``wait``)."""
+    gone = set(t.chain) - set(t.kept)
+    gone.update(m.name for name in t.reloaded for m in _reload_nodes(nodes[name]))
+    return gone
+
+
 def _inline(new: fx.Graph, tiled: fx.Graph, leaves: Sequence[fx.Node], fake_mode: Any) -> fx.Node:
     """Copy ``tiled`` into ``new`` at its end, its placeholders being ``leaves``; the node of
     its result. Each new node gets its fake value (a view of the buffer it writes into)."""
@@ -894,19 +902,18 @@ def row_tile_pass(
     # read values the other removes); one the other keeps whole for earlier readers (the
     # probabilities the value gradient reads first) is made by its own blocks too, where
     # neither removes what the other reads.
+    nodes = {n.name: n for n in gm.graph.nodes}
     inside = {c for t in decided for c in t.chain if c not in t.kept}
     chosen: list[RowTiling] = []
     for t in (t for t in decided if t.node not in inside):
-        gone = set(t.chain) - set(t.kept)
         if all(
-            not gone & set(o.leaves) and not (set(o.chain) - set(o.kept)) & set(t.leaves)
+            not _removed(t, nodes) & set(o.leaves) and not _removed(o, nodes) & set(t.leaves)
             for o in chosen
         ):
             chosen.append(t)
     decided = tuple(chosen)
     if not decided:
         return gm
-    nodes = {n.name: n for n in gm.graph.nodes}
     graphs = {}
     for t in decided:
         # Probed with the reloaded leaves sliced (a reload copies their bits).
@@ -926,9 +933,7 @@ def row_tile_pass(
         return gm
     fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes])
     assert fake_mode is not None, "built graphs carry fake tensors"
-    skipped = {c for t, _, _ in graphs.values() for c in t.chain if c not in t.kept}
-    for t, _, _ in graphs.values():  # a reloaded leaf's whole reload goes (views, wait)
-        skipped.update(m.name for name in t.reloaded for m in _reload_nodes(nodes[name]))
+    skipped = {c for t, _, _ in graphs.values() for c in _removed(t, nodes)}
 
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
