@@ -87,7 +87,7 @@ from memcompile.passes.prefetch import plan_prefetch, prefetch_pass
 from memcompile.passes.rematerialize import plan_rematerialize, rematerialize_pass
 from memcompile.passes.step import CacheUse, OutputLife, StepPrediction, simulate_step
 from memcompile.passes.swap import swap_pass
-from memcompile.passes.tiling import MAX_KEPT_MATMULS, row_tile_pass
+from memcompile.passes.tiling import MAX_KEPT_MATMULS, find_row_tilings, row_tile_pass
 from memcompile.passes.workspace import clone_workspace, probe_workspaces
 from memcompile.runtime.measure import storage_sizes
 from memcompile.runtime.peakwatch import PeakWatch
@@ -829,6 +829,12 @@ class _FragmentBuild:
         time; where that does not fit, also with them, and the lower peak is kept."""
         best = None
         for kept in sorted({0, MAX_KEPT_MATMULS}):
+            if kept and all(
+                find_row_tilings(g, max_kept_matmuls=kept)
+                == find_row_tilings(g, max_kept_matmuls=0)
+                for g in (fw, bw)
+            ):
+                break  # no op's blocks would make a matmul again: the same rewrite
             found = self._built_rewrite(
                 fw,
                 bw,
