@@ -407,20 +407,27 @@ def _floor(monkeypatch, tiled: bool, **options) -> int:
     return info.value.min_feasible
 
 
+def _train_within(name: str, budget: int, **options) -> memcompile.MemReport:
+    """Train ``name`` (tiny) under ``budget``: bit-identical to eager over 3 Adam steps
+    (train_under_budget asserts it), measured within the budget and equal to the prediction,
+    each branch's GELU gradient made by blocks; the report."""
+    compiled, _, measured = train_under_budget(name, "adam", budget, **options)
+    assert measured <= budget
+    rep = memcompile.report(compiled)
+    assert rep.predicted_peak == measured
+    (plan,) = rep.plan.fragments
+    assert len([op for op in plan.row_tiled if "gelu_backward" in op]) == 8
+    return rep
+
+
 def test_row_tiling_lowers_branchys_smallest_plan_and_trains_bit_identically(monkeypatch):
     recompute = dict(swap=False, offload_params=False, pilot="off")
     untiled = _floor(monkeypatch, False, **recompute)
     tiled = _floor(monkeypatch, True, **recompute)
     assert tiled < untiled
     budget = (tiled + untiled) // 2
-    # Bit-identical to eager over 3 Adam steps (train_under_budget asserts it).
-    compiled, _, measured = train_under_budget("branchy", "adam", budget, **recompute)
-    assert measured <= budget
-    rep = memcompile.report(compiled)
-    assert rep.predicted_peak == measured
-    # Branch by branch, the GELU's gradient made by blocks; the record survives JSON.
-    (plan,) = rep.plan.fragments
-    assert len([op for op in plan.row_tiled if "gelu_backward" in op]) == 8
+    rep = _train_within("branchy", budget, **recompute)
+    # The record survives JSON.
     assert MemoryPlan.from_json(rep.plan.to_json()) == rep.plan
     monkeypatch.setattr(compiler_mod, "ROW_TILING", False)
     with pytest.raises(memcompile.MemoryBudgetError):
@@ -446,14 +453,8 @@ def test_a_swapping_plan_reloads_by_rows_below_the_recomputing_floor(monkeypatch
     recomputing = _floor(monkeypatch, True, swap=False, **host)
     assert swapping < recomputing
     budget = (swapping + recomputing) // 2
-    # Bit-identical to eager over 3 Adam steps (train_under_budget asserts it).
-    compiled, _, measured = train_under_budget("branchy", "adam", budget, **host)
-    assert measured <= budget
-    rep = memcompile.report(compiled)
-    assert rep.predicted_peak == measured
-    (plan,) = rep.plan.fragments
+    (plan,) = _train_within("branchy", budget, **host).plan.fragments
     assert len(plan.swapped) == 8 and not plan.recomputed
-    assert len([op for op in plan.row_tiled if "gelu_backward" in op]) == 8
     monkeypatch.setattr(tiling, "_reloaded", lambda *a: set())
     with pytest.raises(memcompile.MemoryBudgetError):
         train_under_budget("branchy", "adam", budget, **host)

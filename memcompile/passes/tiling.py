@@ -277,23 +277,16 @@ def _reload_path(leaf: fx.Node) -> tuple[list[fx.Node], fx.Node] | None:
     return [*path, *(u for u in n.users if u.target is _WAIT)], n
 
 
-def _reload_nodes(leaf: fx.Node) -> list[fx.Node]:
-    """What makes a reloaded leaf (:func:`_reload_path`): its views, the reload, its waits."""
+def _reloaded_by(leaf: fx.Node) -> tuple[list[fx.Node], fx.Node]:
+    """:func:`_reload_path` of a leaf known to be reloaded."""
     made = _reload_path(leaf)
     assert made is not None, f"{leaf.name} is not a reload"
-    return made[0]
-
-
-def _reload_of(leaf: fx.Node) -> fx.Node:
-    """The reload a reloaded leaf (:func:`_reload_path`) is made by."""
-    made = _reload_path(leaf)
-    assert made is not None, f"{leaf.name} is not a reload"
-    return made[1]
+    return made
 
 
 def _source(leaf: fx.Node) -> fx.Node:
-    """The host copy a reloaded leaf (:func:`_reload_path`) is made from."""
-    return _reload_of(leaf).args[0]  # type: ignore[return-value]
+    """The host copy a reloaded leaf is made from."""
+    return _reloaded_by(leaf)[1].args[0]  # type: ignore[return-value]
 
 
 def _reloaded(rowed: set[fx.Node], readers: set[fx.Node]) -> set[fx.Node]:
@@ -572,7 +565,7 @@ def _tiling(
     if written_between(nodes, sources, start + 1, order[n]):
         return None
     gone = [c for c in chain if c.target not in _VIEWS and c not in kept]
-    gone += [_reload_of(leaf) for leaf in sorted(reloaded, key=order.__getitem__)]
+    gone += [_reloaded_by(leaf)[1] for leaf in sorted(reloaded, key=order.__getitem__)]
     nbytes = sum(c.meta["val"].untyped_storage().nbytes() for c in gone)
     # Worth its kernel calls: operands of at least half the result's bytes go.
     if 2 * nbytes < n.meta["val"].untyped_storage().nbytes():
@@ -613,9 +606,7 @@ class _Blocks:
         #: Reloaded leaves -> their reload (read by rows from its host copy).
         self.sources: dict[fx.Node, fx.Node] = {}
         for name in t.reloaded if reload else ():
-            made = _reload_path(nodes[name])
-            assert made is not None, f"{name} is not a reload"
-            self.sources[nodes[name]] = made[1]
+            self.sources[nodes[name]] = _reloaded_by(nodes[name])[1]
         #: The nodes the placeholders stand for, in order.
         self.inputs = [_source(n) if n in self.sources else n for n in self.leaves]
         self.graph = fx.Graph()
@@ -852,7 +843,7 @@ def _removed(t: RowTiling, nodes: dict[str, fx.Node]) -> set[str]:
     """Names of the nodes ``t``'s rewrite removes: its chain but what it keeps, and each
     reloaded leaf's whole reload (with its views and ``wait``)."""
     gone = set(t.chain) - set(t.kept)
-    gone.update(m.name for name in t.reloaded for m in _reload_nodes(nodes[name]))
+    gone.update(m.name for name in t.reloaded for m in _reloaded_by(nodes[name])[0])
     return gone
 
 
