@@ -1,8 +1,11 @@
-"""Backward values made again for their late readers (passes/rematerialize.py): the decision
-finds them at the peak, the rewrite keeps every value bit-identical, a value whose inputs are
-written in between is left alone, and a budget only the split meets now fits exactly."""
+"""Backward values made again for (or moved to) their late readers (passes/rematerialize.py):
+the decision finds them at the peak, the rewrite keeps every value bit-identical, a value whose
+inputs are written in between is left alone, and a budget only the split meets now fits
+exactly."""
 
 from __future__ import annotations
+
+import operator
 
 import pytest
 import torch
@@ -53,6 +56,20 @@ def _value_written_early(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y * s + w
 
 
+def _made_early(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    y = torch.sin(x)  # read only after the peak: waits across it
+    big = x.repeat(64, 1)  # the peak
+    s = big.sum()
+    return y * s + w
+
+
+def _other_output_read_early(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    v, i = torch.max(x, 1)  # i read only after the peak, v before it
+    big = (x + v[:, None]).repeat(64, 1)  # the peak
+    s = big.sum()
+    return s * w, i + 1
+
+
 def _trace(fn) -> fx.GraphModule:  # type: ignore[no-untyped-def]
     return make_fx(fn, tracing_mode="fake")(torch.randn(16, 64), torch.randn(16, 64))
 
@@ -76,6 +93,45 @@ def test_a_value_held_across_the_peak_is_made_again_for_its_late_reader() -> Non
     # sin's 4 KiB output no longer waits through the repeat's 256 KiB
     assert after.peak_bytes == before.peak_bytes - 16 * 64 * 4
     assert torch.equal(gm(x.clone(), w), expected)
+
+
+def test_a_value_read_only_after_the_peak_is_moved_to_its_reader() -> None:
+    gm = _trace(_made_early)
+    before = _profile(gm)
+    splits = plan_rematerialize(gm, CTX, _profile)
+    assert splits == (Rematerialize("sin", "mul", moved=True),)
+    x, w = torch.randn(16, 64), torch.randn(16, 64)
+    expected = gm(x.clone(), w)
+    rematerialize_pass(gm, CTX, splits=splits)
+    # Moved, not made twice: one sin, now after the peak's sum.
+    order = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert order.count(torch.ops.aten.sin.default) == 1
+    assert order.index(torch.ops.aten.sin.default) > order.index(torch.ops.aten.sum.default)
+    assert _profile(gm).peak_bytes == before.peak_bytes - 16 * 64 * 4
+    assert torch.equal(gm(x.clone(), w), expected)
+
+
+def test_an_op_whose_other_output_is_read_before_the_peak_is_made_again_not_moved() -> None:
+    gm = _trace(_other_output_read_early)
+    # The indices wait across the peak, but their op's values are read before it: moving the
+    # op would leave that reader without them, so the op runs twice.
+    splits = plan_rematerialize(gm, CTX, _profile)
+    assert splits == (Rematerialize("max_1", "add_1", moved=False),)
+    x, w = torch.randn(16, 64), torch.randn(16, 64)
+    expected = gm(x, w)
+    rematerialize_pass(gm, CTX, splits=splits)
+    assert [n.target for n in gm.graph.nodes].count(torch.ops.aten.max.dim) == 2
+    # The original's getitem of the indices goes: left in place, it would hold max's whole
+    # output tuple until it runs (GPT's layer norm output, held across the attention's peak).
+    getitems = [n.args for n in gm.graph.nodes if n.target is operator.getitem]
+    assert [(op.name, i) for op, i in getitems] == [("max_1", 0), ("max_2", 1)]
+    assert all(torch.equal(a, b) for a, b in zip(gm(x, w), expected, strict=True))
+
+
+def test_a_move_of_a_value_read_before_its_destination_is_rejected() -> None:
+    gm = _trace(_held_across_peak)
+    with pytest.raises(ValueError, match="T: sin is read before mul_1: not a move"):
+        rematerialize_pass(gm, CTX, splits=(Rematerialize("sin", "mul_1", moved=True),))
 
 
 def test_a_value_whose_input_is_written_in_between_is_not_made_again() -> None:

@@ -886,11 +886,13 @@ class _FragmentBuild:
             return plan
         rematerialize_pass(bw, ctx, splits=splits)
         after = max(profile(bw).phase_peaks().values())
+        moved = sum(r.moved for r in splits)
         log.info(
-            "F%d: %d backward values made again for their late readers: the step peaks at %s "
-            "(%s without; budget %s)",
+            "F%d: %d backward values made again for their late readers, %d moved to them: the "
+            "step peaks at %s (%s without; budget %s)",
             self.index,
-            len(splits),
+            len(splits) - moved,
+            moved,
             format_bytes(plan.resident_bytes + after),
             format_bytes(plan.resident_bytes + max(before.phase_peaks().values())),
             format_bytes(plan.resident_bytes + target),

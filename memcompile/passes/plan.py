@@ -70,8 +70,8 @@ class FragmentPlan:
             holds the kept tensors).
         rematerialized: ``(node, before)`` pairs of the built backward graph: ``node`` (a
             reload or a repeatable op) is made again right before ``before`` for the readers
-            from there on, so it is not held across the peak (``rematerialize.py``); only
-            when the plan did not fit without.
+            from there on, so it is not held across the peak, or moved there when no reader
+            comes before (``rematerialize.py``); only when the plan did not fit without.
         row_tiled: ops of the built graphs made a block of rows at a time
             (``"backward:gelu_backward"``, ``tiling.py``); only when the plan did not fit
             without.

@@ -18,12 +18,27 @@ in between, at the cost of one more copy or kernel:
       dx = native_layer_norm_backward(.., x, ..)    dw = mm(t(ln2), dqkv)
                                                     dx = native_layer_norm_backward(.., x2, ..)
 
+A value that *no* reader needs before the peak is moved instead, at no cost: its op runs right
+before its first reader and the original goes. Where a rewrite after the planner's search (row
+tiling) moves the peak, the joint model's ordering (``schedule.sink``) never looked there (bench
+GPT, recompute only, at its floor: the LM head's input gradient made before the recomputed
+layer norm and the weight gradient, which meet the 16 MiB log-softmax):
+
+    before                                        after
+      dh = mm(dlogits, w)        # waits            ln = native_layer_norm(x, ...)
+      ln = native_layer_norm(x, ...)                dw = mm(t(dlogits), ln)      # the peak
+      dw = mm(t(dlogits), ln)    # the peak         dh = mm(dlogits, w)
+      dx = native_layer_norm_backward(dh, ...)      dx = native_layer_norm_backward(dh, ...)
+
 Only values whose second computation gives the same bits are candidates: reloads (the host copy
 stays in the store until the backward ends) and deterministic ops with no effects whose inputs
 nothing writes in between (``in_place.py`` writes into dying gradients). Views of the value are
-made again with it. :func:`plan_rematerialize` decides, from exact profiles of trial rewrites
-(a split is kept when the backward's peak drops, or stays and the old peak position drops:
-every layer of a model peaks alike, so one split alone rarely lowers the maximum);
+made again with it. Reloads are not moved: where a reload is issued is ``prefetch.py``'s
+decision (early enough to hide the copy).
+
+:func:`plan_rematerialize` decides, from exact profiles of trial rewrites (a split is kept
+when the backward's peak drops, or stays and the old peak position drops: every layer of a
+model peaks alike, so one split alone rarely lowers the maximum);
 :func:`rematerialize_pass` applies the decisions.
 """
 
@@ -57,10 +72,12 @@ _MAX_TRIALS = 96
 @dataclass(frozen=True)
 class Rematerialize:
     """Make ``node`` (and its views the late readers read) again right before ``before``; the
-    readers from ``before`` on read the new value."""
+    readers from ``before`` on read the new value. ``moved``: no reader comes before
+    ``before``, so the original goes (a move, no second computation)."""
 
     node: str
     before: str
+    moved: bool = False
 
 
 def _mutates(n: fx.Node) -> bool:
@@ -126,8 +143,10 @@ def written_between(nodes: Sequence[fx.Node], inputs: Sequence[fx.Node], lo: int
 
 
 def _candidates(gm: fx.GraphModule, profile: GraphProfile) -> list[Rematerialize]:
-    """Splits worth a trial at ``profile``'s peak: values live there, not read there, read
-    both before and after it, largest first."""
+    """Splits worth a trial at ``profile``'s peak: values live there and not read there; read
+    only after it (moves), or before and after it; largest first. (Moves are not tried first:
+    on bench branchy's host tier, 56 moves that each lowered one branch's peak left the 66
+    splits that lower the step's peak by 2 MiB unfound.)"""
     nodes = list(gm.graph.nodes)
     by_name = {n.name: n for n in nodes}
     position = {n: p for p, n in enumerate(nodes)}
@@ -154,16 +173,28 @@ def _candidates(gm: fx.GraphModule, profile: GraphProfile) -> list[Rematerialize
         inside = set(members)
         readers = [u for m in members for u in m.users if u not in inside and u.target is not _WAIT]
         late = [u for u in readers if position[u] > at]
-        if not late or len(late) == len(readers) or peak_node in inside:
+        if not late or peak_node in inside:
+            continue
+        # A move: no reader of any of the op's outputs (a layer norm's mean and rstd too)
+        # before the peak, so the original goes. A reload's placement is prefetch.py's.
+        every = dict.fromkeys(
+            m for r in dict.fromkeys(map(_ref, vals)) for m in _family(head, nodes, r)
+        )
+        all_readers = [u for m in every for u in m.users if u not in every]
+        # (Not to the output: a value only the graph returns waits for nothing.)
+        moved = head.target is not _RELOAD and all(
+            position[u] > at and u.op != "output" for u in all_readers
+        )
+        if len(late) == len(readers) and not moved:
             continue
         if any(_mutates(u) for u in readers if position[u] <= at):
             continue  # an early reader writes into the value: a second copy would miss it
-        first = min(late, key=position.__getitem__)
+        first = min(all_readers if moved else late, key=position.__getitem__)
         if head.target is not _RELOAD and written_between(
             nodes, head.all_input_nodes, position[head], position[first]
         ):
             continue
-        out.append(Rematerialize(head.name, first.name))
+        out.append(Rematerialize(head.name, first.name, moved))
     return out
 
 
@@ -213,6 +244,14 @@ def _apply(gm: fx.GraphModule, ctx: PassContext, split: Rematerialize) -> None:
     for u in sorted(late, key=position.__getitem__):
         u.args = fx.node.map_arg(u.args, swap)
         u.kwargs = fx.node.map_arg(u.kwargs, swap)
+    if split.moved and any(u not in members for m in members for u in m.users):
+        raise ValueError(f"{ctx.fragment}: {split.node} is read before {split.before}: not a move")
+    # Views and getitems of the original that only late readers read go (last first): a
+    # getitem left behind would hold the op's whole output tuple (a layer norm's output with
+    # its mean) until it runs. A move's original goes too.
+    for m in reversed(members):
+        if not m.users:
+            gm.graph.erase_node(m)
 
 
 def rematerialize_pass(
@@ -230,7 +269,9 @@ def rematerialize_pass(
     gm.graph.lint()
     gm.recompile()
     if splits:
-        log.debug("%s: %d values made again for their late readers", ctx.fragment, len(splits))
+        log.debug(
+            "%s: %d values made again or moved for their late readers", ctx.fragment, len(splits)
+        )
     return gm
 
 
@@ -259,6 +300,9 @@ def plan_rematerialize(
         for split in _candidates(current, profile):
             trial = rematerialize_pass(copy.deepcopy(current), ctx, splits=(split,))
             new = evaluate(trial)
+            log.debug(
+                "trial %s: peak %d at %s", split, new.peak_bytes, new.nodes[new.peak_index].name
+            )
             trials += 1
             there = next(
                 (n.live_bytes for n in new.nodes if n.name == at),
@@ -274,10 +318,13 @@ def plan_rematerialize(
                 break
         if not improved:
             break
+    moved = sum(r.moved for r in kept)
     log.info(
-        "%s: %d values made again for late readers (%d trial profiles); backward peak %d bytes",
+        "%s: %d values made again for late readers, %d moved to them (%d trial profiles); "
+        "backward peak %d bytes",
         ctx.fragment,
-        len(kept),
+        len(kept) - moved,
+        moved,
         trials,
         profile.peak_bytes,
     )
