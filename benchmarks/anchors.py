@@ -65,6 +65,7 @@ CONFIGS: dict[str, str] = {
     "mc_r35": "memcompile, budget 0.35, recompute only",
     "mc_r25": "memcompile, budget 0.25, recompute only",
     "mc_r20": "memcompile, budget 0.20, recompute only",
+    "mc_r19": "memcompile, budget 0.19, recompute only",
     "mc_r15": "memcompile, budget 0.15, recompute only",
     "mc_r12": "memcompile, budget 0.12, recompute only",
     "mc_r10": "memcompile, budget 0.10, recompute only",

@@ -575,6 +575,8 @@ class _FragmentBuild:
                     format_bytes(plan.predicted_peak),
                 )
                 tried.append((fw2, bw2, model2, plan2))
+            if not any(t[3].feasible for t in tried):
+                tried += self._floor_plans(joint, num_fwd_outputs, static, hosted, tried)
             # One that fits, the least predicted time (copies counted as not hidden); else
             # the lowest peak.
             fw, bw, model, plan = min(
@@ -688,13 +690,15 @@ class _FragmentBuild:
         reserve: int | None = None,
         swap: bool = True,
         recompute: bool = True,
+        floor: bool = False,
     ) -> tuple[JointModel, FragmentPlan]:
         """The joint model of ``joint`` and the planner's plan for this fragment's target, with
         the inputs at positions ``host`` counted as host-placed (not resident); ``start``: a
         saved set the search also starts from (``planner.search_saved_set``); ``reserve``: the
         prefetch cache's share of the budget (``None``: :meth:`_reserve`'s); ``swap=False``:
         recompute only, whatever the ``swap`` option; ``recompute=False``: swap only, whatever
-        the ``recompute`` option."""
+        the ``recompute`` option; ``floor``: searched for the smallest peak (a target of 0),
+        feasible where that peak meets the budget."""
         config, compiler = self.compiler.config, self.compiler
         primals = [
             p.meta.get("val")
@@ -716,9 +720,10 @@ class _FragmentBuild:
         if reserve is None:
             reserve = self._reserve(host)
         resident = compiler.resident_bytes(self, host=host) + reserve
+        target = None if config.budget is None else config.budget - resident
         plan = plan_fragment(
             model,
-            target=None if config.budget is None else config.budget - resident,
+            target=0 if floor and target is not None else target,
             resident_bytes=resident,
             recompute=config.recompute and recompute,
             swap_tier=config.offload_to if config.swap and swap else None,
@@ -726,7 +731,61 @@ class _FragmentBuild:
             start=start,
             saved_cap=self.replan_saved_cap,
         )
+        if floor and target is not None:
+            plan = dataclasses.replace(
+                plan,
+                target=target,
+                feasible=plan.predicted_peak - resident <= target
+                and (plan.saved_cap is None or plan.held_bytes <= plan.saved_cap),
+            )
         return model, plan
+
+    def _floor_plans(
+        self,
+        joint: fx.GraphModule,
+        num_fwd_outputs: int,
+        static: Sequence[int],
+        hosted: Sequence[int],
+        tried: Sequence[tuple[fx.GraphModule, fx.GraphModule, JointModel, FragmentPlan]],
+    ) -> list[tuple[fx.GraphModule, fx.GraphModule, JointModel, FragmentPlan]]:
+        """The plans of :meth:`_build`'s alternatives searched for the smallest peak (no room
+        at all) rather than for this budget, built with the rewrites, where they differ from
+        those ``tried``.
+
+        The planner's plan for a target it cannot meet depends on the target, and so does
+        what the rewrites then reach: the smallest budget an error reports (``min_feasible``,
+        found with no room) must fit when it is then the budget (tiny GPT, disk tier: planned
+        for its own ``min_feasible`` of 451 KiB, the plan peaked at 482 KiB)."""
+        config = self.compiler.config
+        plans: list[tuple[fx.GraphModule, fx.GraphModule, JointModel, FragmentPlan]] = []
+        seen = {t[3].decisions for t in tried}
+        # As planned, recompute only, swap only (duplicates are skipped below).
+        for swap, recompute in ((True, True), (False, True), (True, False)):
+            if (not swap and not config.recompute) or (not recompute and not config.swap):
+                continue
+            model2, plan2 = self._plan(
+                joint,
+                num_fwd_outputs,
+                static,
+                host=hosted,
+                reserve=self.prefetch_reserve,
+                swap=swap,
+                recompute=recompute,
+                floor=True,
+            )
+            if plan2.decisions in seen:
+                continue
+            seen.add(plan2.decisions)
+            fw2, bw2, plan2 = self._build(joint, model2, plan2, static, num_fwd_outputs)
+            log.info(
+                "F%d: planned for the smallest peak (swap %s, recompute %s), the plan peaks at %s",
+                self.index,
+                swap and config.swap,
+                recompute and config.recompute,
+                format_bytes(plan2.predicted_peak),
+            )
+            plans.append((fw2, bw2, model2, plan2))
+        return plans
 
     def _room_without_reserve(
         self,
