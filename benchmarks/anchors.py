@@ -74,6 +74,7 @@ CONFIGS: dict[str, str] = {
     "mc_h10": "memcompile, budget 0.10, recompute + host tier",
     "mc_h05": "memcompile, budget 0.05, recompute + host tier",
     "mc_h03": "memcompile, budget 0.03, recompute + host tier",
+    "mc_h02": "memcompile, budget 0.02, recompute + host tier",
     "mc_h00": "memcompile, budget 0: its error names the smallest budget, recompute + host tier",
     "mc_d15": "memcompile, budget 0.15, recompute + disk tier",
     "mc_s50": "memcompile, budget 0.50, host tier only (no recompute)",

@@ -158,7 +158,7 @@ def test_the_smallest_budget_found_on_the_disk_tier_fits_when_it_is_the_budget(
     with caplog.at_level("INFO", logger="memcompile.backends.compiler"):
         # Bit-identical to eager over 3 steps, and no budget warning (train_under_budget).
         compiled, _, measured = train_under_budget("gpt", "sgd", budget, **options)
-    assert "planned for the smallest peak" in caplog.text
+    assert "searched for the smallest peak" in caplog.text
     assert measured == memcompile.report(compiled).predicted_peak <= budget
 
 

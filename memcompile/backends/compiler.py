@@ -550,33 +550,11 @@ class _FragmentBuild:
             # rows) act on what the plan recomputes and what it swaps differently, which the
             # planner does not price: a plan with one of the two only may end lower.
             tried = [(fw, bw, model, plan)]
-            for swap, recompute, what in (
-                (False, True, "recomputing instead of swapping"),
-                (True, False, "swapping instead of recomputing"),
-            ):
-                other = plan.recomputed if swap else plan.swapped
-                if not other or not (config.swap if swap else config.recompute):
-                    continue
-                model2, plan2 = self._plan(
-                    joint,
-                    num_fwd_outputs,
-                    static,
-                    host=hosted,
-                    reserve=self.prefetch_reserve,
-                    swap=swap,
-                    recompute=recompute,
-                )
-                fw2, bw2, plan2 = self._build(joint, model2, plan2, static, num_fwd_outputs)
-                log.info(
-                    "F%d: %s, the plan peaks at %s (%s as planned)",
-                    self.index,
-                    what,
-                    format_bytes(plan2.predicted_peak),
-                    format_bytes(plan.predicted_peak),
-                )
-                tried.append((fw2, bw2, model2, plan2))
+            tried += self._alternatives(joint, num_fwd_outputs, static, hosted, tried)
             if not any(t[3].feasible for t in tried):
-                tried += self._floor_plans(joint, num_fwd_outputs, static, hosted, tried)
+                tried += self._alternatives(
+                    joint, num_fwd_outputs, static, hosted, tried, floor=True
+                )
             # One that fits, the least predicted time (copies counted as not hidden); else
             # the lowest peak.
             fw, bw, model, plan = min(
@@ -740,28 +718,42 @@ class _FragmentBuild:
             )
         return model, plan
 
-    def _floor_plans(
+    def _alternatives(
         self,
         joint: fx.GraphModule,
         num_fwd_outputs: int,
         static: Sequence[int],
         hosted: Sequence[int],
         tried: Sequence[tuple[fx.GraphModule, fx.GraphModule, JointModel, FragmentPlan]],
+        *,
+        floor: bool = False,
     ) -> list[tuple[fx.GraphModule, fx.GraphModule, JointModel, FragmentPlan]]:
-        """The plans of :meth:`_build`'s alternatives searched for the smallest peak (no room
-        at all) rather than for this budget, built with the rewrites, where they differ from
-        those ``tried``.
+        """Other plans for a fragment whose plan (``tried[0]``) is over its target, built with
+        the rewrites, where their decisions differ from those ``tried``: recomputing only
+        where it swaps, swapping only where it recomputes. With ``floor``, the plan, recompute
+        only and swap only, each searched for the smallest peak rather than for the target.
 
-        The planner's plan for a target it cannot meet depends on the target, and so does
-        what the rewrites then reach: the smallest budget an error reports (``min_feasible``,
-        found with no room) must fit when it is then the budget (tiny GPT, disk tier: planned
-        for its own ``min_feasible`` of 451 KiB, the plan peaked at 482 KiB)."""
+        The rewrites (in place, blocks of rows, reloads by rows) act on what a plan recomputes
+        and what it swaps differently, which the planner does not price: a plan with one of
+        the two only may end lower. And the planner's plan for a target it cannot meet
+        depends on the target, and so does what the rewrites then reach: the smallest budget
+        an error reports (``min_feasible``, found with no room) must fit when it is then the
+        budget (tiny GPT, disk tier: planned for its own ``min_feasible`` of 451 KiB, the plan
+        peaked at 482 KiB)."""
         config = self.compiler.config
-        plans: list[tuple[fx.GraphModule, fx.GraphModule, JointModel, FragmentPlan]] = []
+        planned = tried[0][3]
         seen = {t[3].decisions for t in tried}
-        # As planned, recompute only, swap only (duplicates are skipped below).
-        for swap, recompute in ((True, True), (False, True), (True, False)):
+        built: list[tuple[fx.GraphModule, fx.GraphModule, JointModel, FragmentPlan]] = []
+        for swap, recompute, what in (
+            (True, True, "as configured"),
+            (False, True, "recomputing instead of swapping"),
+            (True, False, "swapping instead of recomputing"),
+        ):
             if (not swap and not config.recompute) or (not recompute and not config.swap):
+                continue
+            if not floor and (
+                (swap and recompute) or not (planned.recomputed if swap else planned.swapped)
+            ):
                 continue
             model2, plan2 = self._plan(
                 joint,
@@ -771,21 +763,22 @@ class _FragmentBuild:
                 reserve=self.prefetch_reserve,
                 swap=swap,
                 recompute=recompute,
-                floor=True,
+                floor=floor,
             )
             if plan2.decisions in seen:
                 continue
             seen.add(plan2.decisions)
             fw2, bw2, plan2 = self._build(joint, model2, plan2, static, num_fwd_outputs)
             log.info(
-                "F%d: planned for the smallest peak (swap %s, recompute %s), the plan peaks at %s",
+                "F%d: %s%s, the plan peaks at %s (%s as planned)",
                 self.index,
-                swap and config.swap,
-                recompute and config.recompute,
+                what,
+                " and searched for the smallest peak" if floor else "",
                 format_bytes(plan2.predicted_peak),
+                format_bytes(planned.predicted_peak),
             )
-            plans.append((fw2, bw2, model2, plan2))
-        return plans
+            built.append((fw2, bw2, model2, plan2))
+        return built
 
     def _room_without_reserve(
         self,
