@@ -551,7 +551,8 @@ class _FragmentBuild:
             # planner does not price: a plan with one of the two only may end lower.
             tried = [(fw, bw, model, plan)]
             tried += self._alternatives(joint, num_fwd_outputs, static, hosted, tried)
-            if not any(t[3].feasible for t in tried):
+            # (A target of 0 or less was already no room: those searches are these.)
+            if not any(t[3].feasible for t in tried) and (plan.target or 0) > 0:
                 tried += self._alternatives(
                     joint, num_fwd_outputs, static, hosted, tried, floor=True
                 )

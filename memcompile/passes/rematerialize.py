@@ -34,7 +34,8 @@ Only values whose second computation gives the same bits are candidates: reloads
 stays in the store until the backward ends) and deterministic ops with no effects whose inputs
 nothing writes in between (``in_place.py`` writes into dying gradients). Views of the value are
 made again with it. Reloads are not moved: where a reload is issued is ``prefetch.py``'s
-decision (early enough to hide the copy).
+decision (early enough to hide the copy); nor are buffers their readers write into (row
+tiling's ``out=`` buffers).
 
 :func:`plan_rematerialize` decides, from exact profiles of trial rewrites (a split is kept
 when the backward's peak drops, or stays and the old peak position drops: every layer of a
