@@ -34,8 +34,8 @@ Only values whose second computation gives the same bits are candidates: reloads
 stays in the store until the backward ends) and deterministic ops with no effects whose inputs
 nothing writes in between (``in_place.py`` writes into dying gradients). Views of the value are
 made again with it. Reloads are not moved: where a reload is issued is ``prefetch.py``'s
-decision (early enough to hide the copy); nor are buffers their readers write into (row
-tiling's ``out=`` buffers).
+decision (early enough to hide the copy). Readers that write into a copy or view it (row
+tiling's ``out=`` buffers) get values of the copy's storage, for the analysis.
 
 :func:`plan_rematerialize` decides, from exact profiles of trial rewrites (a split is kept
 when the backward's peak drops, or stays and the old peak position drops: every layer of a
@@ -58,6 +58,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memcompile.passes.analysis import GraphProfile, tensor_vals
 from memcompile.passes.context import PassContext
+from memcompile.passes.rebuild import refresh_view
 from memcompile.passes.schedule import has_effect
 
 log = logging.getLogger(__name__)
@@ -182,13 +183,9 @@ def _candidates(gm: fx.GraphModule, profile: GraphProfile) -> list[Rematerialize
             m for r in dict.fromkeys(map(_ref, vals)) for m in _family(head, nodes, r)
         )
         all_readers = [u for m in every for u in m.users if u not in every]
-        # (Not to the output: a value only the graph returns waits for nothing. Not a buffer
-        # its readers write into, as row tiling's: the exact profile of a moved one was seen
-        # 3 KiB above the allocator's peak in a random network, not understood.)
-        moved = (
-            head.target is not _RELOAD
-            and all(position[u] > at and u.op != "output" for u in all_readers)
-            and not any(_mutates(u) for u in all_readers)
+        # (Not to the output: a value only the graph returns waits for nothing.)
+        moved = head.target is not _RELOAD and all(
+            position[u] > at and u.op != "output" for u in all_readers
         )
         if len(late) == len(readers) and not moved:
             continue
@@ -246,9 +243,23 @@ def _apply(gm: fx.GraphModule, ctx: PassContext, split: Rematerialize) -> None:
             if m.target is _RELOAD:
                 done = gm.graph.call_function(_WAIT, (new, m.args[2]))
                 done.meta["val"] = None
+    stale = {_ref(t) for m in env for t in tensor_vals(m.meta.get("val"))}
+    fresh = set(env.values())
     for u in sorted(late, key=position.__getitem__):
         u.args = fx.node.map_arg(u.args, swap)
         u.kwargs = fx.node.map_arg(u.kwargs, swap)
+    # A reader that writes into a copy (an ``out=`` buffer, an in-place op) or views it still
+    # carries a value of the original's storage: the analysis would count that storage again,
+    # as a new allocation (a moved row tiling buffer, 3 KiB over the allocator's peak). Its
+    # value is run again on the copies' values, and so on down the chain.
+    for u in nodes[position[before] :]:
+        if (
+            u.op == "call_function"
+            and any(a in fresh for a in u.all_input_nodes)
+            and any(_ref(t) in stale for t in tensor_vals(u.meta.get("val")))
+        ):
+            refresh_view(u, u, fake_mode)
+            fresh.add(u)
     if split.moved and any(u not in members for m in members for u in m.users):
         raise ValueError(f"{ctx.fragment}: {split.node} is read before {split.before}: not a move")
     # Views and getitems of the original that only late readers read go (last first): a
