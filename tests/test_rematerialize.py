@@ -87,14 +87,20 @@ def _profile(gm: fx.GraphModule) -> GraphProfile:
     return profile_graph(gm, kind="backward", persistent_inputs=(0, 1))
 
 
-def test_a_value_held_across_the_peak_is_made_again_for_its_late_reader() -> None:
-    gm = _trace(_held_across_peak)
+def _applied(fn, splits: tuple[Rematerialize, ...]):  # type: ignore[no-untyped-def]
+    """``fn`` traced, its planned splits checked to be ``splits`` and applied: the graph, its
+    profile before, inputs, and its outputs on them before."""
+    gm = _trace(fn)
     before = _profile(gm)
-    splits = plan_rematerialize(gm, CTX, _profile)
-    assert splits == (Rematerialize("sin", "mul_1"),)
+    assert plan_rematerialize(gm, CTX, _profile) == splits
     x, w = torch.randn(16, 64), torch.randn(16, 64)
     expected = gm(x.clone(), w)
     rematerialize_pass(gm, CTX, splits=splits)
+    return gm, before, (x, w), expected
+
+
+def test_a_value_held_across_the_peak_is_made_again_for_its_late_reader() -> None:
+    gm, before, (x, w), expected = _applied(_held_across_peak, (Rematerialize("sin", "mul_1"),))
     sins = [n for n in gm.graph.nodes if n.target is torch.ops.aten.sin.default]
     assert len(sins) == 2
     after = _profile(gm)
@@ -104,13 +110,7 @@ def test_a_value_held_across_the_peak_is_made_again_for_its_late_reader() -> Non
 
 
 def test_a_value_read_only_after_the_peak_is_moved_to_its_reader() -> None:
-    gm = _trace(_made_early)
-    before = _profile(gm)
-    splits = plan_rematerialize(gm, CTX, _profile)
-    assert splits == (Rematerialize("sin", "mul", moved=True),)
-    x, w = torch.randn(16, 64), torch.randn(16, 64)
-    expected = gm(x.clone(), w)
-    rematerialize_pass(gm, CTX, splits=splits)
+    gm, before, (x, w), expected = _applied(_made_early, (Rematerialize("sin", "mul", moved=True),))
     # Moved, not made twice: one sin, now after the peak's sum.
     order = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert order.count(torch.ops.aten.sin.default) == 1
@@ -120,13 +120,9 @@ def test_a_value_read_only_after_the_peak_is_moved_to_its_reader() -> None:
 
 
 def test_a_moved_buffer_its_reader_writes_into_is_counted_once() -> None:
-    gm = _trace(_buffer_written_after_the_peak)
-    before = _profile(gm)
-    splits = plan_rematerialize(gm, CTX, _profile)
-    assert splits == (Rematerialize("empty_like", "mul", moved=True),)
-    x, w = torch.randn(16, 64), torch.randn(16, 64)
-    expected = gm(x, w)
-    rematerialize_pass(gm, CTX, splits=splits)
+    gm, before, (x, w), expected = _applied(
+        _buffer_written_after_the_peak, (Rematerialize("empty_like", "mul", moved=True),)
+    )
     # The analysis sees one buffer, made after the peak: the writer's value is of the moved
     # buffer's storage. (It counted the old storage again, as new, at the writer: 3 KiB over
     # the allocator's peak in a random network's row-tiled backward.)
