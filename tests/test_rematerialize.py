@@ -5,6 +5,7 @@ exactly."""
 
 from __future__ import annotations
 
+import copy
 import operator
 
 import pytest
@@ -151,7 +152,7 @@ def test_an_op_whose_other_output_is_read_before_the_peak_is_made_again_not_move
     # The original's getitem of the indices goes: left in place, it would hold max's whole
     # output tuple until it runs (GPT's layer norm output, held across the attention's peak).
     getitems = [n.args for n in gm.graph.nodes if n.target is operator.getitem]
-    assert [(op.name, i) for op, i in getitems] == [("max_1", 0), ("max_2", 1)]
+    assert [(op.name, i) for op, i in getitems] == [("max_1", 0), ("max_1_r0", 1)]
     assert all(torch.equal(a, b) for a, b in zip(gm(x, w), expected, strict=True))
 
 
@@ -175,6 +176,26 @@ def test_a_value_an_early_reader_writes_into_is_not_made_again() -> None:
     nodes["mul_1"].replace_input_with(nodes["add_"], nodes["sin"])
     gm.recompile()
     assert plan_rematerialize(gm, CTX, _profile) == ()
+
+
+def test_copies_are_named_alike_on_a_graph_and_on_its_deepcopy() -> None:
+    # The decision's trials run on deepcopies, the chosen splits on the graph itself, by name.
+    # A graph's FX namespace keeps an erased node's name taken; a deepcopy's does not: named
+    # by FX, sin's copy was sin_2 here and sin_1 there, and a later split naming it failed.
+    gm = _trace(_held_across_peak)
+    x = next(iter(gm.graph.nodes))
+    with gm.graph.inserting_after(x):
+        taken = gm.graph.create_node("call_function", torch.sin, (x,), name="sin_1")
+        gm.graph.erase_node(taken)
+    twin = copy.deepcopy(gm)
+    split = Rematerialize("sin", "mul_1")
+    for g in (gm, twin):
+        rematerialize_pass(g, CTX, splits=(split,))
+    assert [n.name for n in gm.graph.nodes] == [n.name for n in twin.graph.nodes]
+    # A second split names the first one's copy (by its place in the sequence).
+    again = Rematerialize("sin_r0", "mul_1", moved=True)
+    rematerialize_pass(gm, CTX, splits=(again,), first=1)
+    assert "sin_r0_r1" in [n.name for n in gm.graph.nodes]
 
 
 def test_a_split_naming_a_missing_node_is_rejected() -> None:

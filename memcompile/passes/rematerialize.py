@@ -200,7 +200,7 @@ def _candidates(gm: fx.GraphModule, profile: GraphProfile) -> list[Rematerialize
     return out
 
 
-def _apply(gm: fx.GraphModule, ctx: PassContext, split: Rematerialize) -> None:
+def _apply(gm: fx.GraphModule, ctx: PassContext, split: Rematerialize, ordinal: int) -> None:
     nodes = list(gm.graph.nodes)
     by_name = {n.name: n for n in nodes}
     head, before = by_name.get(split.node), by_name.get(split.before)
@@ -233,7 +233,16 @@ def _apply(gm: fx.GraphModule, ctx: PassContext, split: Rematerialize) -> None:
         for m in members:
             if m not in needed:
                 continue
-            new = gm.graph.node_copy(m, swap)
+            # Named for the split's place in the sequence, not by FX's namespace: a graph's
+            # namespace keeps the names of erased nodes and its deepcopy's does not, so a
+            # copy named in a trial (on a deepcopy) could be named otherwise when the splits
+            # are applied to the graph itself, and a later split naming it would not find it
+            # (the GRU's backward: "no node 'mm_35' or 'in_place_add_71'").
+            args, kwargs = fx.node.map_arg((m.args, m.kwargs), swap)
+            new = gm.graph.create_node(
+                m.op, m.target, args, kwargs, name=f"{m.name}_r{ordinal}", type_expr=m.type
+            )
+            new.meta = copy.copy(m.meta)
             # A fresh value: the analysis must see a new storage, not the first one again.
             args, kwargs = fx.node.map_arg((new.args, new.kwargs), lambda a: a.meta["val"])
             with fake_mode:
@@ -271,17 +280,19 @@ def _apply(gm: fx.GraphModule, ctx: PassContext, split: Rematerialize) -> None:
 
 
 def rematerialize_pass(
-    gm: fx.GraphModule, ctx: PassContext, *, splits: Sequence[Rematerialize]
+    gm: fx.GraphModule, ctx: PassContext, *, splits: Sequence[Rematerialize], first: int = 0
 ) -> fx.GraphModule:
     """Apply ``splits`` to ``gm`` in place (and return it), in order: each node, and those of
     its views a reader from ``before`` on reads, is copied right before ``before``; readers
-    from there on read the copies. A reload's copy gets its own ``wait``.
+    from there on read the copies. A reload's copy gets its own ``wait``. The copies of the
+    ``k``-th split are named ``<node>_r<first + k>`` (a trial of a split that follows
+    ``first`` kept ones names its copies as the whole sequence will).
 
     Raises:
         ValueError: a split names a node ``gm`` does not have (at its turn).
     """
-    for split in splits:
-        _apply(gm, ctx, split)
+    for k, split in enumerate(splits):
+        _apply(gm, ctx, split, first + k)
     gm.graph.lint()
     gm.recompile()
     if splits:
@@ -314,7 +325,9 @@ def plan_rematerialize(
         at = profile.nodes[profile.peak_index].name
         improved = False
         for split in _candidates(current, profile):
-            trial = rematerialize_pass(copy.deepcopy(current), ctx, splits=(split,))
+            trial = rematerialize_pass(
+                copy.deepcopy(current), ctx, splits=(split,), first=len(kept)
+            )
             new = evaluate(trial)
             log.debug(
                 "trial %s: peak %d at %s", split, new.peak_bytes, new.nodes[new.peak_index].name
