@@ -48,6 +48,7 @@ from __future__ import annotations
 import copy
 import logging
 import operator
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -200,6 +201,11 @@ def _candidates(gm: fx.GraphModule, profile: GraphProfile) -> list[Rematerialize
     return out
 
 
+def _base(name: str) -> str:
+    """``name`` without the ``_r<k>`` an earlier split's copy got (a value moved again)."""
+    return re.sub(r"_r\d+$", "", name)
+
+
 def _apply(gm: fx.GraphModule, ctx: PassContext, split: Rematerialize, ordinal: int) -> None:
     nodes = list(gm.graph.nodes)
     by_name = {n.name: n for n in nodes}
@@ -240,7 +246,7 @@ def _apply(gm: fx.GraphModule, ctx: PassContext, split: Rematerialize, ordinal: 
             # (the GRU's backward: "no node 'mm_35' or 'in_place_add_71'").
             args, kwargs = fx.node.map_arg((m.args, m.kwargs), swap)
             new = gm.graph.create_node(
-                m.op, m.target, args, kwargs, name=f"{m.name}_r{ordinal}", type_expr=m.type
+                m.op, m.target, args, kwargs, name=f"{_base(m.name)}_r{ordinal}", type_expr=m.type
             )
             new.meta = copy.copy(m.meta)
             # A fresh value: the analysis must see a new storage, not the first one again.
@@ -285,8 +291,9 @@ def rematerialize_pass(
     """Apply ``splits`` to ``gm`` in place (and return it), in order: each node, and those of
     its views a reader from ``before`` on reads, is copied right before ``before``; readers
     from there on read the copies. A reload's copy gets its own ``wait``. The copies of the
-    ``k``-th split are named ``<node>_r<first + k>`` (a trial of a split that follows
-    ``first`` kept ones names its copies as the whole sequence will).
+    ``k``-th split are named ``<node>_r<first + k>`` (``<node>`` without an earlier split's
+    ``_r<j>``): a trial of a split that follows ``first`` kept ones names its copies as the
+    whole sequence will.
 
     Raises:
         ValueError: a split names a node ``gm`` does not have (at its turn).
