@@ -116,6 +116,22 @@ def test_auto_moves_parameters_to_the_host_with_less_reserve_for_the_pilot(name:
     assert abs(rep.predicted_peak - measured) <= 0.03 * measured, (rep.predicted_peak, measured)
 
 
+def test_a_fragment_that_does_not_fit_runs_its_smallest_plan_without_the_pilots_reserve() -> None:
+    # The GRU's longer buckets are fragments of their own that find the parameters on the host
+    # (the first bucket's fragment moved them) and were planned with the pilot's whole reserve,
+    # 196 KiB in a 144 KiB budget: their smallest plans peaked at 360 KiB, twice the first
+    # bucket's, and 164 KiB without it. The reserve gives way where the plan does not fit, as
+    # it does for the first fragment; the warnings say what is resident and name no reserve.
+    budget = int(_unplanned_peak("gru") * 0.4)
+    compiled, _, caught = _train_under("gru", budget, 3, on_infeasible="best_effort")
+    plans = memcompile.report(compiled).plan.fragments
+    # (No larger than the first bucket's, which was planned without the reserve.)
+    first, *longer = (p.predicted_peak for p in plans)
+    assert len(longer) == 2 and max(longer) <= first, (first, longer)
+    said = [str(w.message) for w in caught if w.category is MemoryBudgetWarning]
+    assert len(said) == 3 and not any("prefetch cache" in m for m in said), said
+
+
 def test_a_step_is_replanned_though_a_fragments_own_plan_did_not_fit(monkeypatch) -> None:
     # The MoE at 0.4x: the router and two expert graphs, planned one at a time while the other
     # experts' parameters were still on the device, did not fit (warned). The step was then

@@ -542,6 +542,22 @@ class _FragmentBuild:
                 joint, model, plan, hosted = fetched, model2, plan2, candidates
                 host_reserve = reserve
         self.prefetch_reserve = host_reserve if hosted else self._reserve(hosted)
+        if config.budget is not None and not plan.feasible and self.prefetch_reserve:
+            # The same for parameters an earlier fragment put on the host (the GRU's longer
+            # buckets: a 196 KiB reserve in a 144 KiB budget): the reserve is a speed-up and
+            # gives way to what fits, and to nothing where nothing fits (the smallest plan).
+            room = self._room_without_reserve(joint, num_fwd_outputs, static, hosted)
+            reserve = 0 if room is None else min(self.prefetch_reserve, room)
+            model, plan = self._plan(joint, num_fwd_outputs, static, host=hosted, reserve=reserve)
+            log.info(
+                "F%d: the pilot's prefetch reserve is cut from %s to %s: the plan does not fit "
+                "with it (plan peaks at %s)",
+                self.index,
+                format_bytes(self.prefetch_reserve),
+                format_bytes(reserve),
+                format_bytes(plan.predicted_peak),
+            )
+            self.prefetch_reserve = reserve
         # Building the graphs changes nothing outside them: an infeasible plan still raises
         # below with the parameters untouched.
         fw, bw, plan = self._build(joint, model, plan, static, num_fwd_outputs)
