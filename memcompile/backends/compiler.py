@@ -2120,7 +2120,7 @@ class MemCompiler:
         if self.config.on_infeasible == "error":
             raise MemoryBudgetError(budget, plan.predicted_peak, hint)
         # The same reasons the error gives: a best-effort run is told why it does not fit too
-        # (the GRU's second bucket: the optimizer state made since the budget was chosen).
+        # (the GRU's longer buckets: they named the pilot's reserve, which then gave way).
         warnings.warn(
             f"memcompile: F{build.index} does not fit budget={format_bytes(budget)}; running the "
             f"smallest plan found, predicted peak {format_bytes(plan.predicted_peak)} "
