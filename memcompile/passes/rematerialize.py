@@ -250,9 +250,7 @@ def _apply(gm: fx.GraphModule, ctx: PassContext, split: Rematerialize, ordinal: 
             )
             new.meta = copy.copy(m.meta)
             # A fresh value: the analysis must see a new storage, not the first one again.
-            args, kwargs = fx.node.map_arg((new.args, new.kwargs), lambda a: a.meta["val"])
-            with fake_mode:
-                new.meta["val"] = new.target(*args, **kwargs)  # type: ignore[operator]
+            refresh_view(new, new, fake_mode)
             new.meta["memcompile_copy_of"] = m.meta.get("memcompile_copy_of", m.name)
             env[m] = new
             if m.target is _RELOAD:
