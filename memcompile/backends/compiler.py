@@ -521,7 +521,9 @@ class _FragmentBuild:
             if config.offload_params == "auto" and not plan2.feasible and reserve:
                 # The pilot's reserve is a speed-up, the host tier what fits: rather than keep
                 # the parameters on the device over the budget, give the cache what is left.
-                room = self._room_without_reserve(fetched, num_fwd_outputs, static, candidates)
+                room, _, _ = self._room_without_reserve(
+                    fetched, num_fwd_outputs, static, candidates
+                )
                 if room is not None:
                     reserve = min(reserve, room)
                     model2, plan2 = self._plan(
@@ -546,9 +548,12 @@ class _FragmentBuild:
             # The same for parameters an earlier fragment put on the host (the GRU's longer
             # buckets: a 196 KiB reserve in a 144 KiB budget): the reserve is a speed-up and
             # gives way to what fits, and to nothing where nothing fits (the smallest plan).
-            room = self._room_without_reserve(joint, num_fwd_outputs, static, hosted)
+            room, model, plan = self._room_without_reserve(joint, num_fwd_outputs, static, hosted)
             reserve = 0 if room is None else min(self.prefetch_reserve, room)
-            model, plan = self._plan(joint, num_fwd_outputs, static, host=hosted, reserve=reserve)
+            if reserve:  # else the plan without a reserve is this one
+                model, plan = self._plan(
+                    joint, num_fwd_outputs, static, host=hosted, reserve=reserve
+                )
             log.info(
                 "F%d: the pilot's prefetch reserve is cut from %s to %s: the plan does not fit "
                 "with it (plan peaks at %s)",
@@ -803,14 +808,14 @@ class _FragmentBuild:
         num_fwd_outputs: int,
         static: Sequence[int],
         host: Sequence[int],
-    ) -> int | None:
+    ) -> tuple[int | None, JointModel, FragmentPlan]:
         """Bytes the plan of ``fetched`` (parameters at ``host`` on the host) leaves under the
-        budget with no prefetch reserve; ``None``: it does not fit even so."""
+        budget with no prefetch reserve (``None``: it does not fit even so), and that plan."""
         budget = self.compiler.config.budget
-        _, bare = self._plan(fetched, num_fwd_outputs, static, host=host, reserve=0)
+        model, bare = self._plan(fetched, num_fwd_outputs, static, host=host, reserve=0)
         if budget is None or not bare.feasible:
-            return None
-        return max(0, budget - bare.predicted_peak)
+            return None, model, bare
+        return max(0, budget - bare.predicted_peak), model, bare
 
     def _built_profiler(
         self, fw: fx.GraphModule, bw: fx.GraphModule, split: tuple[tuple[int, ...], int, int]
