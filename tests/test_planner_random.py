@@ -159,7 +159,7 @@ def test_random_network_with_replayed_dropout_masks(program, fraction: float, ba
     _check_rewritten(program, fraction, batch, "replay")
 
 
-def _check_rewritten(program, fraction: float, batch: int, mode: str) -> None:
+def _check_rewritten(program, fraction: float, batch: int, mode: str) -> FragmentPlan:
     rewritten: list[int] = []
 
     def spy(gm: fx.GraphModule, ctx: PassContext, *, replay: bool = False) -> fx.GraphModule:
@@ -175,6 +175,7 @@ def _check_rewritten(program, fraction: float, batch: int, mode: str) -> None:
     # Dropouts whose input needs no gradient save no mask: nothing to rebuild there.
     if any(rewritten):
         assert any(n.startswith(SCALED_PREFIX) for n in plan.forward_order), plan.forward_order
+    return plan
 
 
 def test_reordering_keeps_random_ops_in_program_order() -> None:
@@ -219,3 +220,16 @@ def test_a_random_network_whose_moved_buffer_row_tiling_writes_into_is_predicted
     program = [("relu", 0, 0), ("relu", 0, 0), ("linear", 0, 0), ("linear", 3, 0)]
     plan = _check_case([*program, ("relu", 14, 0), ("relu", 0, 0)], 0.554672023866879, 64)
     assert any(node.startswith("tiled_empty") for node, _ in plan.rematerialized), plan
+
+
+def test_a_random_network_whose_split_reads_a_row_tiled_buffer_is_bit_identical() -> None:
+    # Found by the property with replayed masks once a made-again value's dying inputs were
+    # made again with it: a layer norm's backward read row tiling's `out=` buffer, whose copy
+    # was a new, empty one (gradients unlike eager's). A value written before it is read is
+    # not made again.
+    program = [("layernorm", 0, 12), ("linear", 17, 0), ("linear", 11, 13), ("relu", 13, 20)]
+    program += [("softmax", 6, 11), ("tanh", 14, 8), ("layernorm", 9, 2), ("dropout", 10, 4)]
+    plan = _check_rewritten(
+        [*program, ("relu", 2, 6), ("tanh", 14, 0)], 0.374168499618684, 64, "replay"
+    )
+    assert plan.row_tiled and plan.rematerialized, plan

@@ -33,8 +33,12 @@ layer norm and the weight gradient, which meet the 16 MiB log-softmax):
 Only values whose second computation gives the same bits are candidates: reloads (the host copy
 stays in the store until the backward ends) and deterministic ops with no effects whose inputs
 nothing writes in between (``in_place.py`` writes into dying gradients). Views of the value are
-made again with it. Reloads are not moved: where a reload is issued is ``prefetch.py``'s
-decision (early enough to hide the copy). Readers that write into a copy or view it (row
+made again with it, and so are the values it reads that nothing reads from the peak on (up to
+three steps back, as ``x2 := reload(x_host)`` above): a copy reading the originals would hold
+them across the peak instead (bench GPT's host tier: the layer norm's reloaded input, 2 MiB
+per attention backward). Their time is not priced: the pass runs only for a plan over its
+target. Reloads are not moved: where a reload is issued is ``prefetch.py``'s decision (early
+enough to hide the copy). Readers that write into a copy or view it (row
 tiling's ``out=`` buffers) get values of the copy's storage, for the analysis.
 
 :func:`plan_rematerialize` decides, from exact profiles of trial rewrites (a split is kept
@@ -70,17 +74,23 @@ _RELOAD = torch.ops.memcompile.reload.default
 _WAIT = torch.ops.memcompile.wait.default
 # Trial profiles plan_rematerialize may run (each is linear in the graph).
 _MAX_TRIALS = 96
+# How many steps back a made-again value's inputs are made again with it (_chain).
+_CHAIN_DEPTH = 3
 
 
 @dataclass(frozen=True)
 class Rematerialize:
     """Make ``node`` (and its views the late readers read) again right before ``before``; the
     readers from ``before`` on read the new value. ``moved``: no reader comes before
-    ``before``, so the original goes (a move, no second computation)."""
+    ``before``, so the original goes (a move, no second computation). ``inputs``: nodes
+    ``node`` reads (directly or through each other), in graph order, made again with it, so
+    the copy reads their copies: each would otherwise die before the peak, and the copy reading
+    it would hold it across (the reload a recomputed layer norm reads)."""
 
     node: str
     before: str
     moved: bool = False
+    inputs: tuple[str, ...] = ()
 
 
 def _mutates(n: fx.Node) -> bool:
@@ -145,6 +155,32 @@ def written_between(nodes: Sequence[fx.Node], inputs: Sequence[fx.Node], lo: int
     return False
 
 
+def _chain(
+    head: fx.Node, nodes: Sequence[fx.Node], position: dict[fx.Node, int], at: int
+) -> list[fx.Node]:
+    """The nodes ``head`` reads, directly or through each other (at most
+    :data:`_CHAIN_DEPTH` steps back), to make again with it, in graph order: repeatable, read
+    by nothing from the peak position ``at`` on, so each is dead at the peak unless a copy of
+    ``head`` reads it, and written by nothing before it (through any view: a row tiling's
+    ``out=`` buffer made again would be an empty one)."""
+    chain: set[fx.Node] = set()
+    frontier = [head]
+    for _ in range(_CHAIN_DEPTH):
+        found = []
+        for m in frontier:
+            for a in m.all_input_nodes:
+                if a in chain or not _repeatable(a):
+                    continue
+                if any(position[u] >= at or u.op == "output" for u in a.users):
+                    continue
+                if written_between(nodes, [a], position[a] + 1, at):
+                    continue
+                chain.add(a)
+                found.append(a)
+        frontier = found
+    return sorted(chain, key=position.__getitem__)
+
+
 def _candidates(gm: fx.GraphModule, profile: GraphProfile) -> list[Rematerialize]:
     """Splits worth a trial at ``profile``'s peak: values live there and not read there; read
     only after it (moves), or before and after it; largest first. (Moves are not tried first:
@@ -193,11 +229,25 @@ def _candidates(gm: fx.GraphModule, profile: GraphProfile) -> list[Rematerialize
         if any(_mutates(u) for u in readers if position[u] <= at):
             continue  # an early reader writes into the value: a second copy would miss it
         first = min(all_readers if moved else late, key=position.__getitem__)
-        if head.target is not _RELOAD and written_between(
-            nodes, head.all_input_nodes, position[head], position[first]
+        # What the copy reads that would die before the peak is made again with it (a
+        # recomputed layer norm's reloaded input: bench GPT's host tier, 2 MiB per attention
+        # backward), unless two copies would be named alike.
+        chain = [] if moved else _chain(head, nodes, position, at)
+        if len({_base(n.name) for n in (*chain, *every)}) < len(chain) + len(every):
+            chain = []
+        copied = set(chain)
+        if any(
+            c.target is not _RELOAD
+            and written_between(
+                nodes,
+                [a for a in c.all_input_nodes if a not in copied],
+                position[c],
+                position[first],
+            )
+            for c in (*chain, head)
         ):
             continue
-        out.append(Rematerialize(head.name, first.name, moved))
+        out.append(Rematerialize(head.name, first.name, moved, tuple(n.name for n in chain)))
     return out
 
 
@@ -209,9 +259,11 @@ def _base(name: str) -> str:
 def _apply(gm: fx.GraphModule, ctx: PassContext, split: Rematerialize, ordinal: int) -> None:
     nodes = list(gm.graph.nodes)
     by_name = {n.name: n for n in nodes}
-    head, before = by_name.get(split.node), by_name.get(split.before)
-    if head is None or before is None:
-        raise ValueError(f"{ctx.fragment}: no node {split.node!r} or {split.before!r}")
+    missing = [n for n in (split.node, split.before, *split.inputs) if n not in by_name]
+    if missing:
+        raise ValueError(f"{ctx.fragment}: no node {', '.join(map(repr, missing))}")
+    head, before = by_name[split.node], by_name[split.before]
+    chain = [by_name[name] for name in split.inputs]
     position = {n: p for p, n in enumerate(nodes)}
     vals = tensor_vals(head.meta.get("val"))
     members = [head]
@@ -236,8 +288,8 @@ def _apply(gm: fx.GraphModule, ctx: PassContext, split: Rematerialize, ordinal: 
     fake_mode = detect_fake_mode(vals)
     assert fake_mode is not None, "AOT graphs carry fake tensors"
     with gm.graph.inserting_before(before):
-        for m in members:
-            if m not in needed:
+        for m in [*chain, *members]:
+            if m not in needed and m not in chain:
                 continue
             # Named for the split's place in the sequence, not by FX's namespace: a graph's
             # namespace keeps the names of erased nodes and its deepcopy's does not, so a
