@@ -521,13 +521,18 @@ class _FragmentBuild:
             if config.offload_params == "auto" and not plan2.feasible and reserve:
                 # The pilot's reserve is a speed-up, the host tier what fits: rather than keep
                 # the parameters on the device over the budget, give the cache what is left.
-                room, _, _ = self._room_without_reserve(
+                room, bare_model, bare = self._room_without_reserve(
                     fetched, num_fwd_outputs, static, candidates
                 )
                 if room is not None:
                     reserve = min(reserve, room)
-                    model2, plan2 = self._plan(
-                        fetched, num_fwd_outputs, static, host=candidates, reserve=reserve
+                    # (No room left: the plan without a reserve is the one that measured it.)
+                    model2, plan2 = (
+                        self._plan(
+                            fetched, num_fwd_outputs, static, host=candidates, reserve=reserve
+                        )
+                        if reserve
+                        else (bare_model, bare)
                     )
                     log.info(
                         "F%d: the pilot's prefetch reserve is cut to %s for the host tier to "
