@@ -249,8 +249,9 @@ class MemReport:
                 f if c is None else f"{f} (saved <= {format_bytes(c)})"
                 for f, c in zip(r.fragments, caps, strict=True)
             )
+            host = ", parameters to the host" if r.host_params else ""
             lines.append(
-                f"  re-planned {names} (round {r.round}, {r.calls}-call step): "
+                f"  re-planned {names} (round {r.round}{host}, {r.calls}-call step): "
                 f"predicted {format_bytes(r.predicted_peak)} -> {after}"
             )
         for name in self.dropped_outputs:

@@ -97,6 +97,8 @@ def test_step_that_replanning_cannot_fit_is_warned_and_reported() -> None:
     rep = memcompile.report(compiled)
     assert rep.over_budget and rep.replans and rep.replans[-1].fits is False
     assert rep.replans[-1].peak_after < rep.replans[0].predicted_peak  # it did lower it
+    # Told to keep them on the device, no round puts the parameters on the host.
+    assert rep.host_param_bytes == 0 and not any(r.host_params for r in rep.replans)
     assert "still over budget" in str(rep) and "EXCEEDED" in str(rep)
 
 
@@ -112,6 +114,28 @@ def test_auto_moves_parameters_to_the_host_with_less_reserve_for_the_pilot(name:
     measured = measure_settled(compiled, wl, wl.batch(4))
     rep = memcompile.report(compiled)
     assert rep.host_param_bytes > 0 and not rep.over_budget
+    assert measured <= budget, (measured, budget)
+    assert abs(rep.predicted_peak - measured) <= 0.03 * measured, (rep.predicted_peak, measured)
+
+
+def test_auto_puts_the_whole_steps_parameters_on_the_host_when_saved_sets_cannot_fit_it() -> None:
+    # The MoE at 0.6x: each fragment's first plan fits alone, so "auto" kept the parameters on
+    # the device; the step did not fit, and each re-plan tried the host tier for its own
+    # parameters only, which the others' still on the device made useless ("keeping the
+    # parameters on the host does not help"): two rounds, warned, 438,048 B measured in a
+    # 348,756 B budget. Once the saved sets are spent, one round puts every fragment's
+    # parameters on the host, and the step fits.
+    budget = int(_unplanned_peak("moe") * 0.60)
+    compiled, wl, caught = _train_under("moe", budget, 4)
+    assert not [w for w in caught if issubclass(w.category, MemoryBudgetWarning)]
+    measured = measure_settled(compiled, wl, wl.batch(4))  # (a step that checks the last round)
+    rep = memcompile.report(compiled)
+    hosting = [r for r in rep.replans if r.host_params]
+    assert len(hosting) == 1 and hosting[0].predicted_peak > budget, rep.replans
+    assert set(hosting[0].fragments) == {"F0", "F1", "F2", "F3"}
+    assert all(r is None for r in hosting[0].resident)
+    assert rep.host_param_bytes > 0 and not rep.over_budget and rep.replans[-1].fits
+    assert "parameters to the host" in str(rep)
     assert measured <= budget, (measured, budget)
     assert abs(rep.predicted_peak - measured) <= 0.03 * measured, (rep.predicted_peak, measured)
 

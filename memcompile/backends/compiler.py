@@ -340,6 +340,9 @@ class _FragmentBuild:
         #: A re-plan's cap on the bytes the plan holds from forward to backward (saved sets held
         #: while other fragments run); ``None``: no cap.
         self.replan_saved_cap: int | None = None
+        #: Re-planned by the round that put the step's parameters on the host: planned as a
+        #: new fragment, but the step's check, not this plan, says whether the step fits.
+        self.host_replan = False
         #: Positions among the forward's outputs of user outputs a step showed the caller drops
         #: before the backward: planned and profiled as not held (``MemCompiler``'s
         #: ``_check_dropped_outputs``).
@@ -502,7 +505,9 @@ class _FragmentBuild:
         candidates = self._host_candidates(static) if aligned else []
         device = self.device
         wants = config.offload_params is True or (
-            config.offload_params == "auto" and config.budget is not None and not plan.feasible
+            config.offload_params == "auto"
+            and config.budget is not None
+            and (not plan.feasible or compiler.host_step)
         )
         if wants and candidates:
             # Parameters to the host tier: their bytes leave the resident set, and each reader
@@ -1482,6 +1487,11 @@ class MemCompiler:
         self._replanned: set[int] = set()
         # Step calls (without sizes) -> position in ``replans`` of its latest round.
         self._replan_rounds: dict[tuple[tuple[int, str], ...], int] = {}
+        # Step calls -> the round that put the step's parameters on the host (``host_step``);
+        # fragments re-planned by it (counted apart), and those not compiled again yet.
+        self._host_rounds: dict[tuple[tuple[int, str], ...], int] = {}
+        self._host_replans: dict[int, int] = {}
+        self._hosting_replans: set[int] = set()
         # Identity -> (record, resident, saved cap) of fragments whose code was dropped: the
         # next compile of the same graph takes the record's index and plans with those.
         self._awaiting: dict[str, list[tuple[FragmentRecord, int | None, int | None]]] = {}
@@ -1494,6 +1504,11 @@ class MemCompiler:
         self._warned_steps: set[tuple[tuple[int, str], ...]] = set()
         #: Bytes of parameters this compiler moved to the host tier (``offload_params``).
         self.host_param_bytes = 0
+        #: ``offload_params="auto"`` decided for the whole step: a step that re-planning its
+        #: saved sets did not fit put every fragment's parameters on the host (one fragment's
+        #: alone leave the others' on the device, so none fit: the MoE at 0.6x its unplanned
+        #: peak). Every plan from then on tries the host tier first, fitting or not.
+        self.host_step = False
         #: Whether host-placed parameters are a CUDA model's pinned ones (runtime/pinned.py).
         self.host_params_pinned = False
         #: CUDA: device bytes allocated at the first plan that belong to none of memcompile's
@@ -1746,6 +1761,8 @@ class MemCompiler:
             build.stats = old.stats
             build.replan_resident = resident
             build.replan_saved_cap = saved_cap
+            build.host_replan = index in self._hosting_replans
+            self._hosting_replans.discard(index)
         self.note_dynamic_fragment(build.index, gm)
         compiled, record = self._compile_fragment(build, gm, compile_inputs, identity)
         compiled = split.wrap(compiled)
@@ -1909,6 +1926,13 @@ class MemCompiler:
             block_inputs=build.block_inputs,
             profile_at=build.profile_at if build.size_slots else None,
             summed_inputs=build.summed_inputs,
+            hostable=frozenset(
+                storage_sizes(
+                    t
+                    for i in build.static_inputs
+                    if i < len(build.example_inputs) and self.may_host(t := build.example_inputs[i])
+                )
+            ),
         )
         return compiled, record
 
@@ -1952,6 +1976,10 @@ class MemCompiler:
             self._replan_counts.clear()
             self._replanned.clear()
             self._replan_rounds.clear()
+            self._host_rounds.clear()
+            self._host_replans.clear()
+            self._hosting_replans.clear()
+            self.host_step = False
             self._awaiting.clear()
             self._pending_codes.clear()
             self._warned_steps.clear()
@@ -2009,7 +2037,10 @@ class MemCompiler:
             # re-plans them (zoo GPT small at 0.3x eager DDP's peak: two pieces warned).
             if r.compile_id.split("/")[0] == frame or r.index == build.index:
                 continue
-            storages.update(self._static_storages(r))
+            # A plan on the host tier for the whole step: the others' parameters move too (the
+            # step's check re-plans if they do not).
+            gone = r.hostable if skip and self.host_step else frozenset()
+            storages.update((a, n) for a, n in self._static_storages(r) if a not in gone)
             if r.profile is not None and r.profile.training:
                 others += r.profile.saved_bytes + r.profile.saved_input_bytes
         return sum(storages.values()) + others + self._device_other(build, sum(storages.values()))
@@ -2110,7 +2141,7 @@ class MemCompiler:
                 "prefetch cache (pilot='off', or a smaller prefetch_depth, frees it)"
             )
         hint = "; ".join(tips)
-        if build.replan_resident is not None:
+        if build.replan_resident is not None or build.host_replan:
             # A re-plan runs its smallest plan: the next step's prediction tells whether the
             # step fits with every re-planned fragment, and warns if not (_check_step_budget).
             cap = plan.saved_cap
@@ -2757,7 +2788,16 @@ class MemCompiler:
             return
         rounds = last.round if last is not None else 0
         stuck: tuple[int, ...] = ()
-        if rounds < MAX_ROUNDS:
+        # Rounds count from the host round (that planned every fragment as new), if any; and
+        # once the last round's fragments all ran their smallest plans, the saved sets are
+        # spent (another round plans the same): the host tier is what is left to try.
+        since = rounds - self._host_rounds.get(calls, 0)
+        spent = last is not None and all(
+            (p := records[int(f[1:])].plan) is not None and not p.feasible
+            for f in last.fragments
+            if int(f[1:]) in records
+        )
+        if since < MAX_ROUNDS and not (spent and self._may_host_step(used, records)):
             assumed = {
                 i: r.plan.resident_bytes - self._reserves.get(i, 0)
                 for i, r in records.items()
@@ -2806,6 +2846,11 @@ class MemCompiler:
                     rounds + 1,
                 )
                 return
+        if self._host_round(prediction.peak, seq, used, records, rounds + 1):
+            self._replan_rounds[calls] = len(self.replans) - 1
+            self._host_rounds[calls] = rounds + 1
+            self._checked_steps.discard(shape)
+            return
         self.over_budget = True
         if reported and not rounds:
             return  # said when its fragment was planned
@@ -2847,6 +2892,64 @@ class MemCompiler:
                 MemoryBudgetWarning,
                 stacklevel=2,
             )
+
+    def _may_host_step(self, used: set[int], records: Mapping[int, FragmentRecord]) -> bool:
+        """Whether ``offload_params="auto"`` may still put the parameters of the step's
+        fragments (``used``) on the host: not done yet, and some are on the device."""
+        if self.host_step or self.config.offload_params != "auto":
+            return False
+        moved = self._moved_storages
+        return any(a not in moved for i in used if i in records for a in records[i].hostable)
+
+    def _host_round(
+        self,
+        peak: int,
+        seq: Sequence[tuple[int, str, int]],
+        used: set[int],
+        records: Mapping[int, FragmentRecord],
+        round_: int,
+    ) -> bool:
+        """Re-plan every fragment of a step that re-planning its saved sets did not fit with
+        the parameters on the host (``offload_params="auto"``), each as a new fragment that
+        counts the others' parameters as moved too. Once per compiler; whether it fits is the
+        next step's prediction. Returns whether a round was requested."""
+        if not self._may_host_step(used, records):
+            return False
+        chosen: dict[int, int | None] = {
+            i: None for i in sorted(used) if i in records and self._code_of(i) is not None
+        }
+        if not chosen:
+            return False
+        self.host_step = True
+        self._request_replan(chosen, records, dict.fromkeys(chosen), counts=self._host_replans)
+        # Plans of their own now (not the step's figures): the budget rounds may follow.
+        self._replanned.update(chosen)
+        self._hosting_replans.update(chosen)
+        for i in chosen:
+            self._replan_counts.pop(i, None)
+        self.replans.append(
+            Replan(
+                round=round_,
+                calls=len(seq),
+                budget=self.config.budget or 0,
+                predicted_peak=peak,
+                fragments=tuple(f"F{i}" for i in chosen),
+                resident=(None,) * len(chosen),
+                saved_cap=(None,) * len(chosen),
+                host_params=True,
+            )
+        )
+        log.info(
+            "memcompile: a %d-call step is predicted to peak at %s, over budget=%s, and "
+            "re-planning its saved sets did not fit it: re-planning %s (round %d) with the "
+            "parameters on the host (offload_params='auto')",
+            len(seq),
+            format_bytes(peak),
+            format_bytes(self.config.budget or 0),
+            ", ".join(f"F{i}" for i in chosen),
+            round_,
+        )
+        return True
 
     def _code_of(self, index: int) -> CodeType | None:
         ref = self._codes.get(index)

@@ -99,6 +99,8 @@ class FragmentRecord:
         summed_inputs: positions of the inputs whose several gradient contributions its
             backward graph sums: parameters read several times (not split), inputs an op
             reads through several autograd edges.
+        hostable: addresses among ``static_storages`` of the parameters the host tier may take
+            (``MemCompiler.may_host``): what a step that puts parameters on the host frees.
     """
 
     index: int
@@ -122,6 +124,7 @@ class FragmentRecord:
     #: Positions of inputs whose several contributions its backward graph sums
     #: (``InputSplit.summed``, passes/input_uses.py).
     summed_inputs: tuple[int, ...] = ()
+    hostable: frozenset[int] = frozenset()
 
     @property
     def name(self) -> str:

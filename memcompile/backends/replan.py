@@ -72,6 +72,9 @@ class Replan:
             observed yet).
         saved_cap: per fragment, the bytes its new plan may hold from forward to backward
             (``None``: no cap); empty in rounds recorded before caps existed.
+        host_params: a round that planned the fragments as new with their parameters on the
+            host (``offload_params="auto"`` for the whole step, once the saved sets could give
+            no more); its ``resident`` entries are ``None``.
     """
 
     round: int
@@ -79,9 +82,10 @@ class Replan:
     budget: int
     predicted_peak: int
     fragments: tuple[str, ...]
-    resident: tuple[int, ...]
+    resident: tuple[int | None, ...]
     peak_after: int | None = None
     saved_cap: tuple[int | None, ...] = ()
+    host_params: bool = False
 
     @property
     def fits(self) -> bool | None:
