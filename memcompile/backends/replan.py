@@ -34,6 +34,14 @@ replaces the old one). A re-planned fragment whose target cannot be met gets its
 whether the step fits is decided by the next step's prediction, not one fragment at a time.
 Rounds are bounded (``MAX_ROUNDS`` per step composition, ``MAX_REPLANS`` per fragment); when the
 step is still over budget after them, the user is warned and ``memcompile.report()`` says so.
+
+With ``offload_params="auto"``, one more kind of round comes first (once per model): when the
+rounds are spent, or the last one's fragments all ran their smallest plans, and some of the
+step's parameters are still on the device, the compiler re-plans every fragment of the step as
+a new one with its parameters on the host (``Replan.host_params``), each counting the others'
+as moved too. Re-planned one at a time, a fragment's own parameters on the host leave the
+others' on the device, so none fits (the MoE at 0.6x its unplanned peak). The rounds above
+count again from it.
 """
 
 from __future__ import annotations
