@@ -16,6 +16,7 @@ from memcompile.backends.replan import MAX_REPLANS, decide_replan
 from memcompile.passes.analysis import GraphProfile
 from memcompile.passes.fragment import FragmentProfile
 from memcompile.passes.step import StepPrediction, simulate_step
+from memcompile.runtime.measure import storage_sizes
 
 from helpers import assert_same_state, measure_settled
 
@@ -118,7 +119,9 @@ def test_auto_moves_parameters_to_the_host_with_less_reserve_for_the_pilot(name:
     assert abs(rep.predicted_peak - measured) <= 0.03 * measured, (rep.predicted_peak, measured)
 
 
-def test_auto_puts_the_whole_steps_parameters_on_the_host_when_saved_sets_cannot_fit_it() -> None:
+def test_auto_puts_the_whole_steps_parameters_on_the_host_when_saved_sets_cannot_fit_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # The MoE at 0.6x: each fragment's first plan fits alone, so "auto" kept the parameters on
     # the device; the step did not fit, and each re-plan tried the host tier for its own
     # parameters only, which the others' still on the device made useless ("keeping the
@@ -126,6 +129,32 @@ def test_auto_puts_the_whole_steps_parameters_on_the_host_when_saved_sets_cannot
     # 348,756 B budget. Once the saved sets are spent, one round puts every fragment's
     # parameters on the host, and the step fits.
     budget = int(_unplanned_peak("moe") * 0.60)
+    # Each fragment that round plans with its parameters on the host counts the others' as
+    # moved too (they move when their fragments compile next), not as resident.
+    # (fragment, bytes of the others' parameters not counted, those still on the device)
+    moving: list[tuple[int, int, int]] = []
+    resident_bytes = MemCompiler.resident_bytes
+
+    def spy(self: MemCompiler, build: Any, *, host: Any = ()) -> int:
+        out = resident_bytes(self, build, host=host)
+        if build.host_replan and host:
+            self.host_step = False  # the same plan, counting the others' parameters
+            try:
+                counted = resident_bytes(self, build, host=host)
+            finally:
+                self.host_step = True
+            own = storage_sizes(build.example_inputs)
+            device = {
+                a: n
+                for r in self.records()
+                if r.index != build.index
+                for a, n in self._static_storages(r)
+                if a in r.hostable and a not in own
+            }
+            moving.append((build.index, counted - out, sum(device.values())))
+        return out
+
+    monkeypatch.setattr(MemCompiler, "resident_bytes", spy)
     compiled, wl, caught = _train_under("moe", budget, 4)
     assert not [w for w in caught if issubclass(w.category, MemoryBudgetWarning)]
     measured = measure_settled(compiled, wl, wl.batch(4))  # (a step that checks the last round)
@@ -138,6 +167,9 @@ def test_auto_puts_the_whole_steps_parameters_on_the_host_when_saved_sets_cannot
     assert "parameters to the host" in str(rep)
     assert measured <= budget, (measured, budget)
     assert abs(rep.predicted_peak - measured) <= 0.03 * measured, (rep.predicted_peak, measured)
+    # The first fragment of the round found all the others' parameters still on the device.
+    assert moving and moving[0][0] == 0 and moving[0][1] > 0, moving
+    assert all(gone == device for _, gone, device in moving), moving
 
 
 def test_a_fragment_that_does_not_fit_runs_its_smallest_plan_without_the_pilots_reserve() -> None:
