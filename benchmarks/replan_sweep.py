@@ -9,7 +9,9 @@ The unplanned peak: one step of the tiny model under memcompile without a budget
 (the CPU profiler counts from its own start), ``--steps`` SGD steps under ``budget = fraction *
 unplanned`` next to eager: losses and parameters compared bit for bit, the
 ``MemoryBudgetWarning`` s counted, and one more step measured. A fraction *fits* when no
-warning came, the step's prediction is within the budget and the measured peak too. Writes
+warning came, the step's prediction is within the budget and the measured peak too. A dynamic
+model's steps differ (a tree's size): the figures are the last step's, which may fit where an
+earlier step was warned about; *warned at* gives the peaks the warnings predicted. Writes
 ``benchmarks/results/replan_sweep_<model>.{md,json}`` with the command, machine and date.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import subprocess
 import sys
 import warnings
@@ -74,6 +77,7 @@ def one(name: str, budget: int, steps: int) -> dict[str, Any]:
         "measured": measured,
         "bit_identical": same,
         "warnings": len(budget_warnings),
+        "warned": budget_warnings,
         "rounds": len(rep.replans),
         "caps": [  # (none before saved caps existed: the sweep also runs on older trees)
             {
@@ -88,6 +92,12 @@ def one(name: str, budget: int, steps: int) -> dict[str, Any]:
         and rep.predicted_peak <= budget
         and measured <= budget,
     }
+
+
+def _warned_at(messages: list[str]) -> str:
+    """The peaks the budget warnings predicted (``"predicted to peak at 77.68 KiB"``)."""
+    found = (re.search(r"predicted to peak at ([0-9.]+ [KMG]?i?B)", m) for m in messages)
+    return ", ".join(f[1] for f in found if f) or "-"
 
 
 def main() -> int:
@@ -141,15 +151,16 @@ def main() -> int:
         f"that fits (no warning, predicted and measured within the budget): "
         f"{result['lowest_fitting']}.",
         "",
-        "| fraction | budget B | predicted B | measured B | rounds | warnings | bit-identical "
-        "| fits | saved caps (last round) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| fraction | budget B | predicted B | measured B | rounds | warnings | warned at "
+        "| bit-identical | fits | saved caps (last round) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         caps = ", ".join(f"{f} <= {c:,}" for f, c in (r["caps"][-1] if r["caps"] else {}).items())
         lines.append(
             f"| {r['fraction']} | {r['budget']:,} | {r['predicted']:,} | {r['measured']:,} | "
-            f"{r['rounds']} | {r['warnings']} | {r['bit_identical']} | {r['fits']} | {caps} |"
+            f"{r['rounds']} | {r['warnings']} | {_warned_at(r.get('warned', []))} | "
+            f"{r['bit_identical']} | {r['fits']} | {caps} |"
         )
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return 0
