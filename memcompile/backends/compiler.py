@@ -1488,7 +1488,8 @@ class MemCompiler:
         # Step calls (without sizes) -> position in ``replans`` of its latest round.
         self._replan_rounds: dict[tuple[tuple[int, str], ...], int] = {}
         # Step calls -> the round that put the step's parameters on the host (``host_step``);
-        # fragments re-planned by it (counted apart), and those not compiled again yet.
+        # its re-plans per fragment (apart from the budget's ``MAX_REPLANS``), and the
+        # fragments it re-planned that have not compiled again yet.
         self._host_rounds: dict[tuple[tuple[int, str], ...], int] = {}
         self._host_replans: dict[int, int] = {}
         self._hosting_replans: set[int] = set()
@@ -1507,7 +1508,8 @@ class MemCompiler:
         #: ``offload_params="auto"`` decided for the whole step: a step that re-planning its
         #: saved sets did not fit put every fragment's parameters on the host (one fragment's
         #: alone leave the others' on the device, so none fit: the MoE at 0.6x its unplanned
-        #: peak). Every plan from then on tries the host tier first, fitting or not.
+        #: peak). Every plan from then on also tries the host tier, and takes it where that
+        #: fits or peaks lower, as when its own plan does not fit.
         self.host_step = False
         #: Whether host-placed parameters are a CUDA model's pinned ones (runtime/pinned.py).
         self.host_params_pinned = False
