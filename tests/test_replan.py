@@ -95,6 +95,11 @@ def test_step_that_replanning_cannot_fit_is_warned_and_reported() -> None:
     messages = [str(w.message) for w in caught if issubclass(w.category, MemoryBudgetWarning)]
     assert len(messages) == 1, messages  # once per step composition, not once per step
     assert "re-planning its fragments with the whole step known did not fit it" in messages[0]
+    # It names what is left to try: recompute and swap are allowed already.
+    assert (
+        "(set offload_params=True (" in messages[0] and " on the device), or raise" in messages[0]
+    )
+    assert "allow" not in messages[0]
     rep = memcompile.report(compiled)
     assert rep.over_budget and rep.replans and rep.replans[-1].fits is False
     assert rep.replans[-1].peak_after < rep.replans[0].predicted_peak  # it did lower it
@@ -170,6 +175,26 @@ def test_auto_puts_the_whole_steps_parameters_on_the_host_when_saved_sets_cannot
     # The first fragment of the round found all the others' parameters still on the device.
     assert moving and moving[0][0] == 0 and moving[0][1] > 0, moving
     assert all(gone == device for _, gone, device in moving), moving
+
+
+def test_a_warning_for_a_step_with_its_parameters_on_the_host_does_not_ask_to_move_them() -> None:
+    # TreeLSTM at 0.6x: every parameter is on the host ("auto") and a 128-call step is still
+    # over. The warning said "set offload_params=True" (done already) and "allow recompute
+    # and swap" (allowed): it now says the parameters are on the host and what is left.
+    budget = int(_unplanned_peak("treelstm") * 0.60)
+    torch._dynamo.reset()
+    wl = zoo.build("treelstm", size="tiny")
+    compiled = memcompile.compile(wl.model, budget=budget)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wl.train(compiled, 5)
+    messages = [str(w.message) for w in caught if issubclass(w.category, MemoryBudgetWarning)]
+    assert len(messages) == 1, messages
+    host = memcompile.report(compiled).host_param_bytes
+    assert host == sum(p.numel() * p.element_size() for p in wl.model.parameters())
+    assert "With its parameters on the host (" in messages[0]
+    assert "(raise the budget; see memcompile.report())" in messages[0]
+    assert "offload_params" not in messages[0] and "allow" not in messages[0]
 
 
 def test_a_fragment_that_does_not_fit_runs_its_smallest_plan_without_the_pilots_reserve() -> None:

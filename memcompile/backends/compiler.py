@@ -2875,14 +2875,7 @@ class MemCompiler:
             warnings.warn(
                 f"memcompile: a {len(self.last_step)}-call step is predicted to peak at "
                 f"{format_bytes(prediction.peak)}, over budget={format_bytes(budget)}: {why}. "
-                "Its parameters, gradients and smallest saved sets need more (allow recompute "
-                "and swap, "
-                + (
-                    "shard over more ranks or use FSDP2's CPUOffloadPolicy"
-                    if self.sharded is not None
-                    else "set offload_params=True"
-                )
-                + ", or raise the budget; see memcompile.report())",
+                + self._step_advice(used, records),
                 MemoryBudgetWarning,
                 stacklevel=2,
             )
@@ -2894,6 +2887,37 @@ class MemCompiler:
                 MemoryBudgetWarning,
                 stacklevel=2,
             )
+
+    def _step_advice(self, used: set[int], records: Mapping[int, FragmentRecord]) -> str:
+        """What could fit a step over the budget, among what is not done already."""
+        config = self.config
+        tips = []
+        off = [name for name in ("recompute", "swap") if not getattr(config, name)]
+        if off:
+            tips.append("allow " + " and ".join(off))
+        device = 0
+        if self.sharded is not None:
+            tips.append("shard over more ranks or use FSDP2's CPUOffloadPolicy")
+        elif config.offload_params is not True:
+            moved = self._moved_storages
+            device = sum(
+                n
+                for i in sorted(used)
+                if i in records
+                for a, n in records[i].static_storages
+                if a in records[i].hostable and a not in moved
+            )
+            if device:
+                tips.append(f"set offload_params=True ({format_bytes(device)} on the device)")
+        tips.append("raise the budget")
+        held = (
+            f"With its parameters on the host ({format_bytes(self.host_param_bytes)}), its "
+            "gradients and smallest saved sets"
+            if self.host_param_bytes and not device and self.sharded is None
+            else "Its parameters, gradients and smallest saved sets"
+        )
+        options = tips[0] if len(tips) == 1 else ", ".join(tips[:-1]) + ", or " + tips[-1]
+        return f"{held} need more ({options}; see memcompile.report())"
 
     def _may_host_step(self, used: set[int], records: Mapping[int, FragmentRecord]) -> bool:
         """Whether ``offload_params="auto"`` may still put the parameters of the step's
