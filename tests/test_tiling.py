@@ -381,6 +381,28 @@ def test_a_leaf_written_between_the_chain_and_the_op_leaves_it_whole():
     assert find_row_tilings(_trace(_branch_backward))  # the same op, nothing written between
 
 
+def test_a_long_recurrence_is_searched_back_a_bounded_number_of_values():
+    # An unrolled recurrence (the zoo GRU, small, has 48 to 96 time steps) makes each step's
+    # chain reach back through every earlier step: the search recursed once per value and
+    # raised RecursionError in the compiler (GRU small at 0.7x its peak). It now reads what is
+    # further back than tiling._MAX_DEPTH values as a leaf.
+    def unrolled(x):
+        h = x
+        for _ in range(300):
+            h = aten.mul.Tensor(h, aten.sigmoid.default(h))
+        return aten.add.Tensor(aten.mean.dim(h, [-1]), 1.0)
+
+    gm = make_fx(unrolled, tracing_mode="fake")(torch.randn(N, H))
+    found = find_row_tilings(gm)
+    assert len(found) == 301  # every sigmoid, mul and the mean
+    longest = max(len(t.chain) for t in found)
+    assert tiling._MAX_DEPTH <= longest <= 2 * tiling._MAX_DEPTH, longest
+    mean = next(t for t in found if t.op == str(aten.mean.dim))
+    # It reads by rows the values where the search stopped, not the recurrence's input.
+    inputs = {n.name for n in gm.graph.find_nodes(op="placeholder")}
+    assert mean.leaves and not inputs & set(mean.leaves), mean.leaves
+
+
 def test_the_probes_verdict_is_obeyed(monkeypatch):
     gm = _trace(_branch_backward)
     monkeypatch.setattr(tiling, "tiles_exactly", lambda *a: False)

@@ -142,6 +142,11 @@ _WAIT = torch.ops.memcompile.wait.default
 #: Searches of one op's chain at most, each reading the values the last found read after the
 #: op as leaves.
 _SEARCHES = 4
+#: Values a chain reaches back from its op at most (nested reads): what is further is read as a
+#: leaf. An unrolled recurrence (the zoo GRU, small) reaches back through every time step, and
+#: the search recursed past Python's limit (``RecursionError``; blocks that make a whole
+#: recurrence again would cost its time per block anyway).
+_MAX_DEPTH = 48
 #: Name prefix of the nodes the pass creates.
 PREFIX = "tiled"
 
@@ -326,6 +331,11 @@ class _Chain:
         self.periodic: set[fx.Node] = set()
         #: Blocks start at multiples of it (whole batches of a batched matmul, whole periods).
         self.align = 1
+        #: Values that could not join the chain: not searched again from another reader (the
+        #: search is then linear in the graph; it was exponential in an unrolled recurrence's
+        #: length, each time step reading the previous one twice). Kept across give-backs.
+        self.failed: set[fx.Node] = set()
+        self.depth = 0
 
     def _state(self) -> tuple[Any, ...]:
         sets = (self.chain, self.leaves, self.rowed, self.whole, self.batched, self.periodic)
@@ -379,6 +389,21 @@ class _Chain:
         until its caller, :meth:`operand`, gives it back."""
         if n in self.chain:
             return True
+        if n in self.failed or self.depth >= _MAX_DEPTH:
+            return False
+        self.depth += 1
+        try:
+            joined = self._joins(n, v)
+        finally:
+            self.depth -= 1
+        if not joined:
+            # (A value that failed for what the chain held then may join another chain: a
+            # missed tiling, never a wrong one.)
+            self.failed.add(n)
+        return joined
+
+    def _joins(self, n: fx.Node, v: torch.Tensor) -> bool:
+        """:meth:`_made_by_rows` for a value not searched yet."""
         if n not in self.owned or n.op != "call_function" or n is self.op_node:
             return False
         if n in self.as_leaves:
