@@ -382,10 +382,10 @@ def test_a_leaf_written_between_the_chain_and_the_op_leaves_it_whole():
 
 
 def test_a_long_recurrence_is_searched_back_a_bounded_number_of_values():
-    # An unrolled recurrence (the zoo GRU, small, has 48 to 96 time steps) makes each step's
-    # chain reach back through every earlier step: the search recursed once per value and
-    # raised RecursionError in the compiler (GRU small at 0.7x its peak). It now reads what is
-    # further back than tiling._MAX_DEPTH values as a leaf.
+    # An unrolled recurrence (the zoo GRU) makes each step's chain reach back through every
+    # earlier step: the search recursed once per value (GRU small at 0.7x its peak had not
+    # finished its first step after 13 minutes) and 300 steps raise RecursionError. It now
+    # reads what is further back than tiling._MAX_DEPTH values as a leaf.
     def unrolled(x):
         h = x
         for _ in range(300):

@@ -331,9 +331,8 @@ class _Chain:
         self.periodic: set[fx.Node] = set()
         #: Blocks start at multiples of it (whole batches of a batched matmul, whole periods).
         self.align = 1
-        #: Values that could not join the chain: not searched again from another reader (the
-        #: search is then linear in the graph; it was exponential in an unrolled recurrence's
-        #: length, each time step reading the previous one twice). Kept across give-backs.
+        #: Values that could not join the chain: not searched again from another reader (each
+        #: reader searched them again, with all they read). Kept across give-backs.
         self.failed: set[fx.Node] = set()
         self.depth = 0
 
