@@ -2908,13 +2908,14 @@ class MemCompiler:
             tips.append("shard over more ranks or use FSDP2's CPUOffloadPolicy")
         elif config.offload_params is not True:
             moved = self._moved_storages
-            device = sum(
-                n
+            on_device = {  # by storage: fragments share parameters (a tree's cells)
+                a: n
                 for i in sorted(used)
                 if i in records
                 for a, n in records[i].static_storages
                 if a in records[i].hostable and a not in moved
-            )
+            }
+            device = sum(on_device.values())
             if device:
                 tips.append(f"set offload_params=True ({format_bytes(device)} on the device)")
         tips.append("raise the budget")
