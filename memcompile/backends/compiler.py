@@ -1496,10 +1496,8 @@ class MemCompiler:
         # Step calls (without sizes) -> position in ``replans`` of its latest round.
         self._replan_rounds: dict[tuple[tuple[int, str], ...], int] = {}
         # Step calls -> the round that put the step's parameters on the host (``host_step``);
-        # its re-plans per fragment (apart from the budget's ``MAX_REPLANS``), and the
-        # fragments it re-planned that have not compiled again yet.
+        # and the fragments it re-planned that have not compiled again yet.
         self._host_rounds: dict[tuple[tuple[int, str], ...], int] = {}
-        self._host_replans: dict[int, int] = {}
         self._hosting_replans: set[int] = set()
         # Identity -> (record, resident, saved cap) of fragments whose code was dropped: the
         # next compile of the same graph takes the record's index and plans with those.
@@ -1987,7 +1985,6 @@ class MemCompiler:
             self._replanned.clear()
             self._replan_rounds.clear()
             self._host_rounds.clear()
-            self._host_replans.clear()
             self._hosting_replans.clear()
             self.host_step = False
             self._awaiting.clear()
@@ -2907,15 +2904,7 @@ class MemCompiler:
         if self.sharded is not None:
             tips.append("shard over more ranks or use FSDP2's CPUOffloadPolicy")
         elif config.offload_params is not True:
-            moved = self._moved_storages
-            on_device = {  # by storage: fragments share parameters (a tree's cells)
-                a: n
-                for i in sorted(used)
-                if i in records
-                for a, n in records[i].static_storages
-                if a in records[i].hostable and a not in moved
-            }
-            device = sum(on_device.values())
+            device = sum(self._hostable_on_device(used, records).values())
             if device:
                 tips.append(f"set offload_params=True ({format_bytes(device)} on the device)")
         tips.append("raise the budget")
@@ -2928,13 +2917,27 @@ class MemCompiler:
         options = tips[0] if len(tips) == 1 else ", ".join(tips[:-1]) + ", or " + tips[-1]
         return f"{held} need more ({options}; see memcompile.report())"
 
+    def _hostable_on_device(
+        self, used: set[int], records: Mapping[int, FragmentRecord]
+    ) -> dict[int, int]:
+        """Storage address -> bytes of the parameters of the fragments ``used`` that the host
+        tier may take and that are still on the device (once each: fragments share parameters,
+        a tree's cells)."""
+        moved = self._moved_storages
+        return {
+            a: n
+            for i in sorted(used)
+            if i in records
+            for a, n in records[i].static_storages
+            if a in records[i].hostable and a not in moved
+        }
+
     def _may_host_step(self, used: set[int], records: Mapping[int, FragmentRecord]) -> bool:
         """Whether ``offload_params="auto"`` may still put the parameters of the step's
         fragments (``used``) on the host: not done yet, and some are on the device."""
         if self.host_step or self.config.offload_params != "auto":
             return False
-        moved = self._moved_storages
-        return any(a not in moved for i in used if i in records for a in records[i].hostable)
+        return bool(self._hostable_on_device(used, records))
 
     def _host_round(
         self,
@@ -2956,10 +2959,9 @@ class MemCompiler:
         if not chosen:
             return False
         self.host_step = True
-        self._request_replan(chosen, records, dict.fromkeys(chosen), counts=self._host_replans)
-        # Plans of their own now (not the step's figures): the budget rounds may follow.
-        self._replanned.update(chosen)
+        self._request_replan(chosen, records, dict.fromkeys(chosen))
         self._hosting_replans.update(chosen)
+        # Plans of their own now (not the step's figures): the budget's re-plans count afresh.
         for i in chosen:
             self._replan_counts.pop(i, None)
         self.replans.append(
