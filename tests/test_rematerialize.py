@@ -11,6 +11,7 @@ import operator
 import pytest
 import torch
 from torch import fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import memcompile
@@ -21,6 +22,7 @@ from memcompile.passes.context import PassContext
 from memcompile.passes.plan import MemoryPlan
 from memcompile.passes.rematerialize import (
     Rematerialize,
+    _trial_copy,
     plan_rematerialize,
     rematerialize_pass,
 )
@@ -276,3 +278,38 @@ def test_a_budget_only_rematerialization_meets_fits_exactly_and_bit_identically(
     assert measured == rep.predicted_peak <= budget
     # The plan's record of the splits survives its JSON round-trip.
     assert MemoryPlan.from_json(rep.plan.to_json()) == rep.plan
+
+
+def test_a_trial_rewrites_a_copy_whose_code_is_made_only_when_read() -> None:
+    gm = _trace(_held_across_peak)
+    code = gm.code
+    trial = _trial_copy(gm)
+    assert isinstance(trial, _LazyGraphModule)
+    assert [n.name for n in trial.graph.nodes] == [n.name for n in gm.graph.nodes]
+    rematerialize_pass(trial, CTX, splits=(Rematerialize("sin", "mul_1"),))
+    assert "sin_r0" in [n.name for n in trial.graph.nodes]
+    assert gm.code == code  # the original is untouched
+    assert "sin_r0" in trial.code  # made when read, from the rewritten graph
+
+
+def test_the_compilers_trial_profiles_of_a_backward_are_the_whole_fragments(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Rematerialization's trials profile the backward alone (the forward once): each must be
+    # what profiling the whole fragment gives, storage numbering included.
+    fast_of = compiler_module._FragmentBuild._built_backward_profiler
+    compared = []
+
+    def checked(self, fw, bw, split):
+        fast, full = fast_of(self, fw, bw, split), self._built_profiler(fw, bw, split)
+
+        def profile(g):
+            got = fast(g)
+            compared.append(got == full(fw, g).backward)
+            return got
+
+        return profile
+
+    monkeypatch.setattr(compiler_module._FragmentBuild, "_built_backward_profiler", checked)
+    _min_feasible("gpt")
+    assert compared and all(compared), compared

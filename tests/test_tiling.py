@@ -18,7 +18,7 @@ from memcompile import zoo
 from memcompile.passes import tiling
 from memcompile.passes.context import PassContext
 from memcompile.passes.plan import MemoryPlan
-from memcompile.passes.tiling import find_row_tilings, row_tile_pass, tiles_exactly
+from memcompile.passes.tiling import _views_as, find_row_tilings, row_tile_pass, tiles_exactly
 from memcompile.runtime.store import TieredStore, register_store
 
 from helpers import train_under_budget
@@ -504,3 +504,17 @@ def test_gpts_mlp_backward_is_tiled_below_its_floor_and_trains_bit_identically(m
     assert measured == rep.predicted_peak
     (plan,) = rep.plan.fragments
     assert [op for op in plan.row_tiled if "gelu_backward" in op], plan.row_tiled
+
+
+def test_whether_a_leaf_views_as_rows_is_torchs_answer_for_its_layout() -> None:
+    # Asked of layouts (cached), not of fake tensors: a recurrence asks it of a few layouts
+    # hundreds of times.
+    _views_as.cache_clear()
+    assert _views_as((4, 6, 8), (48, 8, 1), 24)  # contiguous
+    assert not _views_as((4, 6, 8), (8, 32, 1), 24)  # batch and time transposed
+    assert _views_as((4, 1, 8), (8, 8, 1), 4)  # a size-1 dimension's stride is free
+    assert _views_as((4, 6, 8), (48, 8, 1), 24)
+    assert _views_as.cache_info().hits == 1
+    x = torch.randn(4, 6, 8).transpose(0, 1)
+    with pytest.raises(RuntimeError):
+        x.view(24, 8)  # torch agrees with the second answer

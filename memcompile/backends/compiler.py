@@ -69,7 +69,12 @@ from memcompile.passes.analysis import GraphProfile, bound_sizes
 from memcompile.passes.context import PassContext
 from memcompile.passes.costmodel import DeviceProfile, device_profile, resolve_profile_name
 from memcompile.passes.dropout import dropout_pass, saved_after
-from memcompile.passes.fragment import FragmentProfile, accumulate_clone_bytes, profile_fragment
+from memcompile.passes.fragment import (
+    FragmentProfile,
+    accumulate_clone_bytes,
+    backward_profiler,
+    profile_fragment,
+)
 from memcompile.passes.inplace import in_place_pass
 from memcompile.passes.input_uses import InputSplit, split_inputs_pass
 from memcompile.passes.joint import JointModel
@@ -833,29 +838,54 @@ class _FragmentBuild:
         """Exact profiles of rewrites of the built graphs ``fw`` and ``bw``: the kernel scratch
         measured on them, a copy's that of its original (the same op on the same metadata).
         ``split``: see :meth:`_rematerialize`."""
+        args, ws = self._built_workspaces(fw, bw, split)
+
+        def profile(f: fx.GraphModule, b: fx.GraphModule) -> FragmentProfile:
+            return profile_fragment(
+                f,
+                b,
+                clone_workspace=clone_workspace,
+                forward_workspace=ws("forward", f),
+                backward_workspace=ws("backward", b),
+                **args,
+            )
+
+        return profile
+
+    def _built_backward_profiler(
+        self, fw: fx.GraphModule, bw: fx.GraphModule, split: tuple[tuple[int, ...], int, int]
+    ) -> Callable[[fx.GraphModule], GraphProfile]:
+        """:meth:`_built_profiler`'s backward profile of rewrites of ``bw`` alone (``fw`` as
+        built): the forward profiled once (``fragment.backward_profiler``)."""
+        args, ws = self._built_workspaces(fw, bw, split)
+        profile = backward_profiler(
+            fw,
+            static_input_indices=args["static_input_indices"],
+            num_mutated_inputs=args["num_mutated_inputs"],
+            num_user_outputs=args["num_user_outputs"],
+            forward_workspace=ws("forward", fw),
+            released_tangents=args["released_tangents"],
+        )
+        return lambda b: profile(b, ws("backward", b))
+
+    def _built_workspaces(
+        self, fw: fx.GraphModule, bw: fx.GraphModule, split: tuple[tuple[int, ...], int, int]
+    ) -> tuple[dict[str, Any], Callable[[str, fx.GraphModule], dict[str, int]]]:
+        """The profile arguments of the built graphs less their workspaces, and the workspace
+        of a rewrite of either graph: each node's measured one, a copy's that of its
+        original (the same op on the same metadata)."""
         args = self._profile_args_of(fw, bw, split=split)
         measured = {
             graph: dict(args.pop(f"{graph}_workspace") or {}) for graph in ("forward", "backward")
         }
 
-        def profile(f: fx.GraphModule, b: fx.GraphModule) -> FragmentProfile:
-            ws = {
-                graph: {
-                    n.name: measured[graph].get(n.meta.get("memcompile_copy_of", n.name), 0)
-                    for n in g.graph.nodes
-                }
-                for graph, g in (("forward", f), ("backward", b))
+        def workspace(graph: str, g: fx.GraphModule) -> dict[str, int]:
+            return {
+                n.name: measured[graph].get(n.meta.get("memcompile_copy_of", n.name), 0)
+                for n in g.graph.nodes
             }
-            return profile_fragment(
-                f,
-                b,
-                clone_workspace=clone_workspace,
-                forward_workspace=ws["forward"],
-                backward_workspace=ws["backward"],
-                **args,
-            )
 
-        return profile
+        return args, workspace
 
     def _built_rewrite(
         self,
@@ -950,15 +980,12 @@ class _FragmentBuild:
         def profile(g: fx.GraphModule) -> FragmentProfile:
             return built(fw, g)
 
-        def backward(g: fx.GraphModule) -> GraphProfile:
-            found = profile(g).backward
-            assert found is not None, "a training fragment has a backward"
-            return found
-
         before = profile(bw)
         if before.backward is None or before.phase_peaks()["backward"] <= target:
             return plan
         ctx = PassContext(fragment=f"F{self.index}", graph="backward")
+        # Each trial profiles a rewrite of the backward only (the forward once, not per trial).
+        backward = self._built_backward_profiler(fw, bw, split)
         splits = plan_rematerialize(
             bw, ctx, backward, target=target - before.held_output_bytes, start=before.backward
         )

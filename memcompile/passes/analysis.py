@@ -160,6 +160,15 @@ class StorageIds:
     def nbytes(self, sid: int) -> int:
         return self._nbytes[sid]
 
+    def copy(self) -> StorageIds:
+        """Another instance with the same ids, numbering new storages on from them alike."""
+        other = StorageIds()
+        other._ids = dict(self._ids)
+        other._nbytes = list(self._nbytes)
+        other._approx = list(self._approx)
+        other._keepalive = list(self._keepalive)
+        return other
+
     def fresh_copy(self, sid: int) -> int:
         """A new id for another storage the size of ``sid`` (a recomputed node's output)."""
         new = len(self._nbytes)

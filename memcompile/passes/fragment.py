@@ -33,7 +33,13 @@ from memcompile.passes.analysis import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FragmentProfile", "ParamGrad", "accumulate_clone_bytes", "profile_fragment"]
+__all__ = [
+    "FragmentProfile",
+    "ParamGrad",
+    "accumulate_clone_bytes",
+    "backward_profiler",
+    "profile_fragment",
+]
 
 _OFFLOAD = torch.ops.memcompile.offload.default
 
@@ -304,6 +310,124 @@ def accumulate_clone_bytes(
     return clone
 
 
+@dataclass(frozen=True)
+class _ForwardSide:
+    """What :func:`profile_fragment` learns from the forward graph alone; ``ids`` as they stand
+    once it has (the backward's storages are numbered after these)."""
+
+    fw: GraphProfile
+    ids: StorageIds
+    in_vals: list[Any]
+    input_bytes: int
+    static: list[Any]
+    static_input_bytes: int
+    outs: list[Any]
+    tracked_user: list[int]
+    fw_out_ids: frozenset[int]
+
+
+def _forward_side(
+    fw_gm: fx.GraphModule,
+    *,
+    training: bool,
+    static_input_indices: Sequence[int],
+    num_mutated_inputs: int,
+    num_user_outputs: int,
+    forward_workspace: Mapping[str, int] | None,
+) -> _ForwardSide:
+    ids = StorageIds()
+    placeholders = fw_gm.graph.find_nodes(op="placeholder")
+    fw = profile_graph(
+        fw_gm,
+        kind="forward" if training else "inference",
+        persistent_inputs=range(len(placeholders)),
+        ids=ids,
+        workspace=forward_workspace,
+    )
+    in_vals = [p.meta.get("val") for p in placeholders]
+    input_bytes = _distinct_bytes(ids, in_vals)
+    static = [in_vals[i] for i in static_input_indices if i < len(in_vals)]
+    static_input_bytes = _distinct_bytes(ids, static)
+    outs = _output_vals(fw_gm)
+    user = outs[num_mutated_inputs : num_mutated_inputs + num_user_outputs]
+    tracked_user = [sid for v in user for sid in ids.ids_of(v) if sid not in fw.persistent]
+    fw_out_ids = (
+        frozenset(sid for v in outs for sid in ids.ids_of(v)) - fw.persistent
+        if training
+        else frozenset()
+    )
+    return _ForwardSide(
+        fw, ids, in_vals, input_bytes, static, static_input_bytes, outs, tracked_user, fw_out_ids
+    )
+
+
+@dataclass(frozen=True)
+class _BackwardSide:
+    bw: GraphProfile
+    placeholders: list[fx.Node]
+    tangents: list[int]  # positions of incoming gradients among the placeholders
+    tangent_ids: dict[int, tuple[int, ...]]
+    held_tangents: list[int]
+
+
+def _backward_side(
+    front: _ForwardSide,
+    ids: StorageIds,
+    bw_gm: fx.GraphModule,
+    released_tangents: Collection[str],
+    backward_workspace: Mapping[str, int] | None,
+) -> _BackwardSide:
+    fw = front.fw
+    bw_placeholders = bw_gm.graph.find_nodes(op="placeholder")
+    # Backward inputs that are not saved forward values are incoming gradients (tangents):
+    # autograd holds them until the backward call returns.
+    tangents = [
+        i
+        for i, p in enumerate(bw_placeholders)
+        if not set(ids.ids_of(p.meta.get("val"))) & (front.fw_out_ids | fw.persistent)
+    ]
+    bw_tangent_ids = {i: ids.ids_of(bw_placeholders[i].meta.get("val")) for i in tangents}
+    held_tangents = [i for i in tangents if bw_placeholders[i].name not in released_tangents]
+    bw = profile_graph(
+        bw_gm,
+        kind="backward",
+        held_inputs=held_tangents,
+        persistent_storages=fw.persistent,
+        ids=ids,
+        workspace=backward_workspace,
+    )
+    return _BackwardSide(bw, bw_placeholders, tangents, bw_tangent_ids, held_tangents)
+
+
+def backward_profiler(
+    fw_gm: fx.GraphModule,
+    *,
+    static_input_indices: Sequence[int],
+    num_mutated_inputs: int,
+    num_user_outputs: int,
+    forward_workspace: Mapping[str, int] | None = None,
+    released_tangents: Collection[str] = (),
+) -> Callable[[fx.GraphModule, Mapping[str, int] | None], GraphProfile]:
+    """``profile_fragment(fw_gm, bw_gm, ...).backward`` for many backward graphs of one forward
+    (a pass's trial rewrites of the backward), given each its workspace: the forward is
+    profiled once, and each backward numbered from a copy of the storage ids as
+    :func:`profile_fragment` has them then, so the profiles are the same (half the cost of a
+    trial on the GRU small, whose forward is as long as its backward)."""
+    front = _forward_side(
+        fw_gm,
+        training=True,
+        static_input_indices=static_input_indices,
+        num_mutated_inputs=num_mutated_inputs,
+        num_user_outputs=num_user_outputs,
+        forward_workspace=forward_workspace,
+    )
+
+    def profile(bw_gm: fx.GraphModule, workspace: Mapping[str, int] | None) -> GraphProfile:
+        return _backward_side(front, front.ids.copy(), bw_gm, released_tangents, workspace).bw
+
+    return profile
+
+
 def profile_fragment(
     fw_gm: fx.GraphModule,
     bw_gm: fx.GraphModule | None,
@@ -338,47 +462,24 @@ def profile_fragment(
             that got no gradient), freed after their last reader; the others are held to the
             end (the loss's, which the engine's root holds).
     """
-    ids = StorageIds()
-    placeholders = fw_gm.graph.find_nodes(op="placeholder")
-    all_inputs = range(len(placeholders))
-    fw = profile_graph(
+    front = _forward_side(
         fw_gm,
-        kind="forward" if bw_gm is not None else "inference",
-        persistent_inputs=all_inputs,
-        ids=ids,
-        workspace=forward_workspace,
+        training=bw_gm is not None,
+        static_input_indices=static_input_indices,
+        num_mutated_inputs=num_mutated_inputs,
+        num_user_outputs=num_user_outputs,
+        forward_workspace=forward_workspace,
     )
-    in_vals = [p.meta.get("val") for p in placeholders]
-    input_bytes = _distinct_bytes(ids, in_vals)
-    static = [in_vals[i] for i in static_input_indices if i < len(in_vals)]
-    static_input_bytes = _distinct_bytes(ids, static)
-
-    outs = _output_vals(fw_gm)
-    user = outs[num_mutated_inputs : num_mutated_inputs + num_user_outputs]
-    tracked_user = [sid for v in user for sid in ids.ids_of(v) if sid not in fw.persistent]
+    ids, fw, in_vals, outs = front.ids, front.fw, front.in_vals, front.outs
+    input_bytes, static_input_bytes = front.input_bytes, front.static_input_bytes
+    static, tracked_user, fw_out_ids = front.static, front.tracked_user, front.fw_out_ids
     if bw_gm is None:
         held = sum(ids.nbytes(s) for s in dict.fromkeys(tracked_user))
         return FragmentProfile(fw, None, input_bytes, static_input_bytes, 0, held, 0, 0)
 
-    fw_out_ids = {sid for v in outs for sid in ids.ids_of(v)} - fw.persistent
-    bw_placeholders = bw_gm.graph.find_nodes(op="placeholder")
-    # Backward inputs that are not saved forward values are incoming gradients (tangents):
-    # autograd holds them until the backward call returns.
-    tangents = [
-        i
-        for i, p in enumerate(bw_placeholders)
-        if not set(ids.ids_of(p.meta.get("val"))) & (fw_out_ids | fw.persistent)
-    ]
-    bw_tangent_ids = {i: ids.ids_of(bw_placeholders[i].meta.get("val")) for i in tangents}
-    held_tangents = [i for i in tangents if bw_placeholders[i].name not in released_tangents]
-    bw = profile_graph(
-        bw_gm,
-        kind="backward",
-        held_inputs=held_tangents,
-        persistent_storages=fw.persistent,
-        ids=ids,
-        workspace=backward_workspace,
-    )
+    back = _backward_side(front, ids, bw_gm, released_tangents, backward_workspace)
+    bw, bw_placeholders, tangents = back.bw, back.placeholders, back.tangents
+    bw_tangent_ids, held_tangents = back.tangent_ids, back.held_tangents
     bw_in_ids = [sid for p in bw_placeholders for sid in ids.ids_of(p.meta.get("val"))]
     saved = dict.fromkeys(s for s in bw_in_ids if s in fw_out_ids)
     saved_bytes = sum(ids.nbytes(s) for s in saved)

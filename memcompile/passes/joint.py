@@ -51,17 +51,6 @@ _RELOAD = torch.ops.memcompile.reload.default
 _SCHEDULES: tuple[tuple[int | None, int], ...] = ((None, 1), (None, 3), (16, 3))
 
 
-class _WithCopies:
-    """``nbytes`` lookups where negative keys are copies of a storage (see ``_replay``)."""
-
-    def __init__(self, nbytes: Sequence[int], copy_of: Mapping[int, int]) -> None:
-        self._nbytes = nbytes
-        self._copy_of = copy_of
-
-    def __getitem__(self, s: int) -> int:
-        return self._nbytes[self._copy_of[s] if s < 0 else s]
-
-
 @dataclass(frozen=True)
 class JointEval:
     """The step under one saved set (all bytes tracked: persistent inputs excluded).
@@ -272,6 +261,23 @@ class JointModel:
         self.first_tangent_user = min(
             (u for i, k in enumerate(kinds) if k == _TANGENT for u in users[i]), default=len(nodes)
         )
+        # For ``backward_nodes`` and ``backward_groups``, which every evaluation runs: the
+        # nodes a side-effect node may be (call_function, not forward-only; empty when the
+        # graph has no side-effect node), and the copy_ nodes ahead of the first backward node.
+        self._side_effect_candidates: list[tuple[int, tuple[int, ...]]] = (
+            [
+                (i, self.inputs[i])
+                for i, n in enumerate(nodes)
+                if n.op == "call_function" and not self.forward_only[i]
+            ]
+            if any(self.impure)
+            else []
+        )
+        self._early_copies = [
+            i
+            for i, n in enumerate(nodes)
+            if i < self.first_tangent_user and n.target is torch.ops.aten.copy_.default
+        ]
 
     def _op_time(self, n: fx.Node, profile: DeviceProfile) -> float:
         if n.op != "call_function":
@@ -345,28 +351,34 @@ class JointModel:
         needed: set[int] = set()
         inputs: set[int] = set()
 
+        available, node_inputs = self._available, self.inputs
+
         def walk(roots: Iterable[int]) -> None:
             stack = list(roots)
             while stack:
                 i = stack.pop()
                 if i in needed or i in inputs:
                     continue
-                if self._available(i, saved):
+                if available(i, saved):
                     inputs.add(i)
                     continue
                 needed.add(i)
-                stack.extend(self.inputs[i])
+                stack.extend(node_inputs[i])
 
         walk(self.bw_outputs)
-        if any(self.impure):
+        if self._side_effect_candidates:
             valid = set(inputs)
             extra = []
-            for i, n in enumerate(self.nodes):
-                if i in valid or n.op != "call_function" or self.forward_only[i]:
+            impure = self.impure
+            for i, ins in self._side_effect_candidates:
+                if i in valid:
                     continue
-                if all(j in valid for j in self.inputs[i]):
+                for j in ins:
+                    if j not in valid:
+                        break
+                else:
                     valid.add(i)
-                    if self.impure[i] and i not in needed:
+                    if impure[i] and i not in needed:
                         extra.append(i)
             walk(extra)
         recompute = sorted(i for i in needed if self.kind[i] == _FW)
@@ -378,6 +390,8 @@ class JointModel:
         done: set[int] = set()
         groups: list[list[int]] = []
 
+        node_inputs = self.inputs
+
         def insert(root: int) -> None:
             todo, seen = [root], []
             while todo:
@@ -386,13 +400,13 @@ class JointModel:
                     continue
                 done.add(i)
                 seen.append(i)
-                todo.extend(self.inputs[i])
+                todo.extend(node_inputs[i])
             if seen:
                 groups.append(sorted(seen))
 
         ordered = sorted(needed)
-        for i in ordered:  # copy_ nodes ahead of the first backward node run first (as torch's)
-            if i < self.first_tangent_user and self.nodes[i].target is torch.ops.aten.copy_.default:
+        for i in self._early_copies:  # copy_ nodes ahead of the first backward node run first
+            if i in needed:  # (as torch's)
                 insert(i)
         for i in ordered:
             if i >= self.first_tangent_user:
@@ -421,69 +435,97 @@ class JointModel:
         in ``order`` after the entry (a recomputation in the backward) that also produces a
         storage which arrives saved (or swapped in) makes a new copy of it: the copy lives as
         long as the recomputed node's value (until its last reader here), the saved one until
-        its own last use. Copies get negative keys (never a planner's storage)."""
-        entry = set(live_on_entry) | set(late)
-        copy_of: dict[int, int] = {}  # copy key -> storage it copies
+        its own last use. Copies get keys past the storages' (never a planner's storage).
+
+        The planner's search replays thousands of times (GRU small: ~1,300 replays of a
+        5,000-node graph per search), hence the plain loops: no per-node generators, and the
+        storages live at the peak rebuilt once from each storage's live span rather than
+        copied at every new peak (in a forward, most nodes raise the peak)."""
+        storages, persistent, input_storages = self.storages, self.persistent, self.input_storages
+        late = frozenset(late)
+        entry = set(live_on_entry) | late
+        n_storages = len(self.nbytes)
+        copy_sizes: list[int] = []  # of copy key n_storages + k
         dup: dict[int, dict[int, int]] = {}  # recomputed node -> {storage: copy key}
         if entry:
+            kind = self.kind
             for i in order:
-                if self.kind[i] != _FW:
+                if kind[i] != _FW:
                     continue
-                inputs = {s for j in self.inputs[i] for s in self.storages[j]}
-                for s in self.storages[i]:
-                    if s in entry and s not in inputs and s not in self.persistent:
-                        key = -1 - len(copy_of)
-                        copy_of[key] = s
-                        dup.setdefault(i, {})[s] = key
-        nbytes = self.nbytes if not copy_of else _WithCopies(self.nbytes, copy_of)
+                for s in storages[i]:
+                    if s in entry and s not in input_storages[i] and s not in persistent:
+                        dup.setdefault(i, {})[s] = n_storages + len(copy_sizes)
+                        copy_sizes.append(self.nbytes[s])
+        nbytes = self.nbytes + copy_sizes if copy_sizes else self.nbytes
         last: dict[int, int] = {}
-        for p, i in enumerate(order):
-            for j in self.inputs[i]:
-                copies = dup.get(j, {})
-                for s in self.storages[j]:
-                    last[copies.get(s, s)] = p
-        live: dict[int, None] = dict.fromkeys(s for s in live_on_entry if s not in self.persistent)
+        if dup:
+            inputs = self.inputs
+            for p, i in enumerate(order):
+                for j in inputs[i]:
+                    copies = dup.get(j)
+                    for s in storages[j]:
+                        last[copies.get(s, s) if copies else s] = p
+        else:
+            for p, i in enumerate(order):
+                for s in input_storages[i]:
+                    last[s] = p
+        live = {s for s in live_on_entry if s not in persistent}
+        born = dict.fromkeys(live, -1)  # storage -> position it became live at
+        spans: list[tuple[int, int, int]] = []  # (storage, born, freed after) of freed ones
         for s in live:
             last.setdefault(s, -1)
-        held = {s for i in held_nodes for s in self.storages[i]}
-        for s in held:
-            last[s] = len(order)
+        end = len(order)
+        for i in held_nodes:
+            for s in storages[i]:
+                last[s] = end
         for s in keep:
-            last[s] = len(order)
+            last[s] = end
         current = sum(nbytes[s] for s in live)
-        peak, peak_pos, at_peak = current, -1, frozenset(live)
+        peak, peak_pos = current, -1
         frees: dict[int, list[int]] = {}
         for s, p in last.items():
             frees.setdefault(p, []).append(s)
         for s in frees.pop(-1, []):
             if s in live:
-                del live[s]
-                current -= self.nbytes[s]
+                live.discard(s)
+                spans.append((s, born.pop(s), -1))
+                current -= nbytes[s]
+        workspace, inputs = self.workspace, self.inputs
         for p, i in enumerate(order):
-            if late:
-                for j in self.inputs[i]:
+            if late and not late.isdisjoint(input_storages[i]):
+                for j in inputs[i]:
                     copies = dup.get(j, {})
-                    for s in self.storages[j]:
+                    for s in storages[j]:
                         # A read of a recomputed copy reads the copy, not the swapped original.
                         if s in late and s not in live and s not in copies:
-                            live[s] = None
+                            live.add(s)
+                            born[s] = p
                             current += nbytes[s]
-            copies = dup.get(i, {})
-            for s in (copies.get(s, s) for s in self.storages[i]):
-                if s not in live and s not in self.persistent:
-                    live[s] = None
+            copies = dup.get(i)
+            for s in storages[i]:
+                if copies:
+                    s = copies.get(s, s)
+                if s not in live and s not in persistent:
+                    live.add(s)
+                    born[s] = p
                     current += nbytes[s]
-                    last.setdefault(s, p)
-                    if last[s] == p:  # never used after: dropped right away
+                    if last.setdefault(s, p) == p:  # never used after: dropped right away
                         frees.setdefault(p, []).append(s)
-            here = current + self.workspace[i]
+            here = current + workspace[i]
             if here > peak:
-                peak, peak_pos, at_peak = here, p, frozenset(live)
-            for s in frees.get(p, []):
-                if s in live:
-                    del live[s]
-                    current -= nbytes[s]
-        return peak, current, peak_pos, frozenset(s for s in at_peak if s >= 0)
+                peak, peak_pos = here, p
+            freed = frees.get(p)
+            if freed:
+                for s in freed:
+                    if s in live:
+                        live.discard(s)
+                        spans.append((s, born.pop(s), p))
+                        current -= nbytes[s]
+        # Live at the peak: born at or before it, freed at or after it (freed after a
+        # position's check), copies left out.
+        at_peak = {s for s, b in born.items() if b <= peak_pos and s < n_storages}
+        at_peak.update(s for s, b, f in spans if b <= peak_pos <= f and s < n_storages)
+        return peak, current, peak_pos, frozenset(at_peak)
 
     def swappable(self, storage: int, bw_inputs: Collection[int]) -> bool:
         """``storage`` can be swapped: one dense backward input covers it exactly, and the

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memcompile.passes.analysis import GraphProfile, tensor_vals
@@ -359,6 +360,14 @@ def rematerialize_pass(
     return gm
 
 
+def _trial_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm``'s graph for a trial, sharing its attributes, whose Python code is
+    generated only if something reads it (torch's ``_LazyGraphModule``, as Inductor's passes
+    use): a trial is only profiled, and generating the code twice per trial (the copy, then
+    the pass) was a third of the trials' time on the GRU small's 3,000-node backward."""
+    return _LazyGraphModule(gm, copy.deepcopy(gm.graph))
+
+
 def plan_rematerialize(
     gm: fx.GraphModule,
     ctx: PassContext,
@@ -382,9 +391,7 @@ def plan_rematerialize(
         at = profile.nodes[profile.peak_index].name
         improved = False
         for split in _candidates(current, profile):
-            trial = rematerialize_pass(
-                copy.deepcopy(current), ctx, splits=(split,), first=len(kept)
-            )
+            trial = rematerialize_pass(_trial_copy(current), ctx, splits=(split,), first=len(kept))
             new = evaluate(trial)
             log.debug(
                 "trial %s: peak %d at %s", split, new.peak_bytes, new.nodes[new.peak_index].name
