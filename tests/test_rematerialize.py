@@ -300,8 +300,8 @@ def test_the_compilers_trial_profiles_of_a_backward_are_the_whole_fragments(
     fast_of = compiler_module._FragmentBuild._built_backward_profiler
     compared = []
 
-    def checked(self, fw, bw, split):
-        fast, full = fast_of(self, fw, bw, split), self._built_profiler(fw, bw, split)
+    def checked(self, fw, built):
+        fast, full = fast_of(self, fw, built), self._profiler_of(*built)
 
         def profile(g):
             got = fast(g)

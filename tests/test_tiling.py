@@ -515,6 +515,7 @@ def test_whether_a_leaf_views_as_rows_is_torchs_answer_for_its_layout() -> None:
     assert _views_as((4, 1, 8), (8, 8, 1), 4)  # a size-1 dimension's stride is free
     assert _views_as((4, 6, 8), (48, 8, 1), 24)
     assert _views_as.cache_info().hits == 1
-    x = torch.randn(4, 6, 8).transpose(0, 1)
+    x = torch.randn(6, 4, 8).transpose(0, 1)
+    assert (x.shape, x.stride()) == ((4, 6, 8), (8, 32, 1))
     with pytest.raises(RuntimeError):
         x.view(24, 8)  # torch agrees with the second answer

@@ -838,7 +838,13 @@ class _FragmentBuild:
         """Exact profiles of rewrites of the built graphs ``fw`` and ``bw``: the kernel scratch
         measured on them, a copy's that of its original (the same op on the same metadata).
         ``split``: see :meth:`_rematerialize`."""
-        args, ws = self._built_workspaces(fw, bw, split)
+        return self._profiler_of(*self._built_workspaces(fw, bw, split))
+
+    @staticmethod
+    def _profiler_of(
+        args: dict[str, Any], ws: Callable[[str, fx.GraphModule], dict[str, int]]
+    ) -> Callable[[fx.GraphModule, fx.GraphModule], FragmentProfile]:
+        """:meth:`_built_profiler` from :meth:`_built_workspaces`' answer."""
 
         def profile(f: fx.GraphModule, b: fx.GraphModule) -> FragmentProfile:
             return profile_fragment(
@@ -853,11 +859,14 @@ class _FragmentBuild:
         return profile
 
     def _built_backward_profiler(
-        self, fw: fx.GraphModule, bw: fx.GraphModule, split: tuple[tuple[int, ...], int, int]
+        self,
+        fw: fx.GraphModule,
+        built: tuple[dict[str, Any], Callable[[str, fx.GraphModule], dict[str, int]]],
     ) -> Callable[[fx.GraphModule], GraphProfile]:
-        """:meth:`_built_profiler`'s backward profile of rewrites of ``bw`` alone (``fw`` as
-        built): the forward profiled once (``fragment.backward_profiler``)."""
-        args, ws = self._built_workspaces(fw, bw, split)
+        """:meth:`_built_profiler`'s backward profile of rewrites of the built backward alone
+        (``fw`` as built; ``built``: :meth:`_built_workspaces` of both): the forward profiled
+        once (``fragment.backward_profiler``)."""
+        args, ws = built
         profile = backward_profiler(
             fw,
             static_input_indices=args["static_input_indices"],
@@ -975,7 +984,9 @@ class _FragmentBuild:
         target = plan.target
         if target is None or (plan.saved_cap is not None and plan.held_bytes > plan.saved_cap):
             return plan
-        built = self._built_profiler(fw, bw, split)
+        # The kernel scratch is probed once (it runs every kernel) for both profilers.
+        workspaces = self._built_workspaces(fw, bw, split)
+        built = self._profiler_of(*workspaces)
 
         def profile(g: fx.GraphModule) -> FragmentProfile:
             return built(fw, g)
@@ -985,7 +996,7 @@ class _FragmentBuild:
             return plan
         ctx = PassContext(fragment=f"F{self.index}", graph="backward")
         # Each trial profiles a rewrite of the backward only (the forward once, not per trial).
-        backward = self._built_backward_profiler(fw, bw, split)
+        backward = self._built_backward_profiler(fw, workspaces)
         splits = plan_rematerialize(
             bw, ctx, backward, target=target - before.held_output_bytes, start=before.backward
         )

@@ -411,8 +411,8 @@ def backward_profiler(
     """``profile_fragment(fw_gm, bw_gm, ...).backward`` for many backward graphs of one forward
     (a pass's trial rewrites of the backward), given each its workspace: the forward is
     profiled once, and each backward numbered from a copy of the storage ids as
-    :func:`profile_fragment` has them then, so the profiles are the same (half the cost of a
-    trial on the GRU small, whose forward is as long as its backward)."""
+    :func:`profile_fragment` has them then, so the profiles are the same (the GRU small's
+    forward, as long as its backward, was profiled again by every trial)."""
     front = _forward_side(
         fw_gm,
         training=True,
