@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import random
 import warnings
+from typing import Any
 
 import pytest
 import torch
 
 import memcompile
+import memcompile.backends.compiler as compiler_mod
 from memcompile import MemoryBudgetError, MemoryBudgetWarning, zoo
+from memcompile.passes import planner
 from memcompile.passes.context import PassContext
 from memcompile.passes.joint import JointModel
 from memcompile.passes.partition import partition_pass, reorder_pass
 from memcompile.passes.plan import FragmentPlan, MemoryPlan
 from memcompile.passes.planner import plan_fragment
+from memcompile.passes.workspace import probe_workspaces
 
 from helpers import (
     built_phase_peaks,
@@ -302,3 +306,63 @@ def test_plans_saved_before_saved_caps_still_load() -> None:
     del data["saved_cap"], data["saved_input_bytes"]
     old = FragmentPlan.from_dict(data)
     assert old.saved_cap is None and old.saved_input_bytes == 0
+
+
+def test_a_search_for_the_smallest_peak_makes_no_greedy_run_one_for_an_unmet_target_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A plan over its target is searched again for the smallest peak (the compiler's floor
+    # alternatives): the search for the target, stuck above it, made those greedy runs already.
+    found = capture_joint("gpt")
+    model: JointModel = found["model"]
+    runs: list[int] = []
+    greedy = planner._Search._greedy
+
+    def counting(self: Any, start: Any) -> Any:
+        runs.append(self.target)
+        return greedy(self, start)
+
+    monkeypatch.setattr(planner._Search, "_greedy", counting)
+    unmet = plan_fragment(model, target=1, resident_bytes=0)
+    made = list(runs)
+    floor = plan_fragment(model, target=0, resident_bytes=0)
+    assert not unmet.feasible and made == [1, 0, 0] and runs == made
+    # The same plan a model of its own (no runs remembered) finds.
+    fresh = JointModel(
+        found["joint"],
+        num_fwd_outputs=found["n"],
+        static_input_indices=found["static"],
+        profile=model.profile,
+        workspace=probe_workspaces(found["joint"]),
+    )
+    assert plan_fragment(fresh, target=0, resident_bytes=0) == floor
+    assert runs[len(made) :] == [0, 0]
+
+
+def test_a_partition_builds_one_joint_model_per_graph_it_plans(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Under a budget nothing meets, the compiler plans one graph several times (for the
+    # target, without the prefetch reserve, recomputing or swapping only, for the smallest
+    # peak); it analyses each graph once.
+    built: list[torch.fx.GraphModule] = []
+    planned: list[JointModel] = []
+    init, plan = JointModel.__init__, compiler_mod.plan_fragment
+
+    def building(self: JointModel, joint: torch.fx.GraphModule, **kwargs: Any) -> None:
+        built.append(joint)
+        init(self, joint, **kwargs)
+
+    def planning(model: JointModel, **kwargs: Any) -> FragmentPlan:
+        planned.append(model)
+        return plan(model, **kwargs)
+
+    monkeypatch.setattr(JointModel, "__init__", building)
+    monkeypatch.setattr(compiler_mod, "plan_fragment", planning)
+    wl = zoo.build("gpt", size="tiny")
+    compiled = memcompile.compile(wl.model, budget=1, on_infeasible="best_effort")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemoryBudgetWarning)
+        wl.loss(compiled, 0).backward()
+    assert len(planned) > len(built)
+    assert len({id(m) for m in planned}) == len(built) == len({id(g) for g in built})

@@ -24,10 +24,12 @@ def _model(spec: dict[int, tuple[list[int], int]]) -> Any:
     """node -> (input nodes, bytes of its own storage); storage ids are node ids."""
     n = max(spec) + 1
     inputs = [spec.get(i, ([], 0))[0] for i in range(n)]
+    storages = [(i,) for i in range(n)]
     return SimpleNamespace(
         inputs=inputs,
         users=[[u for u in range(n) if i in inputs[u]] for i in range(n)],
-        storages=[(i,) for i in range(n)],
+        storages=storages,
+        nodes_holding=lambda s: tuple(i for i in range(n) if s in storages[i]),
         input_storages=[frozenset(ins) for ins in inputs],
         nbytes={i: spec.get(i, ([], 0))[1] for i in range(n)},
         persistent=frozenset(),

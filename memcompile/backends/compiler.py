@@ -359,6 +359,9 @@ class _FragmentBuild:
         #: (AOTAutograd's zeros for outputs without a gradient): planned and profiled as freed
         #: after their last reader.
         self.released_tangents: frozenset[str] = frozenset()
+        #: The joint models of the graphs one partition plans, by graph (``_joint_model``);
+        #: emptied when it is done.
+        self._models: dict[int, tuple[fx.GraphModule, JointModel]] = {}
 
     # -- AOTAutograd hooks -------------------------------------------------------------------
     def partition(
@@ -385,9 +388,12 @@ class _FragmentBuild:
                 **kwargs,
             )
         else:
-            fw, bw = self._planned_partition(
-                joint, num_fwd_outputs, static_lifetime_input_indices or []
-            )
+            try:
+                fw, bw = self._planned_partition(
+                    joint, num_fwd_outputs, static_lifetime_input_indices or []
+                )
+            finally:
+                self._models.clear()
         self._bw_gm = bw
         return fw, bw
 
@@ -715,23 +721,7 @@ class _FragmentBuild:
         the ``recompute`` option; ``floor``: searched for the smallest peak (a target of 0),
         feasible where that peak meets the budget."""
         config, compiler = self.compiler.config, self.compiler
-        primals = [
-            p.meta.get("val")
-            for p in joint.graph.find_nodes(op="placeholder")
-            if not P._is_tangent(p)
-        ]
-        _, bw_outs, _, _ = P._extract_fwd_bwd_outputs(joint, num_fwd_outputs=num_fwd_outputs)
-        grads = [o.meta.get("val") if isinstance(o, fx.Node) else None for o in bw_outs]
-        model = JointModel(
-            joint,
-            num_fwd_outputs=num_fwd_outputs,
-            static_input_indices=static,
-            profile=compiler.cost_profile(primals),
-            workspace=probe_workspaces(joint),
-            clone_bytes=accumulate_clone_bytes(grads, primals, set(static), clone_workspace),
-            dropped_outputs=self.dropped_outputs,
-            released_tangents=self.released_tangents,
-        )
+        model = self._joint_model(joint, num_fwd_outputs, static)
         if reserve is None:
             reserve = self._reserve(host)
         resident = compiler.resident_bytes(self, host=host) + reserve
@@ -754,6 +744,36 @@ class _FragmentBuild:
                 and (plan.saved_cap is None or plan.held_bytes <= plan.saved_cap),
             )
         return model, plan
+
+    def _joint_model(
+        self, joint: fx.GraphModule, num_fwd_outputs: int, static: Sequence[int]
+    ) -> JointModel:
+        """The joint model of ``joint``, built once per graph in a partition: one graph is
+        planned several times (for the target, without the prefetch reserve, recomputing or
+        swapping only, for the smallest peak), and the planner remembers its searches per
+        model (``planner.py``)."""
+        found = self._models.get(id(joint))
+        if found is not None and found[0] is joint:
+            return found[1]
+        primals = [
+            p.meta.get("val")
+            for p in joint.graph.find_nodes(op="placeholder")
+            if not P._is_tangent(p)
+        ]
+        _, bw_outs, _, _ = P._extract_fwd_bwd_outputs(joint, num_fwd_outputs=num_fwd_outputs)
+        grads = [o.meta.get("val") if isinstance(o, fx.Node) else None for o in bw_outs]
+        model = JointModel(
+            joint,
+            num_fwd_outputs=num_fwd_outputs,
+            static_input_indices=static,
+            profile=self.compiler.cost_profile(primals),
+            workspace=probe_workspaces(joint),
+            clone_bytes=accumulate_clone_bytes(grads, primals, set(static), clone_workspace),
+            dropped_outputs=self.dropped_outputs,
+            released_tangents=self.released_tangents,
+        )
+        self._models[id(joint)] = (joint, model)
+        return model
 
     def _alternatives(
         self,

@@ -22,6 +22,7 @@ partitioner (``partition.py``) and profiled again exactly.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from torch._functorch import partitioners as P
 
 from memcompile.passes.analysis import StorageIds, covers_storage, node_cost, tensor_vals
 from memcompile.passes.costmodel import DeviceProfile
+from memcompile.passes.liveness import Liveness, Replayed
 from memcompile.passes.schedule import draws_random, has_effect
 from memcompile.passes.schedule import schedule as schedule_nodes
 from memcompile.passes.schedule import sink as sink_order
@@ -253,26 +255,33 @@ class JointModel:
                     holders.setdefault(s, []).append(i)
         self.holders: dict[int, tuple[int, ...]] = {s: tuple(v) for s, v in holders.items()}
         self._names: dict[int, str] | None = None
+        self._holding: dict[int, tuple[int, ...]] | None = None
         # For the scheduler, which asks these at every step of every schedule.
         self.input_storages: list[frozenset[int]] = [
             frozenset(s for j in ins for s in self.storages[j]) for ins in self.inputs
         ]
         self.has_effect: list[bool] = [has_effect(n) for n in nodes]
+        self.liveness = Liveness(
+            self.storages,
+            self.inputs,
+            [k == _FW for k in kinds],
+            self.persistent,
+            self.nbytes,
+            self.workspace,
+        )
         self.first_tangent_user = min(
             (u for i, k in enumerate(kinds) if k == _TANGENT for u in users[i]), default=len(nodes)
         )
         # For ``backward_nodes`` and ``backward_groups``, which every evaluation runs: the
-        # nodes a side-effect node may be (call_function, not forward-only; empty when the
-        # graph has no side-effect node), and the copy_ nodes ahead of the first backward node.
-        self._side_effect_candidates: list[tuple[int, tuple[int, ...]]] = (
-            [
-                (i, self.inputs[i])
-                for i, n in enumerate(nodes)
-                if n.op == "call_function" and not self.forward_only[i]
-            ]
-            if any(self.impure)
-            else []
-        )
+        # nodes the backward may compute from its inputs alone (call_function, not
+        # forward-only), the side-effect ones among them, and the copy_ nodes ahead of the
+        # first backward node.
+        self._side_effect_candidate = [
+            n.op == "call_function" and not self.forward_only[i] for i, n in enumerate(nodes)
+        ]
+        self._side_effects = [
+            i for i, c in enumerate(self._side_effect_candidate) if c and self.impure[i]
+        ]
         self._early_copies = [
             i
             for i, n in enumerate(nodes)
@@ -366,21 +375,29 @@ class JointModel:
                 stack.extend(node_inputs[i])
 
         walk(self.bw_outputs)
-        if self._side_effect_candidates:
-            valid = set(inputs)
-            extra = []
-            impure = self.impure
-            for i, ins in self._side_effect_candidates:
-                if i in valid:
-                    continue
-                for j in ins:
-                    if j not in valid:
-                        break
-                else:
-                    valid.add(i)
-                    if impure[i] and i not in needed:
-                        extra.append(i)
-            walk(extra)
+        # Side-effect nodes the gradients do not need, computable from the inputs alone
+        # (every node on the way a candidate): decided for those only, over their ancestors.
+        roots = [i for i in self._side_effects if i not in needed]
+        if roots:
+            state: dict[int, bool] = {}
+            candidate = self._side_effect_candidate
+            for root in roots:
+                stack = [root]
+                while stack:
+                    i = stack[-1]
+                    if i in state:
+                        stack.pop()
+                    elif i in inputs or not candidate[i]:
+                        state[i] = i in inputs
+                        stack.pop()
+                    else:
+                        pending = [j for j in node_inputs[i] if j not in state]
+                        if pending:
+                            stack.extend(pending)
+                        else:
+                            state[i] = all(state[j] for j in node_inputs[i])
+                            stack.pop()
+            walk([i for i in roots if state[i]])
         recompute = sorted(i for i in needed if self.kind[i] == _FW)
         return needed, recompute, inputs
 
@@ -405,16 +422,21 @@ class JointModel:
                 groups.append(sorted(seen))
 
         ordered = sorted(needed)
+        # (Each loop skips what is placed already: a call per node was a third of the
+        # planner's time on the GRU small's 5,000-node graph.)
         for i in self._early_copies:  # copy_ nodes ahead of the first backward node run first
-            if i in needed:  # (as torch's)
+            if i in needed and i not in done:  # (as torch's)
                 insert(i)
-        for i in ordered:
-            if i >= self.first_tangent_user:
+        first = bisect.bisect_left(ordered, self.first_tangent_user)
+        for i in ordered[first:]:
+            if i not in done:
                 insert(i)
         for i in self.bw_outputs:  # outputs that do not depend on the tangents at all
-            insert(i)
+            if i not in done:
+                insert(i)
         for i in ordered:  # side-effect nodes before the first backward node
-            insert(i)
+            if i not in done:
+                insert(i)
         return groups
 
     def backward_order(self, needed: set[int]) -> list[int]:
@@ -428,7 +450,7 @@ class JointModel:
         keep: Collection[int],
         held_nodes: Collection[int] = (),
         late: Collection[int] = (),
-    ) -> tuple[int, int, int, frozenset[int]]:
+    ) -> Replayed:
         """Liveness over ``order``: (peak, end, peak position, storages live at the peak).
 
         ``late`` storages (swapped in) become live right before their first use. A forward node
@@ -436,96 +458,22 @@ class JointModel:
         storage which arrives saved (or swapped in) makes a new copy of it: the copy lives as
         long as the recomputed node's value (until its last reader here), the saved one until
         its own last use. Copies get keys past the storages' (never a planner's storage).
+        ``keep`` and the storages of ``held_nodes`` live to the end. The planner's search
+        replays thousands of times, in array operations (``liveness.py``)."""
+        ends = set(keep)
+        ends.update(s for i in held_nodes for s in self.storages[i])
+        return self.liveness.replay(order, live_on_entry, ends, late)
 
-        The planner's search replays thousands of times (GRU small: ~1,300 replays of a
-        5,000-node graph per search), hence the plain loops: no per-node generators, and the
-        storages live at the peak rebuilt once from each storage's live span rather than
-        copied at every new peak (in a forward, most nodes raise the peak)."""
-        storages, persistent, input_storages = self.storages, self.persistent, self.input_storages
-        late = frozenset(late)
-        entry = set(live_on_entry) | late
-        n_storages = len(self.nbytes)
-        copy_sizes: list[int] = []  # of copy key n_storages + k
-        dup: dict[int, dict[int, int]] = {}  # recomputed node -> {storage: copy key}
-        if entry:
-            kind = self.kind
-            for i in order:
-                if kind[i] != _FW:
-                    continue
-                for s in storages[i]:
-                    if s in entry and s not in input_storages[i] and s not in persistent:
-                        dup.setdefault(i, {})[s] = n_storages + len(copy_sizes)
-                        copy_sizes.append(self.nbytes[s])
-        nbytes = self.nbytes + copy_sizes if copy_sizes else self.nbytes
-        last: dict[int, int] = {}
-        if dup:
-            inputs = self.inputs
-            for p, i in enumerate(order):
-                for j in inputs[i]:
-                    copies = dup.get(j)
-                    for s in storages[j]:
-                        last[copies.get(s, s) if copies else s] = p
-        else:
-            for p, i in enumerate(order):
-                for s in input_storages[i]:
-                    last[s] = p
-        live = {s for s in live_on_entry if s not in persistent}
-        born = dict.fromkeys(live, -1)  # storage -> position it became live at
-        spans: list[tuple[int, int, int]] = []  # (storage, born, freed after) of freed ones
-        for s in live:
-            last.setdefault(s, -1)
-        end = len(order)
-        for i in held_nodes:
-            for s in storages[i]:
-                last[s] = end
-        for s in keep:
-            last[s] = end
-        current = sum(nbytes[s] for s in live)
-        peak, peak_pos = current, -1
-        frees: dict[int, list[int]] = {}
-        for s, p in last.items():
-            frees.setdefault(p, []).append(s)
-        for s in frees.pop(-1, []):
-            if s in live:
-                live.discard(s)
-                spans.append((s, born.pop(s), -1))
-                current -= nbytes[s]
-        workspace, inputs = self.workspace, self.inputs
-        for p, i in enumerate(order):
-            if late and not late.isdisjoint(input_storages[i]):
-                for j in inputs[i]:
-                    copies = dup.get(j, {})
-                    for s in storages[j]:
-                        # A read of a recomputed copy reads the copy, not the swapped original.
-                        if s in late and s not in live and s not in copies:
-                            live.add(s)
-                            born[s] = p
-                            current += nbytes[s]
-            copies = dup.get(i)
-            for s in storages[i]:
-                if copies:
-                    s = copies.get(s, s)
-                if s not in live and s not in persistent:
-                    live.add(s)
-                    born[s] = p
-                    current += nbytes[s]
-                    if last.setdefault(s, p) == p:  # never used after: dropped right away
-                        frees.setdefault(p, []).append(s)
-            here = current + workspace[i]
-            if here > peak:
-                peak, peak_pos = here, p
-            freed = frees.get(p)
-            if freed:
-                for s in freed:
-                    if s in live:
-                        live.discard(s)
-                        spans.append((s, born.pop(s), p))
-                        current -= nbytes[s]
-        # Live at the peak: born at or before it, freed at or after it (freed after a
-        # position's check), copies left out.
-        at_peak = {s for s, b in born.items() if b <= peak_pos and s < n_storages}
-        at_peak.update(s for s, b, f in spans if b <= peak_pos <= f and s < n_storages)
-        return peak, current, peak_pos, frozenset(at_peak)
+    def nodes_holding(self, storage: int) -> tuple[int, ...]:
+        """Every node whose value holds ``storage`` (its producer, views, ``out=`` writers),
+        in joint order."""
+        if self._holding is None:  # built on first use: schedule.sink asks it at each peak
+            holding: dict[int, list[int]] = {}
+            for i, sids in enumerate(self.storages):
+                for s in dict.fromkeys(sids):
+                    holding.setdefault(s, []).append(i)
+            self._holding = {s: tuple(v) for s, v in holding.items()}
+        return self._holding.get(storage, ())
 
     def swappable(self, storage: int, bw_inputs: Collection[int]) -> bool:
         """``storage`` can be swapped: one dense backward input covers it exactly, and the

@@ -41,6 +41,12 @@ saved set. On random graphs of <= 60 nodes it is within 5 % of the exact MILP (`
 an infeasible target still yields the smallest plan found (``feasible=False``), which the
 caller turns into ``MemoryBudgetError`` or, with ``on_infeasible="best_effort"``, a warning.
 
+A search is deterministic given its model, target, cap, techniques, pricing and start, so each
+greedy run and each evaluation in the memory-aware orders is done once per joint model and
+remembered while the model lives (the compiler plans one graph several times: for its target,
+recomputing or swapping only, then for its smallest peak, whose greedy runs the search for the
+target has already made when it ended above it).
+
 The cap is for fragments of a multi-fragment step whose saved sets are held while *other*
 fragments run (an MoE expert called eight times, a tree cell called per node): their own graph
 peak does not show those bytes, so a target alone never makes them give any up
@@ -50,9 +56,10 @@ peak does not show those bytes, so a target alone never makes them give any up
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+import weakref
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from memcompile.passes.joint import JointEval, JointModel
 from memcompile.passes.plan import Action, FragmentPlan, TensorDecision
@@ -113,6 +120,30 @@ _REPAIR = 32
 #: The peak target of a search with a saved-set cap and no budget (``target=None``).
 _UNBOUNDED = 1 << 62
 
+#: Greedy runs and scheduled evaluations already made, per joint model (see the module
+#: docstring): gone with the model.
+_MEMO: weakref.WeakKeyDictionary[JointModel, dict[Hashable, Any]] = weakref.WeakKeyDictionary()
+
+
+def _scheduled(
+    model: JointModel,
+    saved: Collection[int],
+    swapped: dict[int, str] | None = None,
+    search: _Search | None = None,
+) -> JointEval:
+    """``model.evaluate(saved, swapped, schedule=True)`` (which sinks whatever the search's
+    pricing), once per model: several schedules of each graph make it the dearest evaluation,
+    and every search of a graph starts with the same one. Counted in ``search``'s
+    evaluations when made."""
+    key = ("scheduled", frozenset(saved), tuple(sorted((swapped or {}).items())))
+    memo = _MEMO.setdefault(model, {})
+    if key not in memo:
+        if search is not None:
+            search.evaluations += 1
+        memo[key] = model.evaluate(saved, swapped, schedule=True)
+    found: JointEval = memo[key]
+    return found
+
 
 class _Search:
     """State of one greedy search: the saved set, the swaps and the moves that made them."""
@@ -164,6 +195,8 @@ class _Search:
     def evaluate(
         self, saved: frozenset[int], swapped: dict[int, str], *, schedule: bool = False
     ) -> JointEval:
+        if schedule:
+            return _scheduled(self.model, saved, swapped, self)
         self.evaluations += 1
         return self.model.evaluate(saved, swapped, schedule=schedule, sink=self.sink)
 
@@ -291,7 +324,25 @@ class _Search:
         return self.evaluate(saved, swapped)
 
     def greedy(self, start: JointEval) -> tuple[JointEval, list[_Move]]:
-        """Moves until ``start``'s orders fit the target and the cap (or nothing more helps)."""
+        """Moves until ``start``'s orders fit the target and the cap (or nothing more helps).
+        Run once per model, search settings and start (``_MEMO``)."""
+        key = (
+            "greedy",
+            self.target,
+            self.saved_cap,
+            self.recompute,
+            self.swap_tier,
+            self.sink,
+            start.saved,
+            start.swapped,
+        )
+        memo = _MEMO.setdefault(self.model, {})
+        if key not in memo:
+            memo[key] = self._greedy(start)
+        end, applied = memo[key]
+        return end, list(applied)
+
+    def _greedy(self, start: JointEval) -> tuple[JointEval, list[_Move]]:
         current, applied = start, []
         while current.peak > self.target or self.saved_excess(current):
             found = self.step(current)
@@ -429,7 +480,7 @@ def search_saved_set(
     # fetches those again (ZeRO-Offload's schedule), or a recurrent cell would keep one copy of
     # its weights per time step; no move of the search keeps one.
     baseline = model.evaluate((model.default_saved() - model.fetched_copies()) | model.must_save())
-    best = model.evaluate(baseline.saved, schedule=True) if reorder else baseline
+    best = _scheduled(model, baseline.saved) if reorder else baseline
     limit = _UNBOUNDED if target is None else target
     search = _Search(model, limit, recompute, swap_tier, saved_cap, sink=reorder)
     if (target is None and saved_cap is None) or search.fits(best):

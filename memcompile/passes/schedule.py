@@ -51,6 +51,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import fx
 
+from memcompile.passes.liveness import Replayed
+
 if TYPE_CHECKING:
     from memcompile.passes.joint import JointModel
 
@@ -337,11 +339,6 @@ def schedule(
     return order
 
 
-#: ``JointModel._replay``'s answer for an order: (peak, bytes live at the end, peak position,
-#: storages live at the peak).
-Replayed = tuple[int, int, int, frozenset[int]]
-
-
 def sink(
     model: JointModel,
     order: Sequence[int],
@@ -379,11 +376,14 @@ def sink(
     replays = 1
     while replays < max_replays:
         peak, _, at, live = result
-        position = {i: p for p, i in enumerate(order)}
+        position = dict(zip(order, range(len(order)), strict=True))
+        # Where each storage live at the peak is first made (the first node in the order
+        # holding it): looked up for those only, not built for the whole order.
         producer: dict[int, int] = {}
-        for p, i in enumerate(order):
-            for s in model.storages[i]:
-                producer.setdefault(s, p)
+        for s in live:
+            made = [position[j] for j in model.nodes_holding(s) if j in position]
+            if made:
+                producer[s] = min(made)
         candidates = sorted(
             (s for s in live if s in producer and producer[s] < at),
             key=lambda s: (-model.nbytes[s], producer[s]),

@@ -72,29 +72,36 @@ def _concrete(x: Any) -> Any:
     return x
 
 
+_Bases = dict[tuple[StorageWeakRef, torch.dtype], torch.Tensor]
+
+
 def materialize(
-    v: Any, device: torch.device, bases: dict[tuple[StorageWeakRef, torch.dtype], torch.Tensor]
+    v: Any, device: torch.device, bases: _Bases, *, floats: _Bases | None = None
 ) -> Any:
     """Real tensors of ``v``'s metadata. Arguments that share a storage share one here too
     (``bases``: one buffer per storage and dtype), so that an ``out=`` node writing into one of
     its inputs is probed as it runs: some kernels then need a temporary (oneDNN's
-    ``gelu_backward`` reorders a broadcast gradient written into its other input)."""
+    ``gelu_backward`` reorders a broadcast gradient written into its other input).
+    ``floats``: where floating-point buffers are kept instead, shared with other calls (random
+    values; an integer buffer is zeros, so that indices stay in range, and stays the call's)."""
     if isinstance(v, torch.Tensor):
         shape, stride = _concrete(tuple(v.shape)), _concrete(tuple(v.stride()))
         key = (StorageWeakRef(v.untyped_storage()), v.dtype)
-        base = bases.get(key)
+        floating = v.dtype.is_floating_point or v.dtype.is_complex
+        store = floats if floating and floats is not None else bases
+        base = store.get(key)
         if base is None:
             numel = _concrete(v.untyped_storage().nbytes()) // v.element_size()
-            if v.dtype.is_floating_point or v.dtype.is_complex:
+            if floating:
                 base = torch.randn(numel, dtype=v.dtype, device=device)
             else:
                 base = torch.zeros(numel, dtype=v.dtype, device=device)
-            bases[key] = base
+            store[key] = base
         return base.as_strided(shape, stride, _concrete(v.storage_offset()))
     if isinstance(v, (list, tuple)):
-        return type(v)(materialize(a, device, bases) for a in v)
+        return type(v)(materialize(a, device, bases, floats=floats) for a in v)
     if isinstance(v, Mapping):  # kwargs: an out= argument is a tensor
-        return {k: materialize(a, device, bases) for k, a in v.items()}
+        return {k: materialize(a, device, bases, floats=floats) for k, a in v.items()}
     return _concrete(v)
 
 
@@ -139,11 +146,17 @@ def _run_probes(
 ) -> dict[tuple[Any, ...], int]:
     results: dict[tuple[Any, ...], int] = {}
     calls: list[tuple[tuple[Any, ...], Callable[[], Any], int]] = []
+    # Floating-point buffers are shared by every probe reading the same storage (an unrolled
+    # recurrence reads 96 slices of one projection: one random fill, not 96); integer ones
+    # (zeros, so that indices stay in range) are each probe's own, which no other probe's
+    # out= write can change.
+    shared: dict[tuple[StorageWeakRef, torch.dtype], torch.Tensor] = {}
     for key, node in jobs:
         try:
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
             bases: dict[tuple[StorageWeakRef, torch.dtype], torch.Tensor] = {}
-            args, kwargs = materialize(args, device, bases), materialize(kwargs, device, bases)
+            args = materialize(args, device, bases, floats=shared)
+            kwargs = materialize(kwargs, device, bases, floats=shared)
         except Exception as e:  # unbacked sizes, unsupported metadata: no probe
             log.debug("no workspace probe for %s: %s", node.target, e)
             results[key] = 0

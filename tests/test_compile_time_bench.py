@@ -1,0 +1,48 @@
+"""benchmarks/compile_time.py: a tiny run writes its table; bad arguments are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "compile_time.py"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--model", "nope"], "unknown zoo workload 'nope'"),
+        (["--size", "huge"], "unknown size 'huge'"),
+        (["--budget", "lots"], "budget"),
+        (["-O", "recompute"], "-O takes KEY=VALUE"),
+        (["-O", "nope=1"], "nope"),
+    ],
+)
+def test_bad_arguments_are_refused_with_their_reason(args: list[str], message: str) -> None:
+    out = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert message in out.stderr, out.stderr
+
+
+def test_a_tiny_run_times_the_first_step_and_each_plan(tmp_path: Path) -> None:
+    args = ["--model", "gpt", "--size", "tiny", "--budget", "1", "--steps", "2"]
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads((tmp_path / "compile_time.json").read_text())["rows"]
+    # Budget 1: nothing fits, so the plan for the target is followed by the smallest-peak ones.
+    assert len(row["step_seconds"]) == 2 and len(row["calls"]) > 1
+    assert all(not c["feasible"] and len(c["digest"]) == 12 for c in row["calls"])
+    text = (tmp_path / "compile_time.md").read_text()
+    assert "first step (compiles)" in text and f"| {len(row['calls'])} |" in text
