@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         f"workload: zoo `{args.model}` ({args.size}), budget {args.budget}, options {options}, "
         'on_infeasible="best_effort"',
         f"first step (compiles): **{first} s**, of it the planner **{result['planner_seconds']} "
-        f"s** in {len(result['calls'])} calls; later steps: {result['step_seconds'][1:]} s",
+        f"s** in {len(result['calls'])} calls"
+        + (f"; later steps: {result['step_seconds'][1:]} s" if args.steps > 1 else ""),
     ]
     path = write_results(
         args.out,
