@@ -335,6 +335,7 @@ class _Search:
             self.sink,
             start.saved,
             start.swapped,
+            frozenset(self.rejected),  # empty but in a search that ran one already
         )
         memo = _MEMO.setdefault(self.model, {})
         if key not in memo:
