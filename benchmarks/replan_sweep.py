@@ -87,6 +87,8 @@ def one(name: str, budget: int, steps: int) -> dict[str, Any]:
             }
             for r in rep.replans
         ],
+        # Per round: it put the step's parameters on the host (and set no caps).
+        "host_rounds": [getattr(r, "host_params", False) for r in rep.replans],
         "fits": not budget_warnings
         and rep.predicted_peak is not None
         and rep.predicted_peak <= budget
@@ -157,6 +159,8 @@ def main() -> int:
     ]
     for r in rows:
         caps = ", ".join(f"{f} <= {c:,}" for f, c in (r["caps"][-1] if r["caps"] else {}).items())
+        if r.get("host_rounds", [False])[-1:] == [True]:  # the last round was the host round
+            caps = "none: parameters to the host"
         lines.append(
             f"| {r['fraction']} | {r['budget']:,} | {r['predicted']:,} | {r['measured']:,} | "
             f"{r['rounds']} | {r['warnings']} | {_warned_at(r.get('warned', []))} | "
