@@ -366,3 +366,26 @@ def test_a_partition_builds_one_joint_model_per_graph_it_plans(
         wl.loss(compiled, 0).backward()
     assert len(planned) > len(built)
     assert len({id(m) for m in planned}) == len(built) == len({id(g) for g in built})
+
+
+def test_a_saved_set_priced_with_other_swaps_walks_its_backward_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The search prices swaps (and takes them back) at its current saved set: the backward's
+    # walk and order depend on the saved set only, and are remembered for the last few.
+    model: JointModel = capture_joint("gpt")["model"]
+    walks: list[frozenset[int]] = []
+    walk = JointModel.backward_nodes
+
+    def counting(self: JointModel, saved: Any) -> Any:
+        walks.append(frozenset(saved))
+        return walk(self, saved)
+
+    monkeypatch.setattr(JointModel, "backward_nodes", counting)
+    saved = model.default_saved()
+    kept = model.evaluate(saved)
+    swapped = {min(kept.swappable): "host"}
+    priced = model.evaluate(saved, swapped)
+    assert len(walks) == 1 and priced.swapped == tuple(swapped.items())
+    model._recent.clear()  # the same answer walked again
+    assert model.evaluate(saved, swapped) == priced and len(walks) == 2

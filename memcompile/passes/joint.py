@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -51,6 +52,12 @@ _RELOAD = torch.ops.memcompile.reload.default
 # budget the lookahead order peaks 2 MB higher), and a local reordering of torch's order (moves a
 # recomputation and its consumer ahead of a neighbour allocating a long-lived gradient).
 _SCHEDULES: tuple[tuple[int | None, int], ...] = ((None, 1), (None, 3), (16, 3))
+# Saved sets whose backward ``JointModel._backward_of`` remembers.
+_RECENT = 4
+# ``JointModel._backward_of``'s answer.
+_Backward = tuple[
+    list[int], set[int], frozenset[int], frozenset[int], frozenset[int], tuple[int, ...]
+]
 
 
 @dataclass(frozen=True)
@@ -256,6 +263,7 @@ class JointModel:
         self.holders: dict[int, tuple[int, ...]] = {s: tuple(v) for s, v in holders.items()}
         self._names: dict[int, str] | None = None
         self._holding: dict[int, tuple[int, ...]] | None = None
+        self._recent: OrderedDict[frozenset[int], _Backward] = OrderedDict()
         # For the scheduler, which asks these at every step of every schedule.
         self.input_storages: list[frozenset[int]] = [
             frozenset(s for j in ins for s in self.storages[j]) for ins in self.inputs
@@ -502,24 +510,11 @@ class JointModel:
         wait across its peak computed later where that lowers it (``schedule.sink``: a few
         linear replays, cheap enough for every evaluation of the planner's search)."""
         saved = frozenset(saved) - self.persistent
-        needed, recompute, bw_inputs = self.backward_nodes(saved)
-        infeasible = frozenset(
-            s
-            for i in recompute
-            if not self.recomputable[i]
-            for s in self.storages[i]
-            if s not in self.persistent
+        recompute, bw_inputs, infeasible, used_saved, eligible, torch_order = self._backward_of(
+            saved
         )
-        used_saved = frozenset(
-            s
-            for i in bw_inputs
-            if self.kind[i] == _FW
-            for s in self.storages[i]
-            if s not in self.persistent
-        )
-        eligible = frozenset(s for s in used_saved if self.swappable(s, bw_inputs))
+        order: Sequence[int] = torch_order
         swaps = {s: t for s, t in (swapped or {}).items() if s in eligible}
-        order = self.backward_order(needed)
         fw_keep = (used_saved - swaps.keys()) | self._fw_output_storages
         fw_order = self.forward_order
         fw_result = self._replay(fw_order, (), fw_keep)
@@ -547,7 +542,6 @@ class JointModel:
         bw_result = self._replay(order, bw_entry, bw_keep, held_nodes=tangents, late=swaps.keys())
         if schedule:
             held_storages = {s for i in tangents for s in self.storages[i]}
-            torch_order = order
             for window, lookahead in _SCHEDULES:
                 alt = schedule_nodes(
                     self,
@@ -602,6 +596,38 @@ class JointModel:
                 for s, t in swaps.items()
             ),
         )
+
+    def _backward_of(self, saved: frozenset[int]) -> _Backward:
+        """What the backward is under ``saved``, whatever is swapped: (forward nodes it
+        recomputes, its inputs, storages of those that cannot be recomputed, the saved
+        storages it reads, those it may swap, torch's order). The last few saved sets are
+        remembered: a search prices a swap, and takes one back, at its current saved set."""
+        found = self._recent.get(saved)
+        if found is not None:
+            self._recent.move_to_end(saved)
+            return found
+        needed, recompute, bw_inputs = self.backward_nodes(saved)
+        infeasible = frozenset(
+            s
+            for i in recompute
+            if not self.recomputable[i]
+            for s in self.storages[i]
+            if s not in self.persistent
+        )
+        used_saved = frozenset(
+            s
+            for i in bw_inputs
+            if self.kind[i] == _FW
+            for s in self.storages[i]
+            if s not in self.persistent
+        )
+        eligible = frozenset(s for s in used_saved if self.swappable(s, bw_inputs))
+        order = tuple(self.backward_order(needed))
+        found = (recompute, bw_inputs, infeasible, used_saved, eligible, order)
+        self._recent[saved] = found
+        if len(self._recent) > _RECENT:
+            self._recent.popitem(last=False)
+        return found
 
     def held_bytes(self, e: JointEval) -> int:
         """Device bytes ``e`` holds from the forward to the backward: its saved storages that
