@@ -93,8 +93,17 @@ def build_model(depth: int, batch: int = BATCH, width: int = WIDTH) -> Any:
 
 
 def _plan(model: Any, target: int, reorder: bool, swap_tier: str | None) -> tuple[float, Any]:
+    """Plan on a joint model of its own (built untimed): the planner remembers each model's
+    greedy runs and scheduled evaluations, which a later variant would find made."""
+    from memcompile.passes.joint import JointModel
     from memcompile.passes.planner import plan_fragment
 
+    model = JointModel(
+        model.joint,
+        num_fwd_outputs=model.num_fwd_outputs,
+        static_input_indices=model.static_input_indices,
+        profile=model.profile,
+    )
     t0 = time.perf_counter()
     plan = plan_fragment(
         model, target=target, resident_bytes=0, reorder=reorder, swap_tier=swap_tier
