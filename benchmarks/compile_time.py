@@ -106,12 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("-O", dest="option", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
-    options: dict[str, Any] = {}
-    for item in args.option:
-        key, sep, value = item.partition("=")
-        if not sep:
-            p.error(f"-O takes KEY=VALUE, got {item!r}")
-        options[key] = {"true": True, "false": False}.get(value.lower(), value)
+    from memcompile.cli import CliError, _options
+
+    try:  # as `memcompile plan -O`: values typed alike (true, none, integers)
+        options = _options(args.option)
+    except CliError as e:
+        p.error(f"-O takes KEY=VALUE: {e}")
     budget: int | str = int(args.budget) if args.budget.isdigit() else args.budget
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")

@@ -253,16 +253,18 @@ class JointModel:
             for j in ins:
                 users[j].append(i)
         self.users = users
-        # Storage -> forward nodes holding it (its producer and every view of it), in joint
-        # order: the planner prices and swaps storages through these without scanning the graph.
-        holders: dict[int, list[int]] = {}
-        for i, k in enumerate(kinds):
-            if k == _FW:
-                for s in self.storages[i]:
-                    holders.setdefault(s, []).append(i)
-        self.holders: dict[int, tuple[int, ...]] = {s: tuple(v) for s, v in holders.items()}
+        # Storage -> nodes holding it (its producer, views, out= writers), in joint order
+        # (``nodes_holding``), and the forward ones among them: the planner prices and swaps
+        # storages through these without scanning the graph.
+        holding: dict[int, list[int]] = {}
+        for i, sids in enumerate(self.storages):
+            for s in sids:
+                holding.setdefault(s, []).append(i)
+        self._holding = {s: tuple(v) for s, v in holding.items()}
+        self.holders: dict[int, tuple[int, ...]] = {
+            s: fw for s, v in holding.items() if (fw := tuple(i for i in v if kinds[i] == _FW))
+        }
         self._names: dict[int, str] | None = None
-        self._holding: dict[int, tuple[int, ...]] | None = None
         self._recent: OrderedDict[frozenset[int], _Backward] = OrderedDict()
         # For the scheduler, which asks these at every step of every schedule.
         self.input_storages: list[frozenset[int]] = [
@@ -475,12 +477,6 @@ class JointModel:
     def nodes_holding(self, storage: int) -> tuple[int, ...]:
         """Every node whose value holds ``storage`` (its producer, views, ``out=`` writers),
         in joint order."""
-        if self._holding is None:  # built on first use: schedule.sink asks it at each peak
-            holding: dict[int, list[int]] = {}
-            for i, sids in enumerate(self.storages):
-                for s in dict.fromkeys(sids):
-                    holding.setdefault(s, []).append(i)
-            self._holding = {s: tuple(v) for s, v in holding.items()}
         return self._holding.get(storage, ())
 
     def swappable(self, storage: int, bw_inputs: Collection[int]) -> bool:

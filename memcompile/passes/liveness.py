@@ -120,10 +120,10 @@ class Liveness:
         key = self.prod_storage.copy()  # the storage each produced pair counts as
         key[copied] = n_storages + np.arange(n_copies, dtype=np.int64)
         total = n_storages + n_copies
-        nbytes = self.nbytes
-        if n_copies:
+        nbytes, persistent = self.nbytes, self.persistent
+        if n_copies:  # copies are never persistent
             nbytes = np.concatenate([nbytes, self.nbytes[self.prod_storage[copied]]])
-        persistent = np.concatenate([self.persistent, np.zeros(n_copies, dtype=bool)])
+            persistent = np.concatenate([persistent, np.zeros(n_copies, dtype=bool)])
         # Reads: a read of a copied pair reads the copy.
         read_pos = pos[self.read_node]
         reading = read_pos >= 0
