@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/dynamic_prefetch.py [--steps 40] [--size small]
         [--batch 1] [--seq-len 8] [--warmup 10] [--profile h100] [--out DIR]
+        [--device cuda [--untimed]] [--kinds "off;markov;pilot;pilot, sync"]
 
 Trains the zoo MoE (``moe_workload(size, batch=…, seq_len=…)``: the model's own router on the
 zoo's structured topic stream; with few tokens per step some experts idle, so the block sequence
@@ -19,6 +20,16 @@ per predictor, in one process:
 * ``markov, tail`` and ``pilot, tail``: the same with the prediction at each fragment's tail
   (``compiler.PILOT_IN_GRAPH = False``, as before the in-graph op): the same predictions and
   copies, issued after the graph instead of inside it.
+* ``pilot, sync`` (``--device cuda`` only): the ``pilot`` run with the prefetches copied on the
+  compute stream (``PrefetchCache(asynchronous=False)``): what the side stream buys.
+
+``--device cuda`` trains on the GPU (parameters pinned on the host, runtime/pinned.py); steps
+are timed with ``torch.cuda.synchronize`` and the report's **measured** GPU stall is added:
+the compute stream's on-demand copies (misses) and its waits for late prefetches, read from
+CUDA events (runtime/cache.py; ``--untimed``: no events, to see what timing costs the host).
+``--kinds`` runs a subset of the predictors (``off`` first:
+the losses are compared with it). Results: ``dynamic_prefetch.{md,json}`` in ``--out``
+(``dynamic_prefetch_cuda.*`` with ``--device cuda``).
 
 Every run uses ``device_profile=--profile`` (``h100`` by default), which prices the in-graph
 op's placement (passes/pilot_prefetch.py) and the **simulated stall** (``sim_stall_us``: a GPU
@@ -105,8 +116,8 @@ class Replay:
 
 def run(kind: str, args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
     torch._dynamo.reset()
-    wl = moe_workload(args.size, 0, batch=args.batch, seq_len=args.seq_len)
-    base = kind.removesuffix(", tail")
+    wl = moe_workload(args.size, 0, batch=args.batch, seq_len=args.seq_len).to(args.device)
+    base = kind.removesuffix(", tail").removesuffix(", sync")
     pilot = {"off": "off", "pilot": "lightgbm"}.get(base, "markov")
     compiler_module.PILOT_IN_GRAPH = not kind.endswith(", tail")
     compiled = memcompile.compile(
@@ -116,14 +127,23 @@ def run(kind: str, args: argparse.Namespace) -> tuple[dict[str, Any], list[float
         compiler = find_compiler(compiled)[0]
         assert compiler.prefetcher is not None
         compiler.prefetcher.predictor = Replay(2) if kind == "replay" else Never()
+    prefetcher = find_compiler(compiled)[0].prefetcher
+    if prefetcher is not None:
+        prefetcher.cache.asynchronous = not kind.endswith(", sync")
+        prefetcher.cache.time_gpu = not args.untimed
+    cuda = args.device == "cuda"
     opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3)
     losses, times = [], []
     for step in range(args.steps):
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         loss = wl.loss(compiled, step)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
     rep = memcompile.report(compiled)
@@ -152,10 +172,25 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--profile", default="h100", help="device profile of the simulated stall")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--untimed", action="store_true", help="CUDA: no events timing the copies")
+    ap.add_argument(
+        "--kinds",
+        default=None,
+        help="semicolon-separated predictors to run (default: all but 'pilot, sync'; 'off' first)",
+    )
     args = ap.parse_args()
+    known = ("off", "on_demand", "markov", "markov, tail", "replay", "pilot", "pilot, tail")
+    kinds = known if args.kinds is None else tuple(k.strip() for k in args.kinds.split(";"))
+    allowed = (*known, "pilot, sync") if args.device == "cuda" else known
+    if not kinds or kinds[0] != "off" or any(k not in allowed for k in kinds):
+        ap.error(f"--kinds: 'off' first, then any of {', '.join(allowed[1:])}; got {args.kinds!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device")
+    cuda = args.device == "cuda"
     prefetch.PILOT_KNOBS.update(warmup_steps=args.warmup, retrain_every=5, background=False, seed=0)
     rows, reference = [], None
-    for kind in ("off", "on_demand", "markov", "markov, tail", "replay", "pilot", "pilot, tail"):
+    for kind in kinds:
         row, losses = run(kind, args)
         if reference is None:
             reference = losses
@@ -174,11 +209,22 @@ def main() -> None:
         "",
         f"`OMP_NUM_THREADS=1 python benchmarks/dynamic_prefetch.py --steps {args.steps} "
         f"--size {args.size} --batch {args.batch} --seq-len {args.seq_len} "
-        f"--warmup {args.warmup} --profile {args.profile}`",
+        f"--warmup {args.warmup} --profile {args.profile}"
+        + (f" --device {args.device}" if cuda else "")
+        + (" --untimed" if args.untimed else "")
+        + (f" --kinds {args.kinds!r}" if args.kinds is not None else "")
+        + "`",
         "",
         f"{describe_machine()}; torch {torch.__version__}; "
-        f"{datetime.date.today().isoformat()}. Stall: measured on this CPU (time in on-demand "
-        "fetches of the forward); step time does not improve on the CPU (copies are synchronous).",
+        f"{datetime.date.today().isoformat()}. "
+        + (
+            "On the GPU: stall = host time in on-demand fetches (it only queues the copies); "
+            "GPU stall = the compute stream's on-demand copies + its waits for late prefetches, "
+            "measured with CUDA events (runtime/cache.py); step time synchronized."
+            if cuda
+            else "Stall: measured on this CPU (time in on-demand fetches of the forward); step "
+            "time does not improve on the CPU (copies are synchronous)."
+        ),
         "",
         "Wasted: copies freed unused, also as a share of the bytes prefetched. Muted: 2-ahead "
         "predictions not copied because their source wasted more than half its bytes over the "
@@ -193,16 +239,26 @@ def main() -> None:
         "",
         "| predictor | next-block acc. | 2-ahead acc. | hit rate | wasted | prefetched | "
         "stall (ms, total) | misses | muted | sim. stall / step (us) | of it late (us) | "
-        "in-graph / tail predictions | predict p50 (us) | step p50 (ms) | losses = off |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "in-graph / tail predictions | predict p50 (us) | step p50 (ms) | losses = off |"
+        + (" GPU stall / step (us) | of it late (us) |" if cuda else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        + ("---|---|" if cuda else ""),
     ]
     for r in rows:
         if r["predictor"] == "off":
             lines.append(
                 f"| off (fetch on demand) | - | - | 0 % | 0 | 0 | - | - | - | - | - | - | - | "
-                f"{r['step_ms_p50']:.1f} | yes |"
+                f"{r['step_ms_p50']:.1f} | yes |" + (" - | - |" if cuda else "")
             )
             continue
+        gpu = ""
+        if cuda:
+            miss, wait = r.get("gpu_miss_us"), r.get("gpu_wait_us")
+            gpu = (
+                " - | - |"
+                if miss is None or wait is None
+                else f" {per_step(miss + wait)} | {per_step(wait)} |"
+            )
         p50 = "-" if r["predict_us_p50"] is None else f"{r['predict_us_p50']:.1f}"
         wasted = r["wasted_bytes"] / r["prefetched_bytes"] if r["prefetched_bytes"] else None
         lines.append(
@@ -213,7 +269,7 @@ def main() -> None:
             f"{r['stall_us'] / 1000:.1f} | {r['misses']} | {r['muted_predictions']} | "
             f"{per_step(r['sim_stall_us'])} | {per_step(r['sim_late_us'])} | "
             f"{r['in_graph_predictions']} / {r['tail_predictions']} | {p50} | "
-            f"{r['step_ms_p50']:.1f} | {'yes' if r['bit_identical_losses'] else 'NO'} |"
+            f"{r['step_ms_p50']:.1f} | {'yes' if r['bit_identical_losses'] else 'NO'} |{gpu}"
         )
     lines += [
         "",
@@ -250,8 +306,9 @@ def main() -> None:
             )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "dynamic_prefetch.md").write_text("\n".join(lines) + "\n")
-    (out / "dynamic_prefetch.json").write_text(json.dumps(rows, indent=1) + "\n")
+    stem = "dynamic_prefetch_cuda" if cuda else "dynamic_prefetch"
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(rows, indent=1) + "\n")
     print("\n".join(lines))
 
 

@@ -273,11 +273,19 @@ def _pilot_line(p: PilotReport) -> str:
         return "n/a" if x is None else f"{100 * x:.1f}%"
 
     us = "n/a" if p.predict_us_p50 is None else f"{p.predict_us_p50:.1f} us"
+    if p.gpu_miss_us is None or p.gpu_wait_us is None:
+        stall = f"stall {p.stall_us / 1000:.2f} ms (CPU)"
+    else:  # CUDA: the host only queues the copies; the GPU's events say what they cost
+        stall = (
+            f"GPU stall {(p.gpu_miss_us + p.gpu_wait_us) / 1000:.2f} ms (on-demand copies "
+            f"{p.gpu_miss_us / 1000:.2f} ms, late prefetches {p.gpu_wait_us / 1000:.2f} ms; "
+            "measured)"
+        )
     return (
         f"  pilot ({p.mode}, active {p.active}): next-block accuracy {pct(p.accuracy)}, "
         f"{p.horizon}-ahead {pct(p.k_ahead_accuracy)}, hit rate {pct(p.hit_rate)} of "
         f"{format_bytes(p.needed_bytes)} fetched, wasted {format_bytes(p.wasted_bytes)}, "
-        f"stall {p.stall_us / 1000:.2f} ms (CPU), predict p50 {us}, reserve "
+        f"{stall}, predict p50 {us}, reserve "
         f"{format_bytes(p.reserve_bytes)}, {p.muted_predictions} predictions muted (wasteful)"
         + _placement_line(p)
     )

@@ -14,10 +14,13 @@ import torch
 import memcompile
 from memcompile import zoo
 from memcompile.backends import compiler as compiler_module
+from memcompile.dynamic import prefetch
 from memcompile.report import MemReport, find_compiler
+from memcompile.runtime.cache import PrefetchCache
 from memcompile.runtime.store import TieredStore, register_store
 
-from helpers import train_under_budget
+from helpers import assert_same_state, train_under_budget
+from predictors import AlwaysWrong
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -269,3 +272,165 @@ def test_cuda_host_placed_parameters_survive_retraces() -> None:
         _assert_grads_equal(eager, hosted)
         assert all(p.device.type == "cpu" for p in hosted.parameters())
     assert not memcompile.report(compiled).fallbacks
+
+
+# -- the pilot's prefetches on a side stream (runtime/cache.py, dynamic/prefetch.py) --------------
+def _sleep(seconds: float) -> None:
+    # Keep the compute stream busy for about ``seconds`` (a spin kernel; ~2 GHz SM clock).
+    torch.cuda._sleep(int(seconds * 2e9))
+
+
+def test_cuda_prefetch_copies_on_a_side_stream_and_a_hit_waits_for_it() -> None:
+    cache = PrefetchCache()
+    h = torch.randn(4096, 4096).pin_memory()  # 64 MiB: a copy of a millisecond or more
+    cache.watch([h])
+    cache.counting = True
+    cache.prefetch(h, torch.device("cuda"), "b", "t")
+    done = cache._entries[PrefetchCache.key(h)].done
+    assert done is not None and not done.query()  # issued, not waited for
+    y = cache.fetch(h, lambda: pytest.fail("a hit was expected"))
+    z = y * 2  # on the compute stream, after its wait for the copy
+    assert torch.equal(z.cpu(), h * 2)
+    c = cache.counters()
+    # Fetched at once: the compute stream waited for the copy, and the events measured it.
+    assert c.hit == h.nbytes and c.gpu_late_bytes == h.nbytes
+    assert c.gpu_wait_s is not None and c.gpu_wait_s > 0 and c.gpu_miss_s == 0
+
+
+def test_cuda_prefetch_overlaps_compute_and_is_not_late() -> None:
+    cache = PrefetchCache()
+    h = torch.randn(4096, 4096).pin_memory()
+    cache.watch([h])
+    cache.counting = True
+    torch.cuda.synchronize()
+    cache.prefetch(h, torch.device("cuda"), "b", "t")
+    _sleep(0.05)  # compute the copy overlaps (queued after the copy was issued)
+    y = cache.fetch(h, lambda: pytest.fail("a hit was expected"))
+    assert torch.equal(y.cpu(), h)
+    c = cache.counters()
+    assert c.gpu_wait_s == 0 and c.gpu_late_bytes == 0
+
+
+def test_cuda_an_evicted_prefetch_is_not_reused_while_its_copy_runs() -> None:
+    # The copy's block must not go to a new tensor before the side stream has written it.
+    cache = PrefetchCache()
+    h = torch.full((4096, 1024), 7.0).pin_memory()
+    cache.watch([h])
+    for _ in range(20):
+        cache.prefetch(h, torch.device("cuda"), "b", "t")
+        assert cache.evict() == h.nbytes
+        x = torch.full((4096, 1024), -1.0, device="cuda")
+        torch.cuda.synchronize()
+        assert bool((x == -1.0).all())
+
+
+def test_cuda_a_miss_is_timed_on_the_compute_stream() -> None:
+    cache = PrefetchCache()
+    h = torch.randn(2048, 2048).pin_memory()
+    cache.watch([h])
+    cache.counting = True
+    y = cache.fetch(h, lambda: h.to("cuda", non_blocking=True))
+    assert torch.equal(y.cpu(), h)
+    c = cache.counters()
+    assert c.misses == 1 and c.gpu_miss_s is not None and c.gpu_miss_s > 0
+
+
+def test_cuda_synchronous_prefetches_copy_on_the_compute_stream() -> None:
+    cache = PrefetchCache(asynchronous=False)
+    h = torch.randn(1024, 1024).pin_memory()
+    cache.watch([h])
+    cache.prefetch(h, torch.device("cuda"), "b", "t")
+    assert cache._entries[PrefetchCache.key(h)].done is None
+    assert torch.equal(cache.fetch(h, lambda: pytest.fail("a hit")).cpu(), h)
+
+
+@pytest.mark.parametrize("pilot", ["markov", "lightgbm", "adversarial"])
+@pytest.mark.parametrize("name", ["moe", "early_exit"])
+def test_cuda_pilot_trains_bit_identically_to_fetching_on_demand(
+    name: str, pilot: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Both copies keep their parameters on the host and step them there (so both round alike);
+    # the pilot's copies must change nothing, whatever it predicts.
+    monkeypatch.setattr(prefetch, "PILOT_KNOBS", {"warmup_steps": 2, "background": False})
+    torch._dynamo.reset()
+    runs = {}
+    for mode in ("off", pilot):
+        wl = zoo.build(name, size="tiny").to("cuda")
+        option = "markov" if mode == "adversarial" else mode
+        compiled = memcompile.compile(wl.model, offload_params=True, pilot=option)
+        if mode == "adversarial":
+            prefetcher = find_compiler(compiled)[0].prefetcher
+            assert prefetcher is not None
+            prefetcher.predictor = AlwaysWrong()
+        losses = wl.train(compiled, 6, optimizer="adam")
+        runs[mode] = (wl, compiled, losses)
+    (off_wl, _, off_losses), (wl, compiled, losses) = runs["off"], runs[pilot]
+    assert all(torch.equal(a, b) for a, b in zip(off_losses, losses, strict=True))
+    assert_same_state(off_wl.model, wl.model)
+    p = memcompile.report(compiled).pilot
+    assert p is not None and p.enabled and p.prefetched_bytes > 0
+    assert p.gpu_miss_us is not None and p.gpu_wait_us is not None  # measured on the GPU
+    if pilot != "adversarial":
+        assert p.hit_bytes > 0
+    assert find_compiler(compiled)[0].store.in_flight() == 0
+
+
+def test_cuda_a_periodic_stream_is_prefetched_without_misses_or_late_copies() -> None:
+    torch._dynamo.reset()
+    wl = zoo.build("moe", size="tiny").to("cuda")
+    compiled = memcompile.compile(wl.model, offload_params=True, pilot="markov")
+    opt = torch.optim.SGD(wl.model.parameters(), lr=0.1)
+    reports = []
+    for i in range(6):
+        opt.zero_grad(set_to_none=True)
+        wl.loss(compiled, i).backward()
+        opt.step()
+        if i in (1, 5):
+            reports.append(memcompile.report(compiled).pilot)
+    before, after = reports
+    assert before is not None and after is not None
+    needed = after.needed_bytes - before.needed_bytes
+    assert needed > 0 and after.hit_bytes - before.hit_bytes == needed
+    assert after.misses == before.misses and after.gpu_miss_us == before.gpu_miss_us
+    print(f"GPU waits for late prefetches, steps 2-5: {after.gpu_wait_us - before.gpu_wait_us} us")
+
+
+def test_cuda_measured_peak_stays_within_the_budget_with_prefetch() -> None:
+    rep = _unbudgeted_report("moe", eager_copy=False, offload_params=True, pilot="markov")
+    assert rep.pilot is not None and rep.pilot.reserve_bytes > 0
+    budget = rep.predicted_peak + rep.pilot.reserve_bytes
+    wl = zoo.build("moe", size="tiny").to("cuda")
+    compiled = memcompile.compile(wl.model, budget=budget, offload_params=True, pilot="markov")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memcompile.MemoryBudgetWarning)  # the step's peak watch
+        for i in range(4):
+            wl.model.zero_grad(set_to_none=True)
+            wl.loss(compiled, i).backward()
+    wl.model.zero_grad(set_to_none=True)
+    batch = wl.batch(4)
+    measured = memcompile.measure_peak(
+        lambda: compiled(*batch).backward(), resident=[wl.model, batch]
+    )
+    p = memcompile.report(compiled).pilot
+    assert p is not None and p.hit_bytes > 0 and p.cache_peak_bytes > 0
+    assert measured <= budget * 1.02, (measured, budget)
+
+
+def test_cuda_router_counts_are_read_at_the_tail_and_the_rule_predicts() -> None:
+    # The router's counts are CUDA tensors: read at its graph's tail (not in the graph, where
+    # the host would wait), so the output rule (dynamic/rules.py) predicts the experts.
+    torch._dynamo.reset()
+    wl = zoo.build("moe", size="tiny").to("cuda")
+    compiled = memcompile.compile(wl.model, offload_params=True, pilot="lightgbm")
+    opt = torch.optim.SGD(wl.model.parameters(), lr=0.1)
+    for i in range(6):
+        opt.zero_grad(set_to_none=True)
+        wl.loss(compiled, i).backward()
+        opt.step()
+    rep = memcompile.report(compiled)
+    p = rep.pilot
+    assert p is not None and p.tail_predictions > 0 and p.in_graph_predictions > 0
+    assert any(not pl.in_graph for pl in p.placements)  # the routers' graphs
+    prefetcher = find_compiler(compiled)[0].prefetcher
+    assert prefetcher is not None
+    assert prefetcher.cache.by_tag["rule@1"].hit > 0

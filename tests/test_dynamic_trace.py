@@ -199,7 +199,7 @@ def test_steps_round_trip_through_json(tmp_path) -> None:
     assert read_trace(path) == [step]
 
 
-def test_small_int_outputs_keeps_small_integer_cpu_tensors_only() -> None:
+def test_small_int_outputs_keeps_small_integer_host_readable_tensors_only() -> None:
     counts = torch.tensor([2, 0, 1], dtype=torch.int64)
     outs = (
         torch.zeros(4),  # float
@@ -209,6 +209,7 @@ def test_small_int_outputs_keeps_small_integer_cpu_tensors_only() -> None:
         torch.zeros(0, dtype=torch.int64),  # empty
         7,  # not a tensor
         torch.tensor([5], dtype=torch.uint8),
+        torch.ones(2, dtype=torch.int64, device="meta"),  # no values (CUDA's are read)
     )
     assert small_int_outputs(outs) == ((2, 0, 1), (1, 1, 1, 1), (5,))
     assert small_int_outputs(counts) == ((2, 0, 1),)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from memcompile.backends.inner import compile_inner
@@ -16,6 +17,7 @@ from memcompile.passes.context import PassContext
 from memcompile.passes.costmodel import DeviceProfile
 from memcompile.passes.pilot_prefetch import (
     PILOT_PREFETCH,
+    device_observed,
     observed_outputs,
     pilot_prefetch_pass,
     plan_pilot_prefetch,
@@ -142,6 +144,19 @@ def test_observed_outputs_are_the_small_integer_outputs_in_order() -> None:
     gm = fx.GraphModule({}, g)
     FakeTensorProp(gm).propagate(torch.randn(N, N))
     assert [n.name for n in observed_outputs(gm)] == [small.name, small.name]
+
+
+@pytest.mark.parametrize(("device", "read"), [("cpu", True), ("cuda", True), ("meta", False)])
+def test_device_observed_values_send_the_prediction_to_the_tail(device: str, read: bool) -> None:
+    # The router's counts on a CUDA device (fake: no GPU needed) are observed, but reading them
+    # in the graph would wait for the device: the compiler predicts at the tail instead.
+    gm = _forward_like(3, 1)
+    with FakeTensorMode() as mode:
+        a = torch.empty(N, N, device=device)
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(a)
+    observed = observed_outputs(gm)
+    assert [n.name for n in observed] == (["sum_dim_int_list"] if read else [])
+    assert device_observed(observed) == (device == "cuda")
 
 
 @pytest.mark.parametrize(

@@ -82,6 +82,7 @@ from memcompile.passes.losshead import loss_head_pass, min_block_bytes
 from memcompile.passes.params import param_fetch_pass
 from memcompile.passes.partition import partition_pass
 from memcompile.passes.pilot_prefetch import (
+    device_observed,
     observed_outputs,
     pilot_prefetch_pass,
     plan_pilot_prefetch,
@@ -219,6 +220,15 @@ REMATERIALIZE = True
 #: The pilot predicts and prefetches inside each forward graph (passes/pilot_prefetch.py);
 #: ``False`` leaves the prediction at the fragment's tail, for tests and benchmarks that compare.
 PILOT_IN_GRAPH = True
+
+#: Why ``pilot="auto"`` stays off for a CUDA model with parameters on the host (the report says
+#: it). Measured on an H200 host (benchmarks/results/dynamic_prefetch_cuda.md): each prefetched
+#: tensor costs the host ~65 us of CUDA calls (a synchronous copy ~24 us), so on the zoo MoE the
+#: pilot hid most of the copies' GPU time yet made the step slower than fetching on demand.
+CUDA_AUTO_PILOT_OFF = (
+    "on CUDA the pilot prefetches only when asked for (pilot='markov' or 'lightgbm'): issuing "
+    "its copies costs the host more than they hid on the measured MoE"
+)
 
 #: Step compositions remembered as already checked against the budget (then forgotten).
 _MAX_CHECKED_STEPS = 4096
@@ -514,7 +524,6 @@ class _FragmentBuild:
         host_reserve = 0  # the prefetch reserve the plan with parameters on the host leaves
         host_peak: int | None = None  # the plan with parameters on the host, when tried
         candidates = self._host_candidates(static) if aligned else []
-        device = self.device
         wants = config.offload_params is True or (
             config.offload_params == "auto"
             and config.budget is not None
@@ -617,7 +626,9 @@ class _FragmentBuild:
         compiler.planned_reserve(self, tuple(hosted) + tuple(placed))
         if hosted:  # only now: an infeasible plan raised above with the parameters untouched
             with _disable_current_modes():  # partitioning runs under the fake mode
-                compiler.host_params_pinned |= device is not None and device.type == "cuda"
+                compiler.host_params_pinned |= self.device is not None and (
+                    self.device.type == "cuda"
+                )
                 moved = sum(
                     compiler.move_to_host(self.example_inputs[i]) for i in self._own_inputs(hosted)
                 )
@@ -1155,15 +1166,17 @@ class _FragmentBuild:
         cost = compiler.cost_profile(example_inputs)
         depth = compiler.config.prefetch_depth
         name = f"F{self.index}"
+        observed = observed_outputs(gm)
         decided = plan_pilot_prefetch(
             gm,
             cost,
             fragment=name,
             copy_bytes=max(compiler.max_block_host_bytes, self.prefetch_reserve // depth),
             copy_tensors=max(compiler.max_block_host_tensors, 1),
-            observed=observed_outputs(gm),
+            observed=observed,
         )
-        if PILOT_IN_GRAPH and compiler.pilot_plans():
+        # A CUDA router's counts are read at the tail: in the graph the host would wait there.
+        if PILOT_IN_GRAPH and compiler.pilot_plans() and not device_observed(observed):
             ctx = PassContext(fragment=name, graph="forward")
             pilot_prefetch_pass(gm, ctx, plan=decided, hook=prefetcher.key, fragment=self.index)
         else:
@@ -1329,7 +1342,14 @@ class _FragmentBuild:
             # A forward call's activation input storages, read before the call clears args.
             reads = _view_storages(args, activations(args)) if lives else None
             tail = prefetcher is not None and prefetcher.before(
-                compiler.steps_observed, index, kind, block, args, hosted, build.prefetch_reserve
+                compiler.steps_observed,
+                index,
+                kind,
+                block,
+                args,
+                hosted,
+                build.prefetch_reserve,
+                device,
             )
             if tail:  # what the cache holds beside the graph (simulate_step's CacheUse)
                 cache = prefetcher.cache  # type: ignore[union-attr]
@@ -1680,18 +1700,16 @@ class MemCompiler:
         return pilot in ("markov", "lightgbm") or (pilot == "auto" and bool(self.dynamic))
 
     def _pilot_gate(self) -> bool:
-        # pilot="auto": prefetch once the model is dynamic and has parameters on the host (the
-        # CPU device's: prefetching a CUDA model's pinned parameters is not implemented, and
-        # the report says so rather than the rule).
+        # pilot="auto": prefetch once the model is dynamic and has parameters on the host, on
+        # the CPU device. A CUDA model's pinned parameters are prefetched only on request: the
+        # copies are issued from the host, and on the measured MoE that host time cost more
+        # step time than the copies they hid (benchmarks/results/dynamic_prefetch_cuda.md).
         if not self.dynamic or not self.host_param_bytes:
             return False
         if self.host_params_pinned:
             if self.prefetcher is not None and self.prefetcher.blocked is None:
-                self.prefetcher.blocked = (
-                    "prefetching a CUDA model's host-placed parameters is not implemented: "
-                    "they are fetched when used"
-                )
-                log.info("memcompile pilot: %s", self.prefetcher.blocked)
+                self.prefetcher.blocked = CUDA_AUTO_PILOT_OFF
+                log.info("memcompile pilot: %s", CUDA_AUTO_PILOT_OFF)
             return False
         return True
 
@@ -1752,12 +1770,11 @@ class MemCompiler:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         device = _device_of(example_inputs)
         if self.config.pilot in ("markov", "lightgbm") and device is not None:
-            if device.type != "cpu":
+            if device.type not in HOSTABLE_DEVICES:
                 raise NotImplementedError(
                     f"memcompile option pilot={self.config.pilot!r} prefetches host-placed "
-                    f"parameters, which is only implemented for the CPU device; on {device.type} "
-                    "the copies would need a side stream and events, not implemented in this "
-                    "version of memcompile (use pilot='off' or 'auto')"
+                    "parameters, which is only implemented for the CPU and CUDA devices; on "
+                    f"{device.type} parameters cannot be host-placed (use pilot='off' or 'auto')"
                 )
         ctx = calling_dynamo_context()
         if ctx is not None and self.attach(ctx):
@@ -2692,9 +2709,9 @@ class MemCompiler:
     ) -> tuple[tuple[int, ...], ...] | None:
         # After a forward or inference call returned: its outputs, e.g. an MoE router's
         # per-expert counts, which decide the next blocks (dynamic/pilot.py). The compiler reads
-        # nothing here. Observers must not read the values of device tensors: on CUDA that
-        # synchronises the stream (dynamic/trace.py reads small integer CPU tensors only; on a
-        # GPU the counts would be copied non_blocking into pinned host memory instead).
+        # nothing here unless an observer wants them: reading a CUDA tensor's values waits for
+        # the device (dynamic/trace.py: at a call's end only, where the model's own Python
+        # reads a router's counts next anyway).
         # The small integer values are read once per call, here unless given (``small_ints``:
         # the graph's pilot op read them), and returned for the prefetcher's tail (None: no
         # observer wanted them; the tail reads them itself).

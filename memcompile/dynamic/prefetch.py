@@ -72,16 +72,24 @@ that copy, which was made before it started.
 
 Predictors (``pilot`` option): ``"markov"`` (last successor, markov.py), ``"lightgbm"`` (the
 online :class:`~memcompile.dynamic.pilot.Pilot`, Markov below its confidence threshold), ``"auto"``
-(the Pilot once the model is dynamic and has parameters in the host tier; see the compiler's
-``MemCompiler.dynamic``), ``"off"`` (no prefetcher: every fetch on demand). Any object with
-``observe``/``predict``/``end_step`` and an ``active`` name can replace :attr:`Prefetcher.predictor`
-(tests inject an adversarial one).
+(the Pilot once the model is dynamic and has parameters in the host tier, on the CPU device;
+see the compiler's ``MemCompiler.dynamic``), ``"off"`` (no prefetcher: every fetch on demand).
+Any object with ``observe``/``predict``/``end_step`` and an ``active`` name can replace
+:attr:`Prefetcher.predictor` (tests inject an adversarial one).
 
-CPU only: on the CPU device the copies are synchronous (the time is spent inside the graph,
-where a GPU's copy would overlap compute). CUDA parameters can be host-placed too
-(``runtime/pinned.py``), but a prefetch there would run on a side stream with an event that the
-fetch waits for; that path is not implemented and the compiler refuses an explicit pilot on a
-CUDA device.
+**Devices.** On the CPU device the copies are synchronous (the time is spent inside the graph,
+where a GPU's copy would overlap compute). On CUDA, host-placed parameters are pinned CPU
+tensors (``runtime/pinned.py``): a prefetch copies on the cache's side stream and records an
+event, and a hit makes the compute stream wait for that event (runtime/cache.py), so a copy
+issued by the in-graph op overlaps the rest of the graph. The report then gives, beside the
+simulated stall, what the GPU measured: the compute stream's waits for late copies
+(``gpu_wait_us``) and its on-demand copies (``gpu_miss_us``). CUDA small integer outputs (a
+router's counts) are read at their graph's tail, never inside it (the host would wait for the
+device there; passes/pilot_prefetch.py places such a graph's prediction at its tail). Issuing
+a copy costs the host tens of microseconds of CUDA calls, which a step the host cannot keep
+ahead of pays in full: ``pilot="auto"`` therefore stays off on CUDA (the report says why), and
+an explicit ``"markov"``/``"lightgbm"`` runs (benchmarks/results/dynamic_prefetch_cuda.md).
+
 """
 
 from __future__ import annotations
@@ -247,6 +255,12 @@ class PilotReport:
         sim_late_us: the part of ``sim_stall_us`` spent waiting for prefetched copies (issued
             too late to hide; the rest is misses, copied on demand).
         sim_profile: the device profile of ``sim_stall_us``.
+        gpu_wait_us: CUDA, measured with events: microseconds the compute stream waited for
+            prefetched copies that were not done when it reached their fetch (``None``: no
+            CUDA copy was timed, e.g. on the CPU device).
+        gpu_late_bytes: bytes of those late copies.
+        gpu_miss_us: CUDA, measured: microseconds of on-demand copies (misses) on the compute
+            stream, which it waits for.
         placements: where each forward graph predicts (passes/pilot_prefetch.py), by fragment.
     """
 
@@ -275,6 +289,9 @@ class PilotReport:
     sim_stall_us: float | None = None
     sim_late_us: float | None = None
     sim_profile: str | None = None
+    gpu_wait_us: float | None = None
+    gpu_late_bytes: int = 0
+    gpu_miss_us: float | None = None
     placements: tuple[PilotPrefetchPlan, ...] = ()
     reason: str = ""
 
@@ -322,6 +339,7 @@ class Prefetcher:
         self._step_starts: set[str] = set()
         self._step: int | None = None
         self._in_forward = False
+        # where the copies go: the running (last) forward call's device
         self._device = torch.device("cpu")
         #: the largest reserve any fragment was planned with: prefetches stop there
         self.capacity = 0
@@ -407,9 +425,11 @@ class Prefetcher:
         args: Sequence[Any],
         hosted: Sequence[int],
         reserve: int,
+        device: torch.device | None = None,
     ) -> bool:
         """A fragment call is about to run (``args``: its inputs, before the boxed call clears
-        them). Returns whether :meth:`after` should run at its tail."""
+        them) on ``device`` (where its copies go; ``None``: the CPU). Returns whether
+        :meth:`after` should run at its tail."""
         self._pending, self._wanted = None, None
         self.in_graph_cached = None
         if not self.enabled:
@@ -450,6 +470,7 @@ class Prefetcher:
         )[:MAX_SIZES]
         self.predictor.observe(label, record.id, sizes, self._fragment_idioms(record))
         self._pending, self._reserve_now = index, reserve
+        self._device = device if device is not None else torch.device("cpu")
         self._own = own
         self._placement = self.placements.get(index)
         return True
@@ -639,6 +660,9 @@ class Prefetcher:
             sim_stall_us=c.sim_stall_s * 1e6 if self._sim_profile is not None else None,
             sim_late_us=c.sim_late_s * 1e6 if self._sim_profile is not None else None,
             sim_profile=self._sim_profile,
+            gpu_wait_us=None if c.gpu_wait_s is None else c.gpu_wait_s * 1e6,
+            gpu_late_bytes=c.gpu_late_bytes,
+            gpu_miss_us=None if c.gpu_miss_s is None else c.gpu_miss_s * 1e6,
             placements=tuple(self.placements[i] for i in sorted(self.placements)),
         )
 

@@ -35,9 +35,11 @@ Cheap features per event: microseconds since the step's first call, the element 
 first few non-parameter tensor inputs of forward calls (for an expert: tokens routed to it), and
 the values of the call's small integer outputs (:func:`small_int_outputs`: for an MoE router,
 its per-expert token counts, which decide the next blocks). The compiler reports the outputs
-after the call returned (``on_block_end``). Only CPU tensors are read: reading a CUDA tensor's
-values would synchronise the stream on every fragment call; on a GPU the counts would have to be
-copied ``non_blocking`` into pinned host memory and read one call later (not done here). Traces
+after the call returned (``on_block_end``). CUDA tensors are read too, at the call's end (never
+inside a graph): reading their values makes the host wait for the device, but a small integer
+tensor that leaves a fragment is, in the case this is for, read by the model's own Python next
+(the router's counts decide which experts it calls: the reason Dynamo broke the graph there),
+which waits the same. The values are read only while a recorder or the pilot runs. Traces
 written before outputs were recorded read back with ``outputs=()``.
 """
 
@@ -79,6 +81,8 @@ MAX_SIZES = 4
 #: Small integer outputs whose values an event keeps, and the most elements one may have.
 MAX_OUTPUTS = 4
 MAX_OUTPUT_ELEMENTS = 32
+#: Devices whose small integer outputs :func:`small_int_outputs` reads.
+READ_DEVICES = ("cpu", "cuda")
 
 _INT_DTYPES = frozenset(
     (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)  # not bool: masks
@@ -180,10 +184,11 @@ def _outputs_from(v: Any, where: str) -> tuple[tuple[int, ...], ...]:
 def small_int_outputs(outputs: Any) -> tuple[tuple[int, ...], ...]:
     """The values of the small integer tensors among a call's outputs, in output order.
 
-    Kept: CPU tensors of an integer dtype (not bool) with 1 to :data:`MAX_OUTPUT_ELEMENTS`
-    elements, flattened; at most :data:`MAX_OUTPUTS` of them. Outputs may be a tensor or
-    (nested) lists and tuples; anything else is skipped. Device tensors are skipped: reading
-    their values synchronises (see the module docstring).
+    Kept: CPU and CUDA tensors of an integer dtype (not bool) with 1 to
+    :data:`MAX_OUTPUT_ELEMENTS` elements, flattened; at most :data:`MAX_OUTPUTS` of them.
+    Outputs may be a tensor or (nested) lists and tuples; anything else is skipped. Reading a
+    CUDA tensor waits for the device (see the module docstring): call this at a fragment's end,
+    not inside a graph.
     """
     found: list[tuple[int, ...]] = []
     stack = [outputs]
@@ -194,7 +199,7 @@ def small_int_outputs(outputs: Any) -> tuple[tuple[int, ...], ...]:
         elif (
             isinstance(o, torch.Tensor)
             and o.dtype in _INT_DTYPES
-            and o.device.type == "cpu"
+            and o.device.type in READ_DEVICES
             and 0 < o.numel() <= MAX_OUTPUT_ELEMENTS
         ):
             found.append(tuple(int(x) for x in o.detach().reshape(-1).tolist()))
@@ -412,7 +417,7 @@ class TraceRecorder:
         small_ints: tuple[tuple[int, ...], ...] | None = None,
     ) -> None:
         """Fragment ``index``'s call (the last :meth:`on_block`) returned ``outputs``: keep the
-        values of its small integer CPU outputs (:func:`small_int_outputs`) on its event.
+        values of its small integer outputs (:func:`small_int_outputs`) on its event.
         ``small_ints``: those values, when the caller read them already (the compiler reads them
         once per call for every observer and the prefetcher)."""
         if kind == "backward" or step != self._step or not self._events:

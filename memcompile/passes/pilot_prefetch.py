@@ -33,6 +33,11 @@ On CPU the copies are synchronous, so nothing overlaps here: the times are the d
 estimate (a GPU's with ``device_profile="h100"``), and the pilot's simulated stall uses them
 (:attr:`memcompile.dynamic.prefetch.PilotReport.sim_stall_us`). Under Inductor, only the data
 dependency pins the op (it may move later, never before the observed values).
+
+On CUDA the copies run on a side stream and overlap the rest of the graph, but a graph whose
+observed values are CUDA tensors predicts at its tail instead (:func:`device_observed`): reading
+them inside the graph would make the host wait for the device before it queues the rest of the
+graph; at the tail the model's own Python reads them next anyway (trace.py).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from memcompile.dynamic.trace import MAX_OUTPUT_ELEMENTS, MAX_OUTPUTS
+from memcompile.dynamic.trace import MAX_OUTPUT_ELEMENTS, MAX_OUTPUTS, READ_DEVICES
 from memcompile.errors import format_bytes
 from memcompile.passes.analysis import StorageIds, sym_to_int
 from memcompile.passes.context import PassContext
@@ -119,9 +124,10 @@ class PilotPrefetchPlan:
 
 def observed_outputs(gm: fx.GraphModule) -> tuple[fx.Node, ...]:
     """The output nodes that ``small_int_outputs`` (dynamic/trace.py) may read at run time, in
-    output order (repeats kept): CPU integer tensors with 1 to ``MAX_OUTPUT_ELEMENTS`` elements
-    (all whose count is symbolic), up to ``MAX_OUTPUTS`` certain ones. Passing exactly these
-    keeps the predictor's view, output positions included, the same as at the tail."""
+    output order (repeats kept): CPU and CUDA integer tensors with 1 to ``MAX_OUTPUT_ELEMENTS``
+    elements (CPU ones whose count is symbolic too), up to ``MAX_OUTPUTS`` certain ones. Passing
+    exactly these keeps the predictor's view, output positions included, the same as at the
+    tail (on CUDA, a graph with none predicts in the graph and its tail reads nothing more)."""
     (out,) = gm.graph.find_nodes(op="output")
     found: list[fx.Node] = []
     certain = 0
@@ -132,15 +138,27 @@ def observed_outputs(gm: fx.GraphModule) -> tuple[fx.Node, ...]:
             continue
         val = a.meta.get("val")
         if not (
-            isinstance(val, torch.Tensor) and val.dtype in _INT_DTYPES and val.device.type == "cpu"
+            isinstance(val, torch.Tensor)
+            and val.dtype in _INT_DTYPES
+            and val.device.type in READ_DEVICES
         ):
             continue
         numel, symbolic = sym_to_int(val.numel())
         if not symbolic and not 0 < numel <= MAX_OUTPUT_ELEMENTS:
             continue
+        if symbolic and val.device.type != "cpu":
+            # Read in the graph only if small at run time, which would wait for the device
+            # there; a router's counts have a fixed size (one per expert).
+            continue
         found.append(a)
         certain += not symbolic
     return tuple(found)
+
+
+def device_observed(observed: Sequence[fx.Node]) -> bool:
+    """Whether any of ``observed`` (:func:`observed_outputs`) is a device tensor (not a CPU one):
+    its values can be read without waiting for the device only after the graph."""
+    return any(n.meta["val"].device.type != "cpu" for n in observed)
 
 
 def plan_pilot_prefetch(

@@ -35,10 +35,28 @@ which overstates a stall).
 Each copy carries a ``tag`` (the prefetcher's: which predictor source, how many blocks ahead);
 :attr:`PrefetchCache.by_tag` counts prefetched, hit and wasted bytes per tag.
 
-Copies are synchronous: the pilot prefetches only for the CPU device in this version (the
-DESIGN's CPU row). On CUDA, where parameters can be host-placed too (``pinned.py``), the copy
-would go on a side stream with an event per copy, and a hit would make the compute stream wait
-for it; that is not implemented (the compiler refuses an explicit pilot on a CUDA device).
+**CUDA.** A host-placed CUDA parameter is a pinned CPU tensor (``pinned.py``); its copy runs
+on the cache's own side stream, so it overlaps the compute stream's work:
+
+    prefetch  allocates the copy on the compute stream; the side stream waits for the compute
+              stream (the block may have just been freed by work still queued there), copies
+              (``non_blocking``), records an event ``done``; ``copy.record_stream(side)`` keeps
+              the allocator from reusing the block before the copy is done if it is freed
+              unused (evicted, trimmed, stale)
+    fetch     a hit: the compute stream waits for ``done``; every reader comes after it
+              a miss: copied on the compute stream, as without the cache
+
+The GPU's own clock says what the prefetches bought (``gpu_*``, measured, not simulated): while
+counting, a hit records an event where the compute stream reaches the fetch, and the time from
+there to ``done`` (when positive) is time the compute stream waited for a late copy
+(``gpu_wait_s``, ``gpu_late_bytes``); a miss is timed between two events around its copy on the
+compute stream (``gpu_miss_s``). Both are counted on the GPU's clock from where the compute
+stream reached the fetch; in a step the host cannot keep ahead of (small kernels, the eager
+inner compiler), the stream is idle by then and what they count is time the GPU would have
+waited for the host anyway. The events are read when :meth:`PrefetchCache.counters` is
+called (the report), which waits for them. ``PrefetchCache(asynchronous=False)`` copies on the
+compute stream instead (what the overlap buys, for benchmarks). On the CPU device copies are
+synchronous.
 """
 
 from __future__ import annotations
@@ -50,6 +68,8 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 import torch
+
+from memcompile.runtime.pinned import side_stream
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +90,10 @@ class CacheCounters:
     peak_bytes: int
     sim_stall_s: float = 0.0
     sim_late_s: float = 0.0
+    #: CUDA, measured with events (see the module doc); ``None``: no CUDA copy timed
+    gpu_wait_s: float | None = None
+    gpu_late_bytes: int = 0
+    gpu_miss_s: float | None = None
 
 
 @dataclass
@@ -80,6 +104,8 @@ class _Entry:
     block: str
     tag: str
     ready_s: float = -math.inf
+    #: CUDA: recorded on the side stream when the copy is done (``None``: a synchronous copy)
+    done: torch.cuda.Event | None = None
 
 
 @dataclass
@@ -91,14 +117,36 @@ class TagCounters:
     wasted: int = 0
 
 
+#: Timed CUDA events kept before the cache reads those already done (a long run without a
+#: report must not hold an event per fetch forever).
+MAX_PENDING_EVENTS = 4096
+
+
 def _key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
 class PrefetchCache:
-    """Device copies of host-placed parameters, keyed by the host storage; see the module doc."""
+    """Device copies of host-placed parameters, keyed by the host storage; see the module doc.
 
-    def __init__(self) -> None:
+    Args:
+        asynchronous: CUDA copies from pinned memory run on a side stream (else on the compute
+            stream, in order with its work).
+        time_gpu: CUDA: measure the compute stream's waits and on-demand copies with events.
+    """
+
+    def __init__(self, *, asynchronous: bool = True, time_gpu: bool = True) -> None:
+        self.asynchronous = asynchronous
+        #: CUDA: time hits and misses with events (the ``gpu_*`` counters; see the module doc).
+        self.time_gpu = time_gpu
+        self._spare_events: list[torch.cuda.Event] = []  # read already: recorded again later
+        self._side: dict[int, torch.cuda.Stream] = {}  # device index -> the copies' stream
+        # CUDA timing, read by counters(): (arrived, done, bytes) per hit, (start, end) per miss
+        self._hit_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+        self._miss_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._gpu_wait_s = self._gpu_miss_s = 0.0
+        self._gpu_late_bytes = 0
+        self._gpu_timed = False
         self._entries: dict[int, _Entry] = {}
         self._watched: set[int] = set()
         self.bytes = 0
@@ -140,6 +188,8 @@ class PrefetchCache:
             )
             if fresh:
                 self.taken += entry.nbytes
+                if entry.done is not None:
+                    self._wait_for(entry)
                 if self.counting:
                     self.needed += nbytes
                     self.hit += nbytes
@@ -155,9 +205,20 @@ class PrefetchCache:
             log.debug("prefetch cache: stale copy of %s dropped", entry.block)
         if not self.counting:
             return on_demand()
+        # a pinned host tensor (a CUDA model's parameter): its copy runs on the compute stream
+        timed = self.time_gpu and h.is_pinned()
+        if timed:
+            began = self._event()
+            began.record()
         start = time.perf_counter_ns()
         out = on_demand()
         self.stall_ns += time.perf_counter_ns() - start
+        if timed:
+            ended = self._event()
+            ended.record()
+            self._miss_events.append((began, ended))
+            self._gpu_timed = True
+            self._bound_events()
         self.needed += nbytes
         self.misses += 1
         if self.copy_seconds is not None:
@@ -193,12 +254,24 @@ class PrefetchCache:
         if key in self._entries:
             return 0
         copy = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
-        copy.copy_(h)
+        done = None
+        if copy.device.type == "cuda" and self.asynchronous and h.is_pinned():
+            compute = torch.cuda.current_stream(copy.device)
+            side = side_stream(self._side, copy.device)
+            side.wait_stream(compute)  # copy's block may have been freed by queued work
+            with torch.cuda.stream(side):
+                copy.copy_(h, non_blocking=True)
+            done = self._event()
+            done.record(side)
+            # Freed unused while the copy runs (evicted, trimmed): not reused before it ends.
+            copy.record_stream(side)
+        else:
+            copy.copy_(h)
         nbytes = h.untyped_storage().nbytes()
         ready = -math.inf
         if issue_s is not None and self.copy_seconds is not None:
             ready = self._copy_free_s = max(issue_s, self._copy_free_s) + self.copy_seconds(nbytes)
-        self._entries[key] = _Entry(copy, h._version, nbytes, block, tag, ready)
+        self._entries[key] = _Entry(copy, h._version, nbytes, block, tag, ready, done)
         self.bytes += nbytes
         self.prefetched += nbytes
         self.by_tag.setdefault(tag, TagCounters()).prefetched += nbytes
@@ -248,6 +321,8 @@ class PrefetchCache:
         return self.evict()
 
     def counters(self) -> CacheCounters:
+        """The counters now; on CUDA it first waits for the timed copies and reads their events."""
+        self._read_events()
         return CacheCounters(
             needed=self.needed,
             hit=self.hit,
@@ -259,7 +334,61 @@ class PrefetchCache:
             peak_bytes=self.peak_bytes,
             sim_stall_s=self.sim_stall_s,
             sim_late_s=self.sim_late_s,
+            gpu_wait_s=self._gpu_wait_s if self._gpu_timed else None,
+            gpu_late_bytes=self._gpu_late_bytes,
+            gpu_miss_s=self._gpu_miss_s if self._gpu_timed else None,
         )
+
+    # -- CUDA ------------------------------------------------------------------------------------
+    def _wait_for(self, entry: _Entry) -> None:
+        # A hit on a side-stream copy: the compute stream waits for it (and, while counting,
+        # marks where it arrived, to measure how long it waited).
+        assert entry.done is not None
+        compute = torch.cuda.current_stream(entry.copy.device)
+        if self.counting and self.time_gpu:
+            arrived = self._event()
+            arrived.record(compute)  # before the wait: where the stream arrived
+            compute.wait_event(entry.done)
+            self._hit_events.append((arrived, entry.done, entry.nbytes))
+            self._gpu_timed = True
+            self._bound_events()
+        else:
+            compute.wait_event(entry.done)
+            self._spare_events.append(entry.done)  # waited for: free to record again
+
+    def _event(self) -> torch.cuda.Event:
+        # A timing event, reused once read: creating one per copy costs host time per fetch.
+        spare = self._spare_events
+        return spare.pop() if spare else torch.cuda.Event(enable_timing=True)
+
+    def _bound_events(self) -> None:
+        if len(self._hit_events) + len(self._miss_events) > MAX_PENDING_EVENTS:
+            self._read_events(block=False)
+
+    def _read_events(self, *, block: bool = True) -> None:
+        """Add the timed hits' waits and misses' copies to the ``gpu_*`` counters. ``block``:
+        wait for every event (else read those done and keep the rest)."""
+        hits: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+        for arrived, done, nbytes in self._hit_events:
+            if not block and not (arrived.query() and done.query()):
+                hits.append((arrived, done, nbytes))
+                continue
+            arrived.synchronize()
+            done.synchronize()
+            waited = arrived.elapsed_time(done) / 1e3  # ms; > 0: done after the arrival
+            if waited > 0:
+                self._gpu_wait_s += waited
+                self._gpu_late_bytes += nbytes
+            self._spare_events += (arrived, done)
+        misses: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        for began, ended in self._miss_events:
+            if not block and not ended.query():
+                misses.append((began, ended))
+                continue
+            ended.synchronize()
+            self._gpu_miss_s += began.elapsed_time(ended) / 1e3
+            self._spare_events += (began, ended)
+        self._hit_events, self._miss_events = hits, misses
 
     @staticmethod
     def key(t: torch.Tensor) -> int:

@@ -58,6 +58,7 @@ __all__ = [
     "is_pinned_param",
     "pinned_copy",
     "place_pinned",
+    "side_stream",
 ]
 
 _lock = threading.Lock()
@@ -68,6 +69,16 @@ _pinned: dict[int, StorageWeakRef] = {}
 _params: WeakIdKeyDictionary = WeakIdKeyDictionary()  # (tensors compare elementwise: by id)
 # While Dynamo compiles: parameter -> (its pinned tensor, its gradient), put back at the end.
 _tracing: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def side_stream(streams: dict[int, torch.cuda.Stream], device: torch.device) -> torch.cuda.Stream:
+    """The copy stream in ``streams`` for the CUDA ``device`` (by index; made on first use): a
+    store and a prefetch cache each keep their own, so their copies overlap compute."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = streams.get(index)
+    if stream is None:
+        stream = streams[index] = torch.cuda.Stream(device=index)
+    return stream
 
 
 def pinned_copy(x: torch.Tensor) -> torch.Tensor:

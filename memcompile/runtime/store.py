@@ -56,6 +56,7 @@ from memcompile.runtime.pinned import (
     is_pinned_param,
     pinned_copy,
     place_pinned,
+    side_stream,
 )
 
 log = logging.getLogger(__name__)
@@ -237,11 +238,7 @@ class TieredStore:
         return self._tmp.name
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = self._side.get(index)
-        if stream is None:
-            stream = self._side[index] = torch.cuda.Stream(device=index)
-        return stream
+        return side_stream(self._side, device)
 
     # -- put / get / wait -------------------------------------------------------------------------
     def put(self, x: torch.Tensor, tier: Tier) -> torch.Tensor:

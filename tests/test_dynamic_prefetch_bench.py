@@ -1,0 +1,59 @@
+"""benchmarks/dynamic_prefetch.py: a tiny run writes its table; bad arguments are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "dynamic_prefetch.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--kinds", "markov"], "--kinds: 'off' first"),
+        (["--kinds", "off;oracle"], "got 'off;oracle'"),
+        (["--kinds", "off;pilot, sync"], "--kinds: 'off' first"),  # the GPU's variant
+        (["--device", "tpu"], "invalid choice: 'tpu'"),
+    ],
+)
+def test_bad_arguments_are_refused_with_their_reason(args: list[str], message: str) -> None:
+    out = _run(*args)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert message in out.stderr, out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_the_gpu_run_needs_a_gpu() -> None:
+    out = _run("--device", "cuda")
+    assert out.returncode == 2 and "--device cuda: no CUDA device" in out.stderr, out.stderr
+
+
+def test_a_tiny_run_of_two_predictors_writes_its_table(tmp_path: Path) -> None:
+    out = _run(
+        *("--size", "tiny", "--steps", "3", "--warmup", "2", "--kinds", "off;markov"),
+        *("--out", str(tmp_path)),
+    )
+    assert out.returncode == 0, out.stderr
+    rows = json.loads((tmp_path / "dynamic_prefetch.json").read_text())
+    assert [r["predictor"] for r in rows] == ["off", "markov"]
+    assert all(r["bit_identical_losses"] for r in rows)
+    assert rows[1]["gpu_miss_us"] is None  # nothing is timed on the GPU on the CPU device
+    text = (tmp_path / "dynamic_prefetch.md").read_text()
+    assert "--kinds 'off;markov'" in text and "| markov (markov) |" in text
