@@ -55,6 +55,7 @@ from memcompile.backends.fragments import (
     parameter_name,
 )
 from memcompile.backends.inner import BoxedCallable, compile_inner, decompositions
+from memcompile.backends.progress import slow_compile_notice
 from memcompile.backends.replan import MAX_REPLANS, MAX_ROUNDS, Replan, decide_replan
 from memcompile.backends.sharded import RankCheck, ShardedParams, sharded_params
 from memcompile.config import MemConfig
@@ -1847,7 +1848,8 @@ class MemCompiler:
             build.host_replan = index in self._hosting_replans
             self._hosting_replans.discard(index)
         self.note_dynamic_fragment(build.index, gm)
-        compiled, record = self._compile_fragment(build, gm, compile_inputs, identity)
+        with slow_compile_notice(f"F{index}", nodes=len(gm.graph.nodes), budget=self.config.budget):
+            compiled, record = self._compile_fragment(build, gm, compile_inputs, identity)
         compiled = split.wrap(compiled)
         code = _compiling_code()
         with self._lock:
