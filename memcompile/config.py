@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 __all__ = ["DEVICE_PROFILES", "MemConfig", "parse_bytes"]
 
 #: Cost-model profiles ``device_profile`` may name.
-DEVICE_PROFILES: tuple[str, ...] = ("auto", "cpu", "h100", "a100")
+DEVICE_PROFILES: tuple[str, ...] = ("auto", "cpu", "h100", "h200", "a100")
 
 _UNITS: dict[str, int] = {
     "": 1,

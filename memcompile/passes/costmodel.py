@@ -43,7 +43,7 @@ class DeviceProfile:
     """Throughputs of one device and its tiers.
 
     Attributes:
-        name: ``cpu``, ``h100``, ``a100``.
+        name: ``cpu``, ``h100``, ``h200``, ``a100``.
         flops: achievable FLOP/s per dtype name (``float32``, ``bfloat16``, ...).
         memory_bandwidth: device memory bytes/s.
         host_bandwidth: device<->host copy bytes/s (PCIe for GPUs; memcpy on CPU).
@@ -95,14 +95,22 @@ def _spec(
 
 
 # Public datasheet peaks (dense, no sparsity): NVIDIA H100 SXM5 80GB (FP32 67 TFLOPS, TF32 tensor
-# 494.7, BF16/FP16 989.4; HBM3 3.35 TB/s; PCIe 5.0 x16 64 GB/s) and A100 SXM4 80GB (FP32 19.5,
-# TF32 156, BF16/FP16 312; HBM2e 2.039 TB/s; PCIe 4.0 x16 32 GB/s). Disk: one NVMe SSD, ~7 GB/s
-# (PCIe 4) and ~12 GB/s (PCIe 5) sequential reads.
+# 494.7, BF16/FP16 989.4; HBM3 3.35 TB/s; PCIe 5.0 x16 64 GB/s), H200 SXM 141GB (the H100's
+# compute; HBM3e 4.8 TB/s; PCIe 5.0 x16 64 GB/s) and A100 SXM4 80GB (FP32 19.5, TF32 156,
+# BF16/FP16 312; HBM2e 2.039 TB/s; PCIe 4.0 x16 32 GB/s). Disk: one NVMe SSD, ~7 GB/s (PCIe 4)
+# and ~12 GB/s (PCIe 5) sequential reads.
 _SPECS: dict[str, DeviceProfile] = {
     "h100": _spec(
         "h100",
         {"float32": 67.0, "tf32": 494.7, "bfloat16": 989.4, "float16": 989.4},
         3.35e12,
+        64e9,
+        12e9,
+    ),
+    "h200": _spec(
+        "h200",
+        {"float32": 67.0, "tf32": 494.7, "bfloat16": 989.4, "float16": 989.4},
+        4.8e12,
         64e9,
         12e9,
     ),
@@ -176,7 +184,7 @@ _loaded: dict[str, DeviceProfile] = {}
 
 
 def device_profile(name: str) -> DeviceProfile:
-    """The profile called ``name`` (``cpu``, ``h100``, ``a100``); ``cpu`` is calibrated on
+    """The profile called ``name`` (``cpu``, ``h100``, ``h200``, ``a100``); ``cpu`` is calibrated on
     first use and cached on disk.
 
     Raises:
