@@ -456,6 +456,24 @@ def test_row_tiling_lowers_branchys_smallest_plan_and_trains_bit_identically(mon
         train_under_budget("branchy", "adam", budget, **recompute)
 
 
+def test_each_built_graph_is_searched_for_tilings_once_per_matmul_allowance(monkeypatch):
+    # _same_tilings and the rewrite with 0 and with MAX_KEPT_MATMULS matmuls made again ask for
+    # the same decisions: each graph is searched once per allowance (4 searches, not 8).
+    searched: list[tuple[fx.GraphModule, int]] = []
+    real = tiling.find_row_tilings
+
+    def counting(gm, *, blocks=tiling.BLOCKS, max_kept_matmuls=tiling.MAX_KEPT_MATMULS):
+        searched.append((gm, max_kept_matmuls))  # keeps gm alive: ids are not reused
+        return real(gm, blocks=blocks, max_kept_matmuls=max_kept_matmuls)
+
+    monkeypatch.setattr(tiling, "find_row_tilings", counting)
+    monkeypatch.setattr(compiler_mod, "find_row_tilings", counting)
+    _floor(monkeypatch, True, swap=False, offload_params=False, pilot="off")
+    assert {k for _, k in searched} == {0, tiling.MAX_KEPT_MATMULS}  # both allowances tried
+    pairs = [(id(gm), k) for gm, k in searched]
+    assert len(pairs) == len(set(pairs)), "a graph was searched twice for the same allowance"
+
+
 def test_a_swapping_plan_over_its_target_falls_back_to_recomputing(monkeypatch):
     # With no reload read by rows, tiling acts on values the graphs make only: with swaps
     # allowed the smallest plan is still no larger than recomputing alone.

@@ -94,7 +94,12 @@ from memcompile.passes.prefetch import plan_prefetch, prefetch_pass
 from memcompile.passes.rematerialize import plan_rematerialize, rematerialize_pass
 from memcompile.passes.step import CacheUse, OutputLife, StepPrediction, simulate_step
 from memcompile.passes.swap import swap_pass
-from memcompile.passes.tiling import MAX_KEPT_MATMULS, find_row_tilings, row_tile_pass
+from memcompile.passes.tiling import (
+    MAX_KEPT_MATMULS,
+    RowTiling,
+    find_row_tilings,
+    row_tile_pass,
+)
 from memcompile.passes.workspace import clone_workspace, probe_workspaces
 from memcompile.runtime.measure import storage_sizes
 from memcompile.runtime.peakwatch import PeakWatch
@@ -983,15 +988,16 @@ class _FragmentBuild:
         blocks (a value kept whole for another reader is read whole instead), which costs no
         time; where that does not fit, also with them, and the lower peak is kept."""
         best = None
+        search = _TilingSearch()
         for kept in sorted({0, MAX_KEPT_MATMULS}):
-            if kept and _same_tilings(fw, bw, kept):
+            if kept and _same_tilings(fw, bw, kept, search):
                 break  # no op's blocks would make a matmul again: the same rewrite
             found = self._built_rewrite(
                 fw,
                 bw,
                 plan,
                 split,
-                functools.partial(_tile_rows, max_kept_matmuls=kept),
+                functools.partial(_tile_rows, max_kept_matmuls=kept, search=search),
                 f"elementwise ops made by blocks of rows ({kept} matmuls made again)",
             )
             if best is None or found[2].predicted_peak < best[2].predicted_peak:
@@ -1434,25 +1440,43 @@ def _device_of(values: Sequence[Any]) -> torch.device | None:
     return next((d for d in devices if d.type != "cpu"), devices[0] if devices else None)
 
 
-def _same_tilings(fw: fx.GraphModule, bw: fx.GraphModule, kept: int) -> bool:
+class _TilingSearch:
+    """:func:`find_row_tilings` of the built graphs one ``_tiled`` call rewrites, each graph and
+    ``max_kept_matmuls`` searched once: the search only decides, and the graphs do not change
+    meanwhile (the rewrites make copies). Keyed by the graph object, which it keeps alive."""
+
+    def __init__(self) -> None:
+        self._found: dict[tuple[int, int], tuple[fx.GraphModule, tuple[RowTiling, ...]]] = {}
+
+    def __call__(self, gm: fx.GraphModule, kept: int) -> tuple[RowTiling, ...]:
+        entry = self._found.get((id(gm), kept))
+        if entry is None or entry[0] is not gm:
+            entry = self._found[(id(gm), kept)] = (gm, find_row_tilings(gm, max_kept_matmuls=kept))
+        return entry[1]
+
+
+def _same_tilings(fw: fx.GraphModule, bw: fx.GraphModule, kept: int, search: _TilingSearch) -> bool:
     """Whether both graphs tile alike with ``kept`` matmuls made again and with none (a graph
     the search fails on: not known to, ``_tile_rows`` then says why)."""
     try:
-        return all(
-            find_row_tilings(g, max_kept_matmuls=kept) == find_row_tilings(g, max_kept_matmuls=0)
-            for g in (fw, bw)
-        )
+        return all(search(g, kept) == search(g, 0) for g in (fw, bw))
     except Exception:  # the rewrite that follows reports it
         return False
 
 
 def _tile_rows(
-    gm: fx.GraphModule, ctx: PassContext, *, max_kept_matmuls: int = MAX_KEPT_MATMULS
+    gm: fx.GraphModule,
+    ctx: PassContext,
+    *,
+    max_kept_matmuls: int = MAX_KEPT_MATMULS,
+    search: _TilingSearch | None = None,
 ) -> fx.GraphModule:
     """``row_tile_pass``, then the in-place pass again where it tiled: a value the blocks now
-    make again dies at its other reader, which may then write into it."""
+    make again dies at its other reader, which may then write into it. ``search``: the
+    decisions already made for ``gm``."""
     try:
-        tiled = row_tile_pass(gm, ctx, max_kept_matmuls=max_kept_matmuls)
+        decided = None if search is None else search(gm, max_kept_matmuls)
+        tiled = row_tile_pass(gm, ctx, max_kept_matmuls=max_kept_matmuls, decided=decided)
     except Exception:  # a graph the pass does not know: the plan stands without it
         log.warning(
             "%s %s: row tiling failed; left as built", ctx.fragment, ctx.graph, exc_info=True

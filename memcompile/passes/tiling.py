@@ -914,13 +914,16 @@ def row_tile_pass(
     *,
     blocks: int = BLOCKS,
     max_kept_matmuls: int = MAX_KEPT_MATMULS,
+    decided: tuple[RowTiling, ...] | None = None,
 ) -> fx.GraphModule:
     """A copy of the built graph ``gm`` with the ops :func:`find_row_tilings` picks made a block
     of rows at a time, where the probe finds the blocks bit-identical (:func:`tiles_exactly`);
     ``gm`` itself when there is none. ``gm`` is not changed; the copy shares the fake values of
     every node it keeps. The rewrites are in ``meta['memcompile_row_tiles']`` (a tuple of
-    :class:`RowTiling`, ``new`` filled in)."""
-    decided = find_row_tilings(gm, blocks=blocks, max_kept_matmuls=max_kept_matmuls)
+    :class:`RowTiling`, ``new`` filled in). ``decided``: what :func:`find_row_tilings` returns
+    for ``gm`` with the same ``blocks`` and ``max_kept_matmuls``, when the caller has it."""
+    if decided is None:
+        decided = find_row_tilings(gm, blocks=blocks, max_kept_matmuls=max_kept_matmuls)
     # An op that another's chain makes by blocks goes with that chain (its own blocks would
     # read values the other removes); one the other keeps whole for earlier readers (the
     # probabilities the value gradient reads first) is made by its own blocks too, where
