@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/dynamic_prefetch.py [--steps 40] [--size small]
         [--batch 1] [--seq-len 8] [--warmup 10] [--profile h100] [--out DIR]
         [--device cuda [--untimed]] [--kinds "off;markov;pilot;pilot, sync"]
+        [--set d_model=1024 --set hidden=4096 ...]
 
 Trains the zoo MoE (``moe_workload(size, batch=…, seq_len=…)``: the model's own router on the
 zoo's structured topic stream; with few tokens per step some experts idle, so the block sequence
@@ -27,9 +28,11 @@ per predictor, in one process:
 are timed with ``torch.cuda.synchronize`` and the report's **measured** GPU stall is added:
 the compute stream's on-demand copies (misses) and its waits for late prefetches, read from
 CUDA events (runtime/cache.py; ``--untimed``: no events, to see what timing costs the host).
-``--kinds`` runs a subset of the predictors (``off`` first:
-the losses are compared with it). Results: ``dynamic_prefetch.{md,json}`` in ``--out``
-(``dynamic_prefetch_cuda.*`` with ``--device cuda``).
+``--set KEY=VALUE`` (repeatable) replaces one of the MoE's size settings (``moe_workload``:
+``d_model``, ``hidden``, ``experts``, ``layers``, ...), e.g. larger experts, whose copies take
+long enough on a GPU for the overlap to matter. ``--kinds`` runs a subset of the predictors
+(``off`` first: the losses are compared with it). Results: ``dynamic_prefetch.{md,json}`` in
+``--out`` (``dynamic_prefetch_cuda.*`` with ``--device cuda``).
 
 Every run uses ``device_profile=--profile`` (``h100`` by default), which prices the in-graph
 op's placement (passes/pilot_prefetch.py) and the **simulated stall** (``sim_stall_us``: a GPU
@@ -116,7 +119,8 @@ class Replay:
 
 def run(kind: str, args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
     torch._dynamo.reset()
-    wl = moe_workload(args.size, 0, batch=args.batch, seq_len=args.seq_len).to(args.device)
+    sizes = {"batch": args.batch, "seq_len": args.seq_len, **args.sizes}
+    wl = moe_workload(args.size, 0, **sizes).to(args.device)
     base = kind.removesuffix(", tail").removesuffix(", sync")
     pilot = {"off": "off", "pilot": "lightgbm"}.get(base, "markov")
     compiler_module.PILOT_IN_GRAPH = not kind.endswith(", tail")
@@ -175,6 +179,13 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--untimed", action="store_true", help="CUDA: no events timing the copies")
     ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="replace one of the MoE's size settings (moe_workload), e.g. d_model=1024",
+    )
+    ap.add_argument(
         "--kinds",
         default=None,
         help="semicolon-separated predictors to run (default: all but 'pilot, sync'; 'off' first)",
@@ -187,6 +198,16 @@ def main() -> None:
         ap.error(f"--kinds: 'off' first, then any of {', '.join(allowed[1:])}; got {args.kinds!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device")
+    args.sizes = {}
+    for item in args.set:
+        key, eq, value = item.partition("=")
+        if not eq or not value.strip().lstrip("-").isdigit():
+            ap.error(f"--set takes KEY=INTEGER; got {item!r}")
+        args.sizes[key.strip()] = int(value)
+    try:  # the workload's own checks (unknown keys, values < 1), before any run
+        moe_workload(args.size, 0, batch=args.batch, seq_len=args.seq_len, **args.sizes)
+    except ValueError as e:
+        ap.error(str(e))
     cuda = args.device == "cuda"
     prefetch.PILOT_KNOBS.update(warmup_steps=args.warmup, retrain_every=5, background=False, seed=0)
     rows, reference = [], None
@@ -212,6 +233,7 @@ def main() -> None:
         f"--warmup {args.warmup} --profile {args.profile}"
         + (f" --device {args.device}" if cuda else "")
         + (" --untimed" if args.untimed else "")
+        + "".join(f" --set {item}" for item in args.set)
         + (f" --kinds {args.kinds!r}" if args.kinds is not None else "")
         + "`",
         "",

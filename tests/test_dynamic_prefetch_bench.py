@@ -31,6 +31,10 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
         (["--kinds", "off;oracle"], "got 'off;oracle'"),
         (["--kinds", "off;pilot, sync"], "--kinds: 'off' first"),  # the GPU's variant
         (["--device", "tpu"], "invalid choice: 'tpu'"),
+        (["--set", "d_model"], "--set takes KEY=INTEGER; got 'd_model'"),
+        (["--set", "d_model=big"], "--set takes KEY=INTEGER; got 'd_model=big'"),
+        (["--set", "width=64"], "moe_workload: unknown setting 'width'"),
+        (["--set", "hidden=0"], "moe_workload: hidden must be a positive int; got 0"),
     ],
 )
 def test_bad_arguments_are_refused_with_their_reason(args: list[str], message: str) -> None:
@@ -48,6 +52,7 @@ def test_the_gpu_run_needs_a_gpu() -> None:
 def test_a_tiny_run_of_two_predictors_writes_its_table(tmp_path: Path) -> None:
     out = _run(
         *("--size", "tiny", "--steps", "3", "--warmup", "2", "--kinds", "off;markov"),
+        *("--set", "hidden=48"),
         *("--out", str(tmp_path)),
     )
     assert out.returncode == 0, out.stderr
@@ -56,4 +61,4 @@ def test_a_tiny_run_of_two_predictors_writes_its_table(tmp_path: Path) -> None:
     assert all(r["bit_identical_losses"] for r in rows)
     assert rows[1]["gpu_miss_us"] is None  # nothing is timed on the GPU on the CPU device
     text = (tmp_path / "dynamic_prefetch.md").read_text()
-    assert "--kinds 'off;markov'" in text and "| markov (markov) |" in text
+    assert "--set hidden=48 --kinds 'off;markov'" in text and "| markov (markov) |" in text
