@@ -75,7 +75,7 @@ from memcompile.backends import compiler as compiler_module  # noqa: E402
 from memcompile.dynamic import prefetch  # noqa: E402
 from memcompile.dynamic.pilot import Prediction  # noqa: E402
 from memcompile.report import find_compiler  # noqa: E402
-from memcompile.zoo.moe import moe_workload  # noqa: E402
+from memcompile.zoo.moe import moe_settings, moe_workload  # noqa: E402
 
 
 class Never:
@@ -205,7 +205,7 @@ def main() -> None:
             ap.error(f"--set takes KEY=INTEGER; got {item!r}")
         args.sizes[key.strip()] = int(value)
     try:  # the workload's own checks (unknown keys, values < 1), before any run
-        moe_workload(args.size, 0, batch=args.batch, seq_len=args.seq_len, **args.sizes)
+        moe_settings(args.size, batch=args.batch, seq_len=args.seq_len, **args.sizes)
     except ValueError as e:
         ap.error(str(e))
     cuda = args.device == "cuda"

@@ -1443,16 +1443,16 @@ def _device_of(values: Sequence[Any]) -> torch.device | None:
 class _TilingSearch:
     """:func:`find_row_tilings` of the built graphs one ``_tiled`` call rewrites, each graph and
     ``max_kept_matmuls`` searched once: the search only decides, and the graphs do not change
-    meanwhile (the rewrites make copies). Keyed by the graph object, which it keeps alive."""
+    meanwhile (the rewrites make copies). Keyed by the graph object (hashed by identity)."""
 
     def __init__(self) -> None:
-        self._found: dict[tuple[int, int], tuple[fx.GraphModule, tuple[RowTiling, ...]]] = {}
+        self._found: dict[tuple[fx.GraphModule, int], tuple[RowTiling, ...]] = {}
 
     def __call__(self, gm: fx.GraphModule, kept: int) -> tuple[RowTiling, ...]:
-        entry = self._found.get((id(gm), kept))
-        if entry is None or entry[0] is not gm:
-            entry = self._found[(id(gm), kept)] = (gm, find_row_tilings(gm, max_kept_matmuls=kept))
-        return entry[1]
+        found = self._found.get((gm, kept))
+        if found is None:
+            found = self._found[(gm, kept)] = find_row_tilings(gm, max_kept_matmuls=kept)
+        return found
 
 
 def _same_tilings(fw: fx.GraphModule, bw: fx.GraphModule, kept: int, search: _TilingSearch) -> bool:

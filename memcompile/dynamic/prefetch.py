@@ -142,6 +142,8 @@ PROBE_EVERY = 4
 #: ``seed``): tests and benchmarks shorten the warm-up or train inline.
 PILOT_KNOBS: dict[str, Any] = {}
 
+_CPU = torch.device("cpu")
+
 #: The predictions a forward call makes, with the tags of their copies: (block, tensor, tag).
 _Wanted = list[tuple[str, torch.Tensor, str]]
 
@@ -340,7 +342,7 @@ class Prefetcher:
         self._step: int | None = None
         self._in_forward = False
         # where the copies go: the running (last) forward call's device
-        self._device = torch.device("cpu")
+        self._device = _CPU
         #: the largest reserve any fragment was planned with: prefetches stop there
         self.capacity = 0
         # scoring (independent of the predictor, so every predictor is scored alike)
@@ -470,7 +472,7 @@ class Prefetcher:
         )[:MAX_SIZES]
         self.predictor.observe(label, record.id, sizes, self._fragment_idioms(record))
         self._pending, self._reserve_now = index, reserve
-        self._device = device if device is not None else torch.device("cpu")
+        self._device = device if device is not None else _CPU
         self._own = own
         self._placement = self.placements.get(index)
         return True

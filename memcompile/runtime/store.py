@@ -237,9 +237,6 @@ class TieredStore:
             self._tmp = tempfile.TemporaryDirectory(prefix="memcompile-disk-")
         return self._tmp.name
 
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        return side_stream(self._side, device)
-
     # -- put / get / wait -------------------------------------------------------------------------
     def put(self, x: torch.Tensor, tier: Tier) -> torch.Tensor:
         """A copy of ``x`` in ``tier`` (same shape, strides, dtype; CPU device).
@@ -250,7 +247,7 @@ class TieredStore:
         if x.device.type == "cuda" and tier == "host":
             out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, pin_memory=True)
             if self.asynchronous:
-                side = self._side_stream(x.device)
+                side = side_stream(self._side, x.device)
                 side.wait_stream(torch.cuda.current_stream(x.device))
                 with torch.cuda.stream(side):
                     out.copy_(x, non_blocking=True)
@@ -283,7 +280,7 @@ class TieredStore:
                 # copies on the compute stream, ordered before its readers; the host goes on.
                 out.copy_(h, non_blocking=True)
             elif out.device.type == "cuda" and h.is_pinned() and self.asynchronous:
-                side = self._side_stream(out.device)
+                side = side_stream(self._side, out.device)
                 side.wait_stream(torch.cuda.current_stream(out.device))
                 with torch.cuda.stream(side):
                     out.copy_(h, non_blocking=True)

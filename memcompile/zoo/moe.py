@@ -213,13 +213,13 @@ def build_moe(size: str, seed: int) -> Workload:
     return moe_workload(size, seed)
 
 
-def moe_workload(size: str = "tiny", seed: int = 0, **overrides: int) -> Workload:
-    """:func:`build_moe` with some of the size's settings replaced, e.g. ``batch=1, seq_len=8``
-    for sparse routing: few tokens per step leave some experts idle, so the step's block sequence
-    varies (with the zoo sizes every expert gets tokens in almost every step).
+def moe_settings(size: str = "tiny", **overrides: int) -> dict[str, int]:
+    """The settings :func:`moe_workload` builds with: the size's, with ``overrides`` replacing
+    some (checked without building anything).
 
     Raises:
-        ValueError: an unknown setting, or a value that is not a positive int.
+        ValueError: an unknown size or setting, a value that is not a positive int, or
+            ``top_k`` above ``experts``.
     """
     check_size(size)
     cfg = dict(_CONFIGS[size])
@@ -231,6 +231,18 @@ def moe_workload(size: str = "tiny", seed: int = 0, **overrides: int) -> Workloa
         cfg[key] = value
     if cfg["top_k"] > cfg["experts"]:
         raise ValueError(f"moe_workload: top_k={cfg['top_k']} exceeds experts={cfg['experts']}")
+    return cfg
+
+
+def moe_workload(size: str = "tiny", seed: int = 0, **overrides: int) -> Workload:
+    """:func:`build_moe` with some of the size's settings replaced, e.g. ``batch=1, seq_len=8``
+    for sparse routing: few tokens per step leave some experts idle, so the step's block sequence
+    varies (with the zoo sizes every expert gets tokens in almost every step).
+
+    Raises:
+        ValueError: an unknown setting, or a value that is not a positive int.
+    """
+    cfg = moe_settings(size, **overrides)
     torch.manual_seed(seed)
     model = MoETransformer(
         layers=cfg["layers"],
