@@ -75,6 +75,7 @@ CONFIGS: dict[str, str] = {
     "mc_h05": "memcompile, budget 0.05, recompute + host tier",
     "mc_h03": "memcompile, budget 0.03, recompute + host tier",
     "mc_h02": "memcompile, budget 0.02, recompute + host tier",
+    "mc_h015": "memcompile, budget 0.015, recompute + host tier",
     "mc_h00": "memcompile, budget 0: its error names the smallest budget, recompute + host tier",
     "mc_d15": "memcompile, budget 0.15, recompute + disk tier",
     "mc_s50": "memcompile, budget 0.50, host tier only (no recompute)",
@@ -315,10 +316,12 @@ def _subprocess(
 
 
 def budget_for(config: str, eager: dict[str, Any]) -> int | None:
-    """Absolute budget of a memcompile config: resident + f * eager's step peak."""
+    """Absolute budget of a memcompile config: resident + f * eager's step peak (f = the
+    name's digits after a decimal point: ``mc_h15`` 0.15, ``mc_h015`` 0.015)."""
     if not config.startswith("mc_") or config == "mc_none":
         return None
-    f = int(config[4:]) / 100
+    digits = config[4:]
+    f = int(digits) / 10 ** len(digits)
     return int(eager["resident"] + f * eager["step_peak"])
 
 
@@ -425,7 +428,7 @@ def render(result: dict[str, Any]) -> str:
         moves = f"{r['recomputed']} / {r['swapped']}" if mc else "-"
         lines.append(
             f"| {r['model']} | {r['config']} | {_mib(r.get('budget'))} | {_mib(r['peak'])} "
-            f"| {_mib(r['step_peak'])} | {'-' if vs is None else f'{vs:.2f}x'} "
+            f"| {_mib(r['step_peak'])} | {'-' if vs is None else f'{vs:.3f}x'} "
             f"| {r['time_ratio']:.2f}x | {'-' if r.get('budget') is None else r['within_budget']} "
             f"| {_mib(r.get('predicted_peak')) if mc else '-'} "
             f"| {moves} | {r['loss_diff']:.1e} |"

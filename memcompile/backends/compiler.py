@@ -79,6 +79,7 @@ from memcompile.passes.fragment import (
 from memcompile.passes.inplace import in_place_pass
 from memcompile.passes.input_uses import InputSplit, split_inputs_pass
 from memcompile.passes.joint import JointModel
+from memcompile.passes.linearce import find_linear_ce, linear_ce_pass
 from memcompile.passes.losshead import loss_head_pass, min_block_bytes
 from memcompile.passes.params import param_fetch_pass
 from memcompile.passes.partition import partition_pass
@@ -222,6 +223,11 @@ ROW_TILING = True
 #: the backward's exact profile (passes/rematerialize.py); ``False`` is for tests and benchmarks
 #: that compare.
 REMATERIALIZE = True
+
+#: A fragment no plan fits makes its cross-entropy heads by blocks, the logits never whole
+#: (passes/linearce.py), where the blocks probe bit-identical; it costs two more matmuls of the
+#: head's size, so only then. ``False`` is for tests and benchmarks that compare.
+LINEAR_CE_BLOCKS = True
 
 #: The pilot predicts and prefetches inside each forward graph (passes/pilot_prefetch.py);
 #: ``False`` leaves the prediction at the fragment's tail, for tests and benchmarks that compare.
@@ -470,17 +476,8 @@ class _FragmentBuild:
         # Without a budget the plan keeps eager's saved set and only reorders (it costs nothing).
         config, compiler = self.compiler.config, self.compiler
         ctx = PassContext(fragment=f"F{self.index}", graph="joint")
-        if LOSS_HEAD_IN_PLACE:
-            # The same kernels in place: always. Under a budget in 16 blocks of rows (least
-            # scratch); without one in blocks big enough that their calls cost no time.
-            min_block = (
-                min_block_bytes(compiler.cost_profile(self.example_inputs))
-                if config.budget is None
-                else 0
-            )
-            joint = loss_head_pass(joint, ctx, min_block_bytes=min_block)
-        if ELEMENTWISE_IN_PLACE and config.inner == "eager":
-            joint = in_place_pass(joint, ctx)  # the same kernels, writing into dying gradients
+        traced = joint
+        joint = self._in_place(joint, ctx)
         # Host placement needs the joint graph's primals to be the fragment's inputs, in order
         # (AOTAutograd may rewrite them, e.g. for mutated inputs that alias each other).
         aligned = len(
@@ -497,6 +494,15 @@ class _FragmentBuild:
         if placed:  # another fragment moved some of these parameters: fetch them here too
             joint = self._fetch_params(joint, num_fwd_outputs, placed)
         model, plan = self._plan(joint, num_fwd_outputs, static, start=self.replan_start)
+        # The joint graph with its loss heads made by blocks, for a plan that does not fit:
+        # tried below where nothing else fits (it costs two matmuls of the head's size).
+        blocked: fx.GraphModule | None = None
+        if config.budget is not None and not plan.feasible and LINEAR_CE_BLOCKS:
+            heads = find_linear_ce(traced, ctx)
+            if heads:
+                blocked = self._in_place(linear_ce_pass(traced, ctx, decided=heads), ctx)
+                if placed:
+                    blocked = self._fetch_params(blocked, num_fwd_outputs, placed)
         mode = DROPOUT_REWRITE
         if config.budget is not None and config.recompute and mode != "never":
             # Dropout outputs (and all that is computed from them) become recomputable once
@@ -540,6 +546,20 @@ class _FragmentBuild:
             # fetches its own copy (passes/params.py); "auto" only when nothing else fits.
             fetched = self._fetch_params(joint, num_fwd_outputs, candidates)
             model2, plan2 = self._plan(fetched, num_fwd_outputs, static, host=candidates)
+            if not plan2.feasible and blocked is not None:
+                # Neither plan fits: with the parameters on the host the head may be what
+                # is left (its matmuls cost less than a plan that does not fit).
+                fetched3 = self._fetch_params(blocked, num_fwd_outputs, candidates)
+                model3, plan3 = self._plan(fetched3, num_fwd_outputs, static, host=candidates)
+                log.info(
+                    "F%d: with its loss heads made by blocks and the parameters on the host the "
+                    "plan peaks at %s (%s without blocks)",
+                    self.index,
+                    format_bytes(plan3.predicted_peak),
+                    format_bytes(plan2.predicted_peak),
+                )
+                if plan3.feasible:
+                    fetched, model2, plan2 = fetched3, model3, plan3
             host_peak = plan2.predicted_peak
             log.info(
                 "F%d: with %d parameters on the host the plan peaks at %s (%s without)",
@@ -613,9 +633,19 @@ class _FragmentBuild:
                 tried += self._alternatives(
                     joint, num_fwd_outputs, static, hosted, tried, floor=True
                 )
+            # Then the loss heads by blocks, where nothing else fits (their matmuls are not in
+            # the plans' times) and the joint model's peak was not theirs: the rewrites of the
+            # built graphs may bring the rest below the head (bench GPT, parameters on the
+            # host: 22.9 MiB planned either way, 20.05 MiB built, 16 MiB of it the head).
+            other, by_blocks = None, []
+            fits = any(t[3].feasible for t in tried)
+            if not fits and blocked is not None and not joint.meta.get("memcompile_linear_ce"):
+                other = self._fetch_params(blocked, num_fwd_outputs, hosted) if hosted else blocked
+                by_blocks = self._with_blocks(other, num_fwd_outputs, static, hosted, plan)
+                tried += by_blocks
             # One that fits, the least predicted time (copies counted as not hidden); else
             # the lowest peak.
-            fw, bw, model, plan = min(
+            chosen = min(
                 tried,
                 key=lambda t: (
                     not t[3].feasible,
@@ -623,6 +653,9 @@ class _FragmentBuild:
                     t[3].predicted_peak,
                 ),
             )
+            fw, bw, model, plan = chosen
+            if other is not None and any(chosen is t for t in by_blocks):
+                joint = other
         if not plan.feasible:
             held = sum(model.nbytes[s] for s in model.held_outputs)
             compiler.infeasible(
@@ -646,6 +679,11 @@ class _FragmentBuild:
                 len(self._own_inputs(hosted)),
                 format_bytes(moved),
             )
+        heads = joint.meta.get("memcompile_linear_ce", ())
+        if heads:
+            plan = dataclasses.replace(
+                plan, linear_ce=tuple(f"{h.log_softmax}: {h.chunks} blocks" for h in heads)
+            )
         if self.hosted_inputs:
             names = [p.name for p in joint.graph.find_nodes(op="placeholder")]
             plan = dataclasses.replace(
@@ -654,7 +692,7 @@ class _FragmentBuild:
         self.plan = plan
         log.info(
             "F%d planned: recompute %d, swap %d of %d saved tensors, predicted peak %s (budget "
-            "%s), holds %s for the backward%s",
+            "%s), holds %s for the backward%s%s",
             self.index,
             len(plan.recomputed),
             len(plan.swapped),
@@ -663,8 +701,26 @@ class _FragmentBuild:
             "none" if config.budget is None else format_bytes(config.budget),
             format_bytes(plan.held_bytes),
             "" if plan.saved_cap is None else f" (cap {format_bytes(plan.saved_cap)})",
+            f", loss heads by blocks ({', '.join(plan.linear_ce)})" if plan.linear_ce else "",
         )
         return fw, bw
+
+    def _in_place(self, joint: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+        """``joint`` with its loss heads and its dying gradients' elementwise ops computed in
+        place (the same kernels: always)."""
+        config = self.compiler.config
+        if LOSS_HEAD_IN_PLACE:
+            # Under a budget in 16 blocks of rows (least scratch); without one in blocks big
+            # enough that their calls cost no time.
+            min_block = (
+                min_block_bytes(self.compiler.cost_profile(self.example_inputs))
+                if config.budget is None
+                else 0
+            )
+            joint = loss_head_pass(joint, ctx, min_block_bytes=min_block)
+        if ELEMENTWISE_IN_PLACE and config.inner == "eager":
+            joint = in_place_pass(joint, ctx)  # the same kernels, writing into dying gradients
+        return joint
 
     def _build(
         self,
@@ -791,6 +847,34 @@ class _FragmentBuild:
         )
         self._models[id(joint)] = (joint, model)
         return model
+
+    def _with_blocks(
+        self,
+        joint: fx.GraphModule,
+        num_fwd_outputs: int,
+        static: Sequence[int],
+        hosted: Sequence[int],
+        planned: FragmentPlan,
+    ) -> list[tuple[fx.GraphModule, fx.GraphModule, JointModel, FragmentPlan]]:
+        """The plan of ``joint`` (its loss heads made by blocks, ``passes/linearce.py``) built
+        with the rewrites, and while none fits its alternatives (:meth:`_alternatives`);
+        ``planned``: the plan without blocks, for the log."""
+        model, plan = self._plan(
+            joint, num_fwd_outputs, static, host=hosted, reserve=self.prefetch_reserve
+        )
+        fw, bw, plan = self._build(joint, model, plan, static, num_fwd_outputs)
+        log.info(
+            "F%d: with its loss heads made by blocks the built plan peaks at %s (%s without)",
+            self.index,
+            format_bytes(plan.predicted_peak),
+            format_bytes(planned.predicted_peak),
+        )
+        built = [(fw, bw, model, plan)]
+        if not plan.feasible:
+            built += self._alternatives(joint, num_fwd_outputs, static, hosted, built)
+        if not any(t[3].feasible for t in built) and (plan.target or 0) > 0:
+            built += self._alternatives(joint, num_fwd_outputs, static, hosted, built, floor=True)
+        return built
 
     def _alternatives(
         self,

@@ -75,6 +75,9 @@ class FragmentPlan:
         row_tiled: ops of the built graphs made a block of rows at a time
             (``"backward:gelu_backward"``, ``tiling.py``); only when the plan did not fit
             without.
+        linear_ce: the cross-entropy heads made by blocks, their logits never whole
+            (``"_log_softmax: 8 blocks"``, ``linearce.py``); only when the plan did not fit
+            without.
     """
 
     fragment: str
@@ -95,6 +98,7 @@ class FragmentPlan:
     saved_input_bytes: int = 0
     rematerialized: tuple[tuple[str, str], ...] = ()
     row_tiled: tuple[str, ...] = ()
+    linear_ce: tuple[str, ...] = ()
 
     @property
     def recomputed(self) -> tuple[str, ...]:
@@ -128,6 +132,7 @@ class FragmentPlan:
         fields["host_params"] = tuple(fields.get("host_params", ()))
         fields["rematerialized"] = tuple(tuple(p) for p in fields.get("rematerialized", ()))
         fields["row_tiled"] = tuple(fields.get("row_tiled", ()))
+        fields["linear_ce"] = tuple(fields.get("linear_ce", ()))
         return cls(**fields)
 
 

@@ -12,9 +12,9 @@ count toward the device peak when the op runs at the peak, so they are measured,
 
 Probes of one graph share one profiler session; results are cached per process. The global RNG
 is forked around the probes, so random ops do not shift the user's random stream. Only ``aten``
-and ``prims`` ops with tensor outputs are probed; views and aliases have no kernel, but for an
-``out=`` overload (``inplace.py``'s rewrites), which is probed with its arguments sharing memory
-as they do in the graph.
+and ``prims`` ops with tensor outputs are probed (and nodes marked with :data:`PROBE_META`);
+views and aliases have no kernel, but for an ``out=`` overload (``inplace.py``'s rewrites),
+which is probed with its arguments sharing memory as they do in the graph.
 """
 
 from __future__ import annotations
@@ -34,9 +34,11 @@ from memcompile.runtime.measure import allocation_trace
 
 log = logging.getLogger(__name__)
 
-__all__ = ["clear_cache", "clone_workspace", "materialize", "probe_workspaces"]
+__all__ = ["PROBE_META", "clear_cache", "clone_workspace", "materialize", "probe_workspaces"]
 
 _PROBED_NAMESPACES = ("aten", "prims")
+#: Node meta key: probe this node's op though it is not an aten or prims op.
+PROBE_META = "memcompile_probe_workspace"
 _RANGE_PREFIX = "memcompile_probe:"
 _cache: dict[tuple[Any, ...], int] = {}
 
@@ -130,7 +132,11 @@ def _probeable(node: fx.Node) -> bool:
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
-    if target.namespace not in _PROBED_NAMESPACES or target.is_view:
+    if target.is_view:
+        return False
+    # memcompile's own kernels state their scratch, or ask for the probe (``linearce.py``'s
+    # ops: their many small temporaries are easier measured than summed).
+    if target.namespace not in _PROBED_NAMESPACES and not node.meta.get(PROBE_META):
         return False
     outs = tensor_vals(node.meta.get("val"))
     if not outs or any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in outs):
