@@ -222,6 +222,13 @@ class MemReport:
             )
         if self.host_param_bytes:
             lines.append(f"  parameters on the host: {format_bytes(self.host_param_bytes)}")
+        for f in self.fragments:
+            if f.plan is not None and f.plan.linear_ce:
+                # It costs time (passes/linearce.py): the user is told where it was needed.
+                lines.append(
+                    f"  {f.name}: loss head made by blocks ({', '.join(f.plan.linear_ce)}), "
+                    "two more matmuls of its size a step, to fit the budget"
+                )
         if self.sharded_param_bytes:
             lines.append(
                 f"  FSDP2 manages {format_bytes(self.sharded_param_bytes)} of parameters "

@@ -276,6 +276,7 @@ def test_a_budget_only_the_blocks_fit_uses_them_measured_as_predicted(options):
     (plan,) = [f.plan for f in rep.fragments if f.plan is not None]
     assert plan.linear_ce and plan.linear_ce[0].endswith("blocks")
     assert peak <= smallest and rep.predicted_peak == peak
+    assert "F0: loss head made by blocks (_log_softmax: " in str(rep)
     # The plan's record survives its JSON round trip.
     text = MemoryPlan(budget=smallest, device_profile="cpu", fragments=(plan,)).to_json()
     assert MemoryPlan.from_json(text).fragments[0].linear_ce == plan.linear_ce
@@ -287,6 +288,7 @@ def test_a_budget_that_fits_without_blocks_does_not_pay_for_them():
     compiled, peak = _compile_and_train(whole, True, offload_params=False, swap=False)
     (plan,) = [f.plan for f in memcompile.report(compiled).fragments if f.plan is not None]
     assert plan.linear_ce == ()  # two more head matmuls a step, for nothing
+    assert "made by blocks" not in str(memcompile.report(compiled))
     assert peak <= whole
 
 
