@@ -146,10 +146,9 @@ def param_fetch_pass(
             with fake_mode:
                 off.meta["val"] = torch.ops.memcompile.offload.default(n.meta["val"], store, _HOST)
             offloaded[n] = off
-    result = fx.GraphModule(gm, new)
+    result = fx.GraphModule(gm, new)  # (compiles its code)
     result.meta = dict(getattr(gm, "meta", {}))
     result.graph.lint()
-    result.recompile()
     log.info(
         "%s: %d host-placed parameters, %d fetches, %d gradients sent to the host",
         ctx.fragment,

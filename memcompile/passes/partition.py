@@ -57,9 +57,8 @@ def reorder_pass(gm: fx.GraphModule, ctx: PassContext, *, order: Sequence[str]) 
         env[n] = new.node_copy(n, lambda x: env[x])
     for n in gm.graph.find_nodes(op="output"):
         env[n] = new.node_copy(n, lambda x: env[x])
-    out = fx.GraphModule(gm, new)
+    out = fx.GraphModule(gm, new)  # (compiles its code)
     out.graph.lint()
-    out.recompile()
     return out
 
 
