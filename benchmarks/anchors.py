@@ -75,6 +75,7 @@ CONFIGS: dict[str, str] = {
     "mc_h05": "memcompile, budget 0.05, recompute + host tier",
     "mc_h03": "memcompile, budget 0.03, recompute + host tier",
     "mc_h02": "memcompile, budget 0.02, recompute + host tier",
+    "mc_h017": "memcompile, budget 0.017, recompute + host tier",
     "mc_h015": "memcompile, budget 0.015, recompute + host tier",
     "mc_h00": "memcompile, budget 0: its error names the smallest budget, recompute + host tier",
     "mc_d15": "memcompile, budget 0.15, recompute + disk tier",
