@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +27,18 @@ from memcompile.passes.joint import JointModel
 from memcompile.passes.plan import FragmentPlan, TensorDecision
 from memcompile.passes.workspace import probe_workspaces
 from memcompile.zoo import Workload
+
+
+def run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``benchmarks/SCRIPT`` with ``args`` in a subprocess (one thread), output captured."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / script
+    return subprocess.run(
+        [sys.executable, str(path), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
 
 
 def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:

@@ -626,13 +626,9 @@ class _FragmentBuild:
             # The rewrites of a plan over its target (in place, blocks of rows, reloads by
             # rows) act on what the plan recomputes and what it swaps differently, which the
             # planner does not price: a plan with one of the two only may end lower.
-            tried = [(fw, bw, model, plan)]
-            tried += self._alternatives(joint, num_fwd_outputs, static, hosted, tried)
-            # (A target of 0 or less was already no room: those searches are these.)
-            if not any(t[3].feasible for t in tried) and (plan.target or 0) > 0:
-                tried += self._alternatives(
-                    joint, num_fwd_outputs, static, hosted, tried, floor=True
-                )
+            tried = self._with_alternatives(
+                joint, num_fwd_outputs, static, hosted, (fw, bw, model, plan)
+            )
             # Then the loss heads by blocks, where nothing else fits (their matmuls are not in
             # the plans' times) and the joint model's peak was not theirs: the rewrites of the
             # built graphs may bring the rest below the head (bench GPT, parameters on the
@@ -869,12 +865,28 @@ class _FragmentBuild:
             format_bytes(plan.predicted_peak),
             format_bytes(planned.predicted_peak),
         )
-        built = [(fw, bw, model, plan)]
-        if not plan.feasible:
-            built += self._alternatives(joint, num_fwd_outputs, static, hosted, built)
-        if not any(t[3].feasible for t in built) and (plan.target or 0) > 0:
-            built += self._alternatives(joint, num_fwd_outputs, static, hosted, built, floor=True)
-        return built
+        return self._with_alternatives(
+            joint, num_fwd_outputs, static, hosted, (fw, bw, model, plan)
+        )
+
+    def _with_alternatives(
+        self,
+        joint: fx.GraphModule,
+        num_fwd_outputs: int,
+        static: Sequence[int],
+        hosted: Sequence[int],
+        built: tuple[fx.GraphModule, fx.GraphModule, JointModel, FragmentPlan],
+    ) -> list[tuple[fx.GraphModule, fx.GraphModule, JointModel, FragmentPlan]]:
+        """``built`` (a plan of ``joint`` built with the rewrites), and while it does not fit
+        its :meth:`_alternatives`, then those searched for the smallest peak."""
+        tried = [built]
+        if built[3].feasible:
+            return tried
+        tried += self._alternatives(joint, num_fwd_outputs, static, hosted, tried)
+        # (A target of 0 or less was already no room: those searches are these.)
+        if not any(t[3].feasible for t in tried) and (built[3].target or 0) > 0:
+            tried += self._alternatives(joint, num_fwd_outputs, static, hosted, tried, floor=True)
+        return tried
 
     def _alternatives(
         self,

@@ -55,9 +55,8 @@ from torch._guards import detect_fake_mode
 from torch.utils._python_dispatch import _disable_current_modes
 
 import memcompile.runtime.linearce as kernels
-from memcompile.passes.analysis import sym_to_int
 from memcompile.passes.context import PassContext
-from memcompile.passes.rebuild import rebuilt_module, refresh_view, storage_refs
+from memcompile.passes.rebuild import alias_nodes, rebuilt_module, refresh_view, storage_refs
 from memcompile.passes.workspace import PROBE_META, materialize
 
 log = logging.getLogger(__name__)
@@ -110,11 +109,6 @@ class LinearCrossEntropy:
     grad_bias: str
     removed: tuple[str, ...]
     chunks: int
-
-
-def _alias_set(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
-    mine = storage_refs(node.meta.get("val"))
-    return [n for n in gm.graph.nodes if mine & storage_refs(n.meta.get("val"))]
 
 
 def _static(val: torch.Tensor) -> bool:
@@ -178,13 +172,13 @@ def _match(gm: fx.GraphModule, lsm: fx.Node) -> dict[str, Any] | None:
         if b_val is None or b_val.dim() != 1 or b_val.dtype != lsm_val.dtype:
             return None
     # The logits: read by the log-softmax only.
-    logits = set(_alias_set(gm, mm))
+    logits = set(alias_nodes(gm, mm))
     if any(u not in logits and u is not lsm for n in logits for u in n.users):
         return None
     if any(n is not mm and n not in views for n in logits):
         return None
     # The log-softmax: read by the NLL forward, its backward and the log-softmax's gradient.
-    aliases = _alias_set(gm, lsm)
+    aliases = alias_nodes(gm, lsm)
     alias_set = set(aliases)
     if any(n.op != "call_function" for n in aliases):
         return None
@@ -232,7 +226,7 @@ def _match(gm: fx.GraphModule, lsm: fx.Node) -> dict[str, Any] | None:
         return None
     # The logits' gradient: read by the two matmuls (and the bias's sum) only.
     rows, classes = lsm_val.shape
-    grads = _alias_set(gm, lsm_bw)
+    grads = alias_nodes(gm, lsm_bw)
     grad_set = set(grads)
     if any(n.op != "call_function" for n in grads):
         return None
@@ -329,8 +323,8 @@ def exact_chunks(
     with _disable_current_modes(), torch.random.fork_rng(devices=devices), torch.no_grad():
         torch.manual_seed(0)
         hr, wtr, br = materialize([h, wt, bias], device, {})
-        classes = _concrete(wt.shape[1])
-        tr = torch.randint(0, classes, tuple(_concrete(s) for s in target.shape), device=device)
+        # (Sizes are static: _match takes no symbolic ones.)
+        tr = torch.randint(0, int(wt.shape[1]), tuple(target.shape), device=device)
         tr = tr.to(target.dtype)
         tr[::7] = ignore_index  # some rows ignored, as padding is
         go = torch.rand((), dtype=h.dtype, device=device) + 0.5
@@ -375,11 +369,6 @@ def exact_chunks(
                 break
     _exact_cache[key] = found
     return found
-
-
-def _concrete(s: Any) -> int:
-    v, _ = sym_to_int(s)
-    return v
 
 
 def _name(n: fx.Node | None) -> str:

@@ -56,7 +56,7 @@ import memcompile.runtime.losshead as kernels
 from memcompile.passes.analysis import sym_to_int
 from memcompile.passes.context import PassContext
 from memcompile.passes.costmodel import DeviceProfile
-from memcompile.passes.rebuild import rebuilt_module, refresh_view, storage_refs
+from memcompile.passes.rebuild import alias_nodes, rebuilt_module, refresh_view, storage_refs
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +97,6 @@ class LossHeadRewrite:
     backward: str
 
 
-def _alias_set(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
-    mine = storage_refs(node.meta.get("val"))
-    return [n for n in gm.graph.nodes if mine & storage_refs(n.meta.get("val"))]
-
-
 def _rows_ok(val: object) -> bool:
     return (
         isinstance(val, torch.Tensor)
@@ -123,7 +118,7 @@ def _forward_ok(gm: fx.GraphModule, lsm: fx.Node) -> bool:
         return False
     if x.meta["val"].dtype != lsm.meta["val"].dtype:
         return False
-    aliases = _alias_set(gm, x)
+    aliases = alias_nodes(gm, x)
     alias_set = set(aliases)
     for n in aliases:
         if n.op != "call_function":  # a graph input: not ours to overwrite
@@ -141,7 +136,7 @@ def _backward_match(gm: fx.GraphModule, lsm: fx.Node) -> tuple[fx.Node, fx.Node]
     the ``detach`` AOT puts between a saved value and the backward), when rewritable."""
     if not _last_dim(lsm.args[1] if len(lsm.args) > 1 else None):
         return None
-    aliases = _alias_set(gm, lsm)
+    aliases = alias_nodes(gm, lsm)
     alias_set = set(aliases)
     readers = [u for n in aliases for u in n.users if u not in alias_set]
     nll_bw = [u for u in readers if u.target is aten.nll_loss_backward.default]

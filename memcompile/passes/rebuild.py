@@ -17,12 +17,18 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memcompile.passes.analysis import tensor_vals
 
-__all__ = ["rebuilt_module", "refresh_view", "storage_refs"]
+__all__ = ["alias_nodes", "rebuilt_module", "refresh_view", "storage_refs"]
 
 
 def storage_refs(val: object) -> set[StorageWeakRef]:
     """The storages of the tensors in a node's ``meta['val']``."""
     return {StorageWeakRef(t.untyped_storage()) for t in tensor_vals(val)}
+
+
+def alias_nodes(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
+    """The nodes of ``gm`` whose values share a storage with ``node``'s (``node`` included)."""
+    mine = storage_refs(node.meta.get("val"))
+    return [n for n in gm.graph.nodes if mine & storage_refs(n.meta.get("val"))]
 
 
 def refresh_view(copy: fx.Node, original: fx.Node, fake_mode: Any) -> None:
