@@ -5,7 +5,8 @@
 For each head size (rows ``N``, features ``d``, classes ``V``; the bench GPT's head first), this
 runs a forward and backward of ``cross_entropy(h @ W.t() + b, target)`` as AOT's graph has it
 (aten's ops: the logits, their log-softmax, the NLL, then the three gradients) and as the two ops
-of ``passes/linearce.py`` with the block count its probe picks, on values like a trained head's
+of ``passes/linearce.py`` with the block count its probe picks (on a CPU also the two that keep the
+log-softmax in host-tier memory instead of making the logits again), on values like a trained head's
 (weights ~N(0, 0.05²): random logits of a wide spread make the softmax's gradient denormal, which
 slows every matmul that reads it ~10x on a CPU). It reports the median time of ``--reps`` runs
 after two warm-ups, and the peak memory each holds above its inputs (the CPU profiler, or CUDA's
@@ -35,6 +36,7 @@ import memcompile.runtime.linearce as kernels
 from memcompile.passes.linearce import exact_chunks
 
 RESULTS = Path(__file__).parent / "results"
+VARIANTS = {"blocks": "by blocks, logits made again", "host": "by blocks, log-softmax on the host"}
 #: (rows, features, classes): the bench GPT's head (8 x 256 tokens, d 256, 2048 classes), then
 #: a small language model's (2048 tokens, d 512, 32,000 classes).
 SIZES = ((2048, 256, 2048), (2048, 512, 32000))
@@ -57,6 +59,14 @@ def _blocks(h, wt, b, target, go, chunks):
     loss, tw, row_max, row_logsum = kernels.forward_impl(h, wt, b, target, 1, -100, chunks)
     grads = kernels.backward_impl(
         go, h, wt, b, target, 1, -100, tw, row_max, row_logsum, chunks, [True, True, True]
+    )
+    return loss, *grads
+
+
+def _host(h, wt, b, target, go, chunks):
+    loss, tw, saved = kernels.forward_host_impl(h, wt, b, target, 1, -100, chunks)
+    grads = kernels.backward_host_impl(
+        go, h, wt, target, 1, -100, tw, saved, chunks, [True, True, True]
     )
     return loss, *grads
 
@@ -99,16 +109,25 @@ def measure(sizes: tuple[tuple[int, int, int], ...], reps: int, device: str) -> 
         }
         if chunks is not None:
             runs["blocks"] = functools.partial(_blocks, h, wt, b, target, go, chunks)
+        host = (
+            exact_chunks(h, wt, b, target, 1, -100, (True, True, True), host=True)
+            if dev.type == "cpu"
+            else None
+        )
+        row["host_chunks"] = host
+        if host is not None:
+            runs["host"] = functools.partial(_host, h, wt, b, target, go, host)
         results = {}
         for name, fn in runs.items():
             row[f"{name}_ms"] = _time_ms(fn, reps, dev)
             m = memcompile.measure(fn, device=dev)
             row[f"{name}_peak"] = m.peak - m.resident_bytes  # above the inputs
             results[name] = fn()
-        if chunks is not None:
-            row["same_bits"] = all(
-                torch.equal(a, c) for a, c in zip(results["whole"], results["blocks"], strict=True)
-            )
+        for name in ("blocks", "host"):
+            if name in results:
+                row[f"{name}_same_bits"] = all(
+                    torch.equal(a, c) for a, c in zip(results["whole"], results[name], strict=True)
+                )
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -131,21 +150,22 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = measure(SIZES, args.reps, args.device)
     table = [
-        "| N x d x V | blocks | whole ms | blocks ms | time x | whole peak MiB "
-        "| blocks peak MiB | same bits |",
-        "|---|---|---|---|---|---|---|---|",
+        "| N x d x V | variant | blocks | ms | time x | peak MiB | same bits |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        blocks = r["chunks"] is not None
+        size = f"{r['rows']} x {r['features']} x {r['classes']}"
         table.append(
-            f"| {r['rows']} x {r['features']} x {r['classes']} | {r['chunks'] or 'none exact'} "
-            f"| {r['whole_ms']:.1f} | {r['blocks_ms']:.1f} | "
-            f"{r['blocks_ms'] / r['whole_ms']:.2f}x | {_mib(r['whole_peak'])} "
-            f"| {_mib(r['blocks_peak'])} | {r['same_bits']} |"
-            if blocks
-            else f"| {r['rows']} x {r['features']} x {r['classes']} | none exact "
-            f"| {r['whole_ms']:.1f} | - | - | {_mib(r['whole_peak'])} | - | - |"
+            f"| {size} | whole | - | {r['whole_ms']:.1f} | 1.00x | {_mib(r['whole_peak'])} | - |"
         )
+        for name, chunks in (("blocks", r["chunks"]), ("host", r["host_chunks"])):
+            if f"{name}_ms" not in r:
+                continue
+            table.append(
+                f"| {size} | {VARIANTS[name]} | {chunks} | {r[f'{name}_ms']:.1f} | "
+                f"{r[f'{name}_ms'] / r['whole_ms']:.2f}x | {_mib(r[f'{name}_peak'])} | "
+                f"{r[f'{name}_same_bits']} |"
+            )
     argv = [f"--reps {args.reps}"] + ([f"--device {args.device}"] if args.device != "cpu" else [])
     if args.out != str(RESULTS):
         argv.append(f"--out {args.out}")
@@ -157,7 +177,11 @@ def main() -> None:
         notes=[
             f"device: {args.device}, 1 thread; median of {args.reps} runs after 2 warm-ups",
             "peak: memory held above the inputs during one forward and backward (outputs included)",
-            "blocks: the count the probe found bitwise equal (passes/linearce.exact_chunks)",
+            "blocks: the count the probe found bitwise equal (passes/linearce.exact_chunks); "
+            "none listed: no count was",
+            "logits made again: linear_ce_forward/backward (two more matmuls of the head's "
+            "size); log-softmax on the host: linear_ce_forward_host/backward_host (three N x V "
+            "copies to and from host-tier memory, which the peak does not count: CPU only)",
         ],
         table=table,
         rows=rows,

@@ -5,6 +5,7 @@ where the plan does not fit without it, then measured as predicted and lower."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 
@@ -253,9 +254,20 @@ def _compile_and_train(budget, blocks: bool, **options):
         batch = _batch(step=5)
         model.zero_grad(set_to_none=True)
         peak = memcompile.measure_peak(lambda: compiled(*batch).backward(), resident=[model, batch])
-        return compiled, peak
+        return compiled, peak, head_op_calls(compiled, model)
     finally:
         compiler_mod.LINEAR_CE_BLOCKS = old
+
+
+def head_op_calls(compiled, model) -> collections.Counter[str]:
+    """The loss-head ops one training step of ``compiled`` runs (forward and backward), as the
+    profiler records them (a dispatch mode would make Dynamo run the frame eagerly)."""
+    model.zero_grad(set_to_none=True)
+    batch = _batch(step=6)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        compiled(*batch).backward()
+    names = [e.name for e in prof.events() if e.name.startswith("memcompile::linear_ce")]
+    return collections.Counter(name.removeprefix("memcompile::") for name in names)
 
 
 def _smallest(blocks: bool, **options) -> int:
@@ -265,18 +277,24 @@ def _smallest(blocks: bool, **options) -> int:
 
 
 @pytest.mark.parametrize("options", [{"offload_params": False, "swap": False}, {}])
-def test_a_budget_only_the_blocks_fit_uses_them_measured_as_predicted(options):
+def test_a_budget_only_the_blocks_fit_uses_them_measured_as_predicted(options, monkeypatch):
+    # The logits made again (test_linearce_host.py: the log-softmax kept on the host, which
+    # the CPU's profile may pick for this head).
+    monkeypatch.setattr(linearce, "keeps_on_host", lambda *args: False)
     whole = _smallest(False, **options)
     smallest = _smallest(True, **options)
     assert smallest < whole
     if options:  # parameters on the device: the head's 128 KiB of logits were the floor
         assert smallest <= whole - 64 * 512 * 4 // 2
-    compiled, peak = _compile_and_train(smallest, True, **options)
+    compiled, peak, calls = _compile_and_train(smallest, True, **options)
     rep = memcompile.report(compiled)
     (plan,) = [f.plan for f in rep.fragments if f.plan is not None]
     assert plan.linear_ce and plan.linear_ce[0].endswith("blocks")
     assert peak <= smallest and rep.predicted_peak == peak
     assert "F0: loss head made by blocks (_log_softmax: " in str(rep)
+    # Each op once a step: the backward reads the total weight the forward kept (it was made
+    # again there, by the whole forward op again, when it came after the loss).
+    assert calls == {"linear_ce_forward": 1, "linear_ce_backward": 1}
     # The plan's record survives its JSON round trip.
     text = MemoryPlan(budget=smallest, device_profile="cpu", fragments=(plan,)).to_json()
     assert MemoryPlan.from_json(text).fragments[0].linear_ce == plan.linear_ce
@@ -285,9 +303,9 @@ def test_a_budget_only_the_blocks_fit_uses_them_measured_as_predicted(options):
 
 def test_a_budget_that_fits_without_blocks_does_not_pay_for_them():
     whole = _smallest(False, offload_params=False, swap=False)
-    compiled, peak = _compile_and_train(whole, True, offload_params=False, swap=False)
+    compiled, peak, calls = _compile_and_train(whole, True, offload_params=False, swap=False)
     (plan,) = [f.plan for f in memcompile.report(compiled).fragments if f.plan is not None]
-    assert plan.linear_ce == ()  # two more head matmuls a step, for nothing
+    assert plan.linear_ce == () and not calls  # two more head matmuls a step, for nothing
     assert "made by blocks" not in str(memcompile.report(compiled))
     assert peak <= whole
 

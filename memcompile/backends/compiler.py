@@ -495,10 +495,18 @@ class _FragmentBuild:
             joint = self._fetch_params(joint, num_fwd_outputs, placed)
         model, plan = self._plan(joint, num_fwd_outputs, static, start=self.replan_start)
         # The joint graph with its loss heads made by blocks, for a plan that does not fit:
-        # tried below where nothing else fits (it costs two matmuls of the head's size).
+        # tried below where nothing else fits (it costs two matmuls of the head's size, or
+        # three copies of its log-softmax to the host tier and back).
         blocked: fx.GraphModule | None = None
         if config.budget is not None and not plan.feasible and LINEAR_CE_BLOCKS:
-            heads = find_linear_ce(traced, ctx)
+            # With the host tier allowed, a head may keep its log-softmax there (cheaper than
+            # making the logits again where copies cost less than matmuls: a CPU).
+            host_tier = config.swap and config.offload_to == "host"
+            heads = find_linear_ce(
+                traced,
+                ctx,
+                host_profile=compiler.cost_profile(self.example_inputs) if host_tier else None,
+            )
             if heads:
                 blocked = self._in_place(linear_ce_pass(traced, ctx, decided=heads), ctx)
                 if placed:
@@ -677,9 +685,7 @@ class _FragmentBuild:
             )
         heads = joint.meta.get("memcompile_linear_ce", ())
         if heads:
-            plan = dataclasses.replace(
-                plan, linear_ce=tuple(f"{h.log_softmax}: {h.chunks} blocks" for h in heads)
-            )
+            plan = dataclasses.replace(plan, linear_ce=tuple(h.describe() for h in heads))
         if self.hosted_inputs:
             names = [p.name for p in joint.graph.find_nodes(op="placeholder")]
             plan = dataclasses.replace(

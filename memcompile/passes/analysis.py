@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import operator
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -32,7 +33,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
-import memcompile.runtime.ops  # noqa: F401 - registers torch.ops.memcompile.*
+from memcompile.runtime.ops import HOST_RESULTS  # (registers torch.ops.memcompile.*)
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ __all__ = [
     "StorageProfile",
     "bound_sizes",
     "covers_storage",
+    "is_host_value",
     "node_cost",
     "profile_graph",
     "sym_to_int",
@@ -51,8 +53,6 @@ __all__ = [
 
 GraphKind = Literal["forward", "backward", "inference"]
 
-# The swap-out op (runtime/ops.py): its output lives off the device.
-_OFFLOAD = torch.ops.memcompile.offload.default
 _WAIT = torch.ops.memcompile.wait.default  # a stream wait: no kernel, no bytes
 
 # Unbacked symbolic sizes (data-dependent, e.g. nonzero) have no hint; count them as this many
@@ -412,6 +412,21 @@ def _lifetimes(
     return _Lifetimes(node_sids, first, free_at, producer, alloc_by_node, free_by_node, approx)
 
 
+def is_host_value(n: fx.Node) -> bool:
+    """Whether node ``n``'s value is host-tier memory a graph op made (``HOST_RESULTS``: a
+    swapped-out copy, a loss head's log-softmax kept on the host), not the device's."""
+    if n.op != "call_function":
+        return False
+    if n.target in HOST_RESULTS:
+        return not isinstance(n.meta.get("val"), (tuple, list))
+    producer = n.args[0] if n.target is operator.getitem and n.args else None
+    return (
+        isinstance(producer, fx.Node)
+        and producer.op == "call_function"
+        and n.args[1] in HOST_RESULTS.get(producer.target, ())
+    )
+
+
 def node_cost(n: fx.Node, ids: StorageIds) -> tuple[int, int, bool]:
     """``(FLOPs, bytes moved, approximate)`` of one node; an op whose outputs all alias its
     inputs (a view) moves nothing."""
@@ -467,8 +482,9 @@ def profile_graph(
         for sid in ids.ids_of(placeholders[pos].meta.get("val")):
             persistent[sid] = None
     for n in nodes:
-        # Constants owned by the module, and swapped-out copies (host or disk, not the device).
-        if n.op == "get_attr" or n.target is _OFFLOAD:
+        # Constants owned by the module, and host-tier values (swapped-out copies, the host
+        # copy of a loss head's log-softmax; host or disk, not the device).
+        if n.op == "get_attr" or is_host_value(n):
             for sid in ids.ids_of(n.meta.get("val")):
                 persistent[sid] = None
 

@@ -32,7 +32,13 @@ import torch
 from torch import fx
 from torch._functorch import partitioners as P
 
-from memcompile.passes.analysis import StorageIds, covers_storage, node_cost, tensor_vals
+from memcompile.passes.analysis import (
+    StorageIds,
+    covers_storage,
+    is_host_value,
+    node_cost,
+    tensor_vals,
+)
 from memcompile.passes.costmodel import DeviceProfile
 from memcompile.passes.liveness import Liveness, Replayed
 from memcompile.passes.schedule import draws_random, has_effect
@@ -44,7 +50,6 @@ log = logging.getLogger(__name__)
 __all__ = ["JointEval", "JointModel"]
 
 _PRIMAL, _TANGENT, _FW, _BW, _OTHER = range(5)
-_OFFLOAD = torch.ops.memcompile.offload.default
 _RELOAD = torch.ops.memcompile.reload.default
 # The memory-aware orders ``evaluate(..., schedule=True)`` tries besides torch's, as (window,
 # lookahead) of ``schedule.schedule``: the free list schedule (finishes parallel branches one by
@@ -176,12 +181,12 @@ class JointModel:
         self.storages = [ids.ids_of(n.meta.get("val")) for n in nodes]
         self.nbytes = [ids.nbytes(s) for s in range(len(ids._nbytes))]
         # Parameters, buffers, user inputs and module constants: held by the caller, untracked;
-        # so are copies sent to the host (a host-placed parameter's gradient, passes/params.py).
+        # so are copies sent to the host (a host-placed parameter's gradient, passes/params.py,
+        # and a loss head's log-softmax, passes/linearce.py).
         self.persistent: frozenset[int] = frozenset(
             s
             for i, n in enumerate(nodes)
-            if (n.op in ("placeholder", "get_attr") and kinds[i] != _TANGENT)
-            or n.target is _OFFLOAD
+            if (n.op in ("placeholder", "get_attr") and kinds[i] != _TANGENT) or is_host_value(n)
             for s in self.storages[i]
         )
         # SymInts (sizes, also as graph inputs) are saved for the backward separately, for free.

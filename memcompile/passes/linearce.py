@@ -22,6 +22,17 @@ The backward makes the logits twice more (by rows for ``gh``, by columns for ``g
 two matmuls of the head's size, so the compiler uses this only for a plan that does not fit
 without it (``backends/compiler.py``).
 
+**The log-softmax on the host.** Where the host tier is allowed and three ``N x V`` copies cost
+less than those two matmuls (:func:`keeps_on_host`: a CPU, not a GPU), the forward copies each
+block's log-softmax to host-tier memory and the backward copies it back, by rows (for ``gh``),
+then by columns (for ``gw`` and ``gb``), instead of making the logits again:
+
+      loss, tw, saved = mc.linear_ce_forward_host(h, wt, b, target, 1, -100, chunks)
+      gh, gw, gb = mc.linear_ce_backward_host(go, h, wt, target, 1, -100, tw, saved, chunks,
+                                              [True, True, True])
+
+The matmuls are the whole head's three.
+
 **What is rewritten.** A ``_log_softmax`` over the last dim of the (viewed) result of an ``mm``
 or ``addmm`` (1-D bias) whose every reader is the loss: ``nll_loss_forward`` without class
 weights, reduction ``mean`` or ``sum`` and an ``ignore_index`` other than 0, and in the backward
@@ -56,16 +67,27 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 import memcompile.runtime.linearce as kernels
 from memcompile.passes.context import PassContext
+from memcompile.passes.costmodel import DeviceProfile
 from memcompile.passes.rebuild import alias_nodes, rebuilt_module, refresh_view, storage_refs
 from memcompile.passes.workspace import PROBE_META, materialize
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CHUNKS", "LinearCrossEntropy", "exact_chunks", "find_linear_ce", "linear_ce_pass"]
+__all__ = [
+    "CHUNKS",
+    "LinearCrossEntropy",
+    "exact_chunks",
+    "find_linear_ce",
+    "keeps_on_host",
+    "linear_ce_pass",
+]
 
 aten = torch.ops.aten
 _FORWARD = torch.ops.memcompile.linear_ce_forward.default
 _BACKWARD = torch.ops.memcompile.linear_ce_backward.default
+_FORWARD_HOST = torch.ops.memcompile.linear_ce_forward_host.default
+_BACKWARD_HOST = torch.ops.memcompile.linear_ce_backward_host.default
+_OPS = (_FORWARD, _BACKWARD, _FORWARD_HOST, _BACKWARD_HOST)
 
 #: Block counts tried, most first (least scratch): the first whose results are bitwise the
 #: whole head's is used.
@@ -91,6 +113,8 @@ class LinearCrossEntropy:
         removed: every other node the rewrite drops (the matmul, views, detaches, the NLL's
             backward, the transposes only these read).
         chunks: blocks of rows (and of columns) the ops run in.
+        host: the forward keeps the log-softmax in the host tier and the backward reads it
+            there (``linear_ce_forward_host``), instead of making the logits again twice.
     """
 
     log_softmax: str
@@ -109,6 +133,13 @@ class LinearCrossEntropy:
     grad_bias: str
     removed: tuple[str, ...]
     chunks: int
+    host: bool = False
+
+    def describe(self) -> str:
+        """``"<log_softmax>: <n> blocks"``, and where the log-softmax is kept."""
+        return f"{self.log_softmax}: {self.chunks} blocks" + (
+            ", log-softmax on the host" if self.host else ""
+        )
 
 
 def _static(val: torch.Tensor) -> bool:
@@ -303,17 +334,20 @@ def exact_chunks(
     output_mask: tuple[bool, bool, bool],
     *,
     candidates: tuple[int, ...] = CHUNKS,
+    host: bool = False,
 ) -> int | None:
     """The first block count of ``candidates`` for which the ops of ``runtime/linearce.py``
-    give bitwise the whole head's loss and the gradients ``output_mask`` asks for (input,
-    weight, bias: aten's ops, as AOT's graph has them), on random values of these (fake or
-    real) tensors' metadata, run on their device; ``None``: none does. Cached per metadata."""
+    (``host``: those keeping the log-softmax on the host) give bitwise the whole head's loss
+    and the gradients ``output_mask`` asks for (input, weight, bias: aten's ops, as AOT's graph
+    has them), on random values of these (fake or real) tensors' metadata, run on their device;
+    ``None``: none does. Cached per metadata."""
     key = (
         *map(_metadata_key, (h, wt, bias, target)),
         reduction,
         ignore_index,
         output_mask,
         candidates,
+        host,
     )
     if key in _exact_cache:
         return _exact_cache[key]
@@ -339,22 +373,8 @@ def exact_chunks(
         whole = [loss, tw, *(g for g, wanted in zip(grads, output_mask, strict=True) if wanted)]
         del gl, grads
         for chunks in candidates:
-            loss2, tw2, row_max, row_logsum = kernels.forward_impl(
-                hr, wtr, br, tr, reduction, ignore_index, chunks
-            )
-            grads = kernels.backward_impl(
-                go,
-                hr,
-                wtr,
-                br,
-                tr,
-                reduction,
-                ignore_index,
-                tw2,
-                row_max,
-                row_logsum,
-                chunks,
-                list(output_mask),
+            loss2, tw2, grads = _run_blocks(
+                go, hr, wtr, br, tr, reduction, ignore_index, chunks, list(output_mask), host
             )
             blocks = [
                 loss2,
@@ -371,6 +391,61 @@ def exact_chunks(
     return found
 
 
+def _run_blocks(
+    go: torch.Tensor,
+    h: torch.Tensor,
+    wt: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    reduction: int,
+    ignore_index: int,
+    chunks: int,
+    output_mask: list[bool],
+    host: bool,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    # The head's loss, total weight and gradients by the ops of one variant.
+    if host:
+        loss, tw, saved = kernels.forward_host_impl(
+            h, wt, bias, target, reduction, ignore_index, chunks
+        )
+        grads = kernels.backward_host_impl(
+            go, h, wt, target, reduction, ignore_index, tw, saved, chunks, output_mask
+        )
+        return loss, tw, grads
+    loss, tw, row_max, row_logsum = kernels.forward_impl(
+        h, wt, bias, target, reduction, ignore_index, chunks
+    )
+    grads = kernels.backward_impl(
+        go,
+        h,
+        wt,
+        bias,
+        target,
+        reduction,
+        ignore_index,
+        tw,
+        row_max,
+        row_logsum,
+        chunks,
+        output_mask,
+    )
+    return loss, tw, grads
+
+
+def keeps_on_host(h: torch.Tensor, wt: torch.Tensor, profile: DeviceProfile) -> bool:
+    """Whether a head of these sizes keeps its log-softmax on the host on ``profile``'s
+    device: there its three ``N x V`` copies (the forward's out, the backward's in by rows and
+    by columns) cost less than the two matmuls that make the logits again (on this CPU's
+    profile: 4 ms against 25 ms for the bench GPT's head; on an H100 the matmuls cost 0.1 ms,
+    the copies 1.0 ms). CPU tensors only (``runtime/linearce.py``)."""
+    if h.device.type != "cpu":
+        return False
+    rows, features, classes = int(h.shape[0]), int(h.shape[1]), int(wt.shape[1])
+    copies = profile.copy_time(3 * rows * classes * h.element_size(), "host")
+    matmuls = profile.op_time(2 * 2 * rows * features * classes, 0, h.dtype)
+    return copies < matmuls
+
+
 def _name(n: fx.Node | None) -> str:
     return "" if n is None else n.name
 
@@ -379,9 +454,15 @@ def _mask(m: dict[str, Any]) -> tuple[bool, bool, bool]:
     return (m["grad_input"] is not None, m["grad_weight"] is not None, m["grad_bias"] is not None)
 
 
-def find_linear_ce(gm: fx.GraphModule, ctx: PassContext) -> tuple[LinearCrossEntropy, ...]:
+def find_linear_ce(
+    gm: fx.GraphModule, ctx: PassContext, *, host_profile: DeviceProfile | None = None
+) -> tuple[LinearCrossEntropy, ...]:
     """The heads of joint graph ``gm`` to make by blocks (see the module docstring), each with
-    the block count measured bit-identical; heads where none is are logged and left out."""
+    the block count measured bit-identical; heads where none is are logged and left out.
+
+    ``host_profile``: the host tier may hold the log-softmax between the forward and the
+    backward, and this is the device's cost model; heads where that costs less than making the
+    logits again (:func:`keeps_on_host`) keep it there."""
     out = []
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is not aten._log_softmax.default:
@@ -389,15 +470,36 @@ def find_linear_ce(gm: fx.GraphModule, ctx: PassContext) -> tuple[LinearCrossEnt
         m = _match(gm, n)
         if m is None:
             continue
+        h_val, wt_val = _val(m["h"]), _val(m["wt"])
+        assert h_val is not None and wt_val is not None  # _match checked them
+        host = host_profile is not None and keeps_on_host(h_val, wt_val, host_profile)
         chunks = exact_chunks(
-            _val(m["h"]),  # type: ignore[arg-type]
-            _val(m["wt"]),  # type: ignore[arg-type]
+            h_val,
+            wt_val,
             _val(m["bias"]),
             _val(m["target"]),  # type: ignore[arg-type]
             m["reduction"],
             m["ignore_index"],
             _mask(m),
+            host=host,
         )
+        if chunks is None and host:
+            log.info(
+                "%s: the loss head at %s is not bitwise the same by blocks with its "
+                "log-softmax on the host; tried making the logits again instead",
+                ctx.fragment,
+                n.name,
+            )
+            host = False
+            chunks = exact_chunks(
+                h_val,
+                wt_val,
+                _val(m["bias"]),
+                _val(m["target"]),  # type: ignore[arg-type]
+                m["reduction"],
+                m["ignore_index"],
+                _mask(m),
+            )
         if chunks is None:
             log.info(
                 "%s: the loss head at %s is not bitwise the same by blocks on this device; "
@@ -424,6 +526,7 @@ def find_linear_ce(gm: fx.GraphModule, ctx: PassContext) -> tuple[LinearCrossEnt
                 grad_bias=_name(m["grad_bias"]),
                 removed=tuple(dict.fromkeys(r.name for r in m["removed"])),
                 chunks=chunks,
+                host=host,
             )
         )
     return tuple(out)
@@ -448,7 +551,9 @@ def linear_ce_pass(
     by_backward = {nodes[hd.lsm_backward]: hd for hd in heads}
     removed = {nodes[name] for hd in heads for name in hd.removed}
     results: dict[fx.Node, tuple[fx.Node, int]] = {}  # grad reader -> (backward op, index)
-    stats: dict[str, tuple[fx.Node, fx.Node]] = {}  # head -> (row_max, row_logsum) nodes
+    # head -> what its forward keeps for the backward: (row_max, row_logsum) nodes, or the
+    # host-tier log-softmax's
+    stats: dict[str, tuple[fx.Node, ...]] = {}
     replaced: set[Any] = set()
     for hd in heads:
         for name in (hd.nll_forward, hd.grad_input, hd.grad_weight, hd.grad_bias):
@@ -466,7 +571,7 @@ def linear_ce_pass(
         vals = fx.node.map_arg(args, lambda a: a.meta["val"])
         with fake_mode:
             node.meta["val"] = target(*vals)
-        if target is _FORWARD or target is _BACKWARD:
+        if target in _OPS:
             # Blocks of logits and a few row-sized temporaries: measured like aten's scratch.
             node.meta[PROBE_META] = True
         return node
@@ -476,7 +581,7 @@ def linear_ce_pass(
         if n in by_forward:
             hd = by_forward[n]
             fwd = call(
-                _FORWARD,
+                _FORWARD_HOST if hd.host else _FORWARD,
                 (
                     arg(hd.h),
                     arg(hd.wt),
@@ -489,32 +594,32 @@ def linear_ce_pass(
                 f"linear_ce_{n.name}",
             )
             env[n] = fwd  # the NLL's getitems (loss, total weight) now read the new op
+            # The total weight right here, before the loss: torch's rule (and the joint
+            # model's) puts in the forward only what comes before its last output, and a total
+            # weight after it was made again in the backward, by the whole forward op again.
+            tw = nodes[hd.total_weight]
+            env[tw] = call(getitem, (fwd, 1), tw.name)
             stats[hd.log_softmax] = (
-                call(getitem, (fwd, 2), f"{fwd.name}_row_max"),
-                call(getitem, (fwd, 3), f"{fwd.name}_row_logsum"),
+                (call(getitem, (fwd, 2), f"{fwd.name}_saved"),)
+                if hd.host
+                else (
+                    call(getitem, (fwd, 2), f"{fwd.name}_row_max"),
+                    call(getitem, (fwd, 3), f"{fwd.name}_row_logsum"),
+                )
             )
             continue
         if n in by_backward:
             hd = by_backward[n]
-            row_max, row_logsum = stats[hd.log_softmax]
-            bwd = call(
-                _BACKWARD,
-                (
-                    arg(hd.grad_output),
-                    arg(hd.h),
-                    arg(hd.wt),
-                    arg(hd.bias),
-                    arg(hd.target),
-                    hd.reduction,
-                    hd.ignore_index,
-                    arg(hd.total_weight),
-                    row_max,
-                    row_logsum,
-                    hd.chunks,
-                    [bool(hd.grad_input), bool(hd.grad_weight), bool(hd.grad_bias)],
-                ),
-                f"linear_ce_{n.name}",
-            )
+            mask = [bool(hd.grad_input), bool(hd.grad_weight), bool(hd.grad_bias)]
+            common = (arg(hd.grad_output), arg(hd.h), arg(hd.wt))
+            rule = (hd.reduction, hd.ignore_index, arg(hd.total_weight))
+            args: tuple[Any, ...]
+            if hd.host:  # the host-tier log-softmax instead of the bias and the row stats
+                args = (*common, arg(hd.target), *rule, *stats[hd.log_softmax])
+            else:
+                args = (*common, arg(hd.bias), arg(hd.target), *rule, *stats[hd.log_softmax])
+            args = (*args, hd.chunks, mask)
+            bwd = call(_BACKWARD_HOST if hd.host else _BACKWARD, args, f"linear_ce_{n.name}")
             for i, name in enumerate((hd.grad_input, hd.grad_weight, hd.grad_bias)):
                 if name:
                     results[nodes[name]] = (bwd, i)
@@ -523,7 +628,7 @@ def linear_ce_pass(
             bwd, i = results[n]
             env[n] = call(getitem, (bwd, i), f"{bwd.name}_{i}")
             continue
-        if n in removed:
+        if n in removed or n in env:  # (env: a total weight made above)
             continue
         env[n] = new.node_copy(n, lambda a: env[a])
         if n.op == "call_function" and storage_refs(n.meta.get("val")) & replaced:
@@ -535,6 +640,6 @@ def linear_ce_pass(
         "%s: %d loss heads made by blocks (%s)",
         ctx.fragment,
         len(heads),
-        ", ".join(f"{hd.log_softmax}: {hd.chunks} blocks" for hd in heads),
+        ", ".join(hd.describe() for hd in heads),
     )
     return out

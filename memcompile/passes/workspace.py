@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from memcompile.passes.analysis import sym_to_int, tensor_vals
 from memcompile.runtime.measure import allocation_trace
+from memcompile.runtime.ops import HOST_RESULTS
 
 log = logging.getLogger(__name__)
 
@@ -168,10 +169,11 @@ def _run_probes(
             results[key] = 0
             continue
         inputs = set(_arg_storages(node))  # new output memory only: an out= result is theirs
+        host = HOST_RESULTS.get(node.target, ())  # results in host memory: not the device's
         out_bytes = sum(
             _concrete(t.untyped_storage().nbytes())
-            for t in tensor_vals(node.meta["val"])
-            if StorageWeakRef(t.untyped_storage()) not in inputs
+            for i, t in enumerate(tensor_vals(node.meta["val"]))
+            if StorageWeakRef(t.untyped_storage()) not in inputs and i not in host
         )
         assert isinstance(node.target, torch._ops.OpOverload)  # _probeable checked it
         calls.append((key, functools.partial(node.target, *args, **kwargs), out_bytes))

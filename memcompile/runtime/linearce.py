@@ -39,20 +39,44 @@ others come back empty, and the pass by rows is skipped when ``grad_h`` is not w
 
 The backward's time is two more matmuls of the head's size (the logits by rows and by columns)
 and their log-softmax; the rewrite is used only when a plan does not fit without it.
+
+**The log-softmax on the host.** Where copies cost less than those matmuls (a CPU), the forward
+copies each block's log-softmax into host-tier memory (``store.host_empty``: outside the
+device's allocator) and the backward copies its blocks of rows, then of columns, back to the
+device instead of making the logits again: three ``N x V`` copies in all, and the whole head's
+three matmuls:
+
+    loss, total_weight, saved = torch.ops.memcompile.linear_ce_forward_host(
+        h, wt, bias, target, reduction, ignore_index, chunks)
+    grad_h, grad_wt, grad_bias = torch.ops.memcompile.linear_ce_backward_host(
+        grad_output, h, wt, target, reduction, ignore_index, total_weight, saved, chunks,
+        output_mask)
+
+The blocks then hold the very values the other ops make again, so the gradients are the same
+kernels' on the same inputs.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from memcompile.runtime.store import host_empty
+
 log = logging.getLogger(__name__)
 
-__all__ = ["ALIGN", "backward_impl", "block", "forward_impl"]
+__all__ = [
+    "ALIGN",
+    "backward_host_impl",
+    "backward_impl",
+    "block",
+    "forward_host_impl",
+    "forward_impl",
+]
 
 aten = torch.ops.aten
 
@@ -65,6 +89,15 @@ _lib.define(
     "linear_ce_backward(Tensor grad_output, Tensor h, Tensor wt, Tensor? bias, Tensor target, "
     "int reduction, SymInt ignore_index, Tensor total_weight, Tensor row_max, "
     "Tensor row_logsum, int chunks, bool[3] output_mask) -> (Tensor, Tensor, Tensor)"
+)
+_lib.define(
+    "linear_ce_forward_host(Tensor h, Tensor wt, Tensor? bias, Tensor target, int reduction, "
+    "SymInt ignore_index, int chunks) -> (Tensor, Tensor, Tensor)"
+)
+_lib.define(
+    "linear_ce_backward_host(Tensor grad_output, Tensor h, Tensor wt, Tensor target, "
+    "int reduction, SymInt ignore_index, Tensor total_weight, Tensor saved, int chunks, "
+    "bool[3] output_mask) -> (Tensor, Tensor, Tensor)"
 )
 
 
@@ -90,6 +123,45 @@ def _nll_targets(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     return torch.where(target == ignore_index, target, torch.zeros_like(target))
 
 
+def _forward_blocks(
+    h: torch.Tensor,
+    wt: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    reduction: int,
+    ignore_index: int,
+    chunks: int,
+    *,
+    row_max: torch.Tensor | None = None,
+    row_logsum: torch.Tensor | None = None,
+    saved: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # The loss and total weight, a block of rows at a time; per row, the maximum and
+    # -log_softmax there into row_max / row_logsum, and the log-softmax into saved, if given.
+    rows = h.shape[0]
+    picked = h.new_empty(rows, 1)
+    # An out-of-range target raises in gather, as it does in nll_loss.
+    safe = torch.where(target == ignore_index, torch.zeros_like(target), target)
+    step = block(rows, chunks)
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        x = _logits(h[start:stop], wt, bias)
+        if row_max is not None and row_logsum is not None:
+            peak, where = x.max(1, keepdim=True)
+            row_max[start:stop] = peak.squeeze(1)
+        aten._log_softmax.out(x, 1, False, out=x)  # reads each row before it writes it
+        if row_max is not None and row_logsum is not None:
+            torch.neg(x.gather(1, where).squeeze(1), out=row_logsum[start:stop])
+        picked[start:stop] = x.gather(1, safe[start:stop, None])
+        if saved is not None:
+            saved[start:stop].copy_(x)
+        del x
+    loss, total_weight = aten.nll_loss_forward(
+        picked, _nll_targets(target, ignore_index), None, reduction, ignore_index
+    )
+    return loss, total_weight
+
+
 def forward_impl(
     h: torch.Tensor,
     wt: torch.Tensor,
@@ -104,23 +176,125 @@ def forward_impl(
     rows = h.shape[0]
     row_max = h.new_empty(rows)
     row_logsum = h.new_empty(rows)
-    picked = h.new_empty(rows, 1)
-    # An out-of-range target raises in gather, as it does in nll_loss.
-    safe = torch.where(target == ignore_index, torch.zeros_like(target), target)
+    loss, total_weight = _forward_blocks(
+        h,
+        wt,
+        bias,
+        target,
+        reduction,
+        ignore_index,
+        chunks,
+        row_max=row_max,
+        row_logsum=row_logsum,
+    )
+    return loss, total_weight, row_max, row_logsum
+
+
+def _host_tier(h: torch.Tensor) -> None:
+    if h.device.type != "cpu":
+        # (The pass takes this variant only where the copies cost less than two matmuls:
+        # never on a GPU's profile, and it is not built there.)
+        raise NotImplementedError(
+            f"linear_ce_forward_host keeps the log-probabilities on the host for CPU tensors "
+            f"only; got {h.device}"
+        )
+
+
+def forward_host_impl(
+    h: torch.Tensor,
+    wt: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    reduction: int,
+    ignore_index: int,
+    chunks: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The loss and total weight as :func:`forward_impl` makes them, and the ``N x V``
+    log-softmax copied block by block into host-tier memory (``store.host_empty``)."""
+    _host_tier(h)
+    saved = host_empty((h.shape[0], wt.shape[1]), h.dtype)
+    loss, total_weight = _forward_blocks(
+        h, wt, bias, target, reduction, ignore_index, chunks, saved=saved
+    )
+    return loss, total_weight, saved
+
+
+def _rows_pass(
+    grad_output: torch.Tensor,
+    wt: torch.Tensor,
+    target: torch.Tensor,
+    reduction: int,
+    ignore_index: int,
+    total_weight: torch.Tensor,
+    chunks: int,
+    grad_h: torch.Tensor,
+    log_softmax_rows: Callable[[int, int], torch.Tensor],
+) -> None:
+    # grad_h = mm(gl, wt.t()) a block of rows at a time; log_softmax_rows(start, stop) is a new
+    # device tensor with those rows' log-softmax, which becomes their gl in place.
+    rows = grad_h.shape[0]
+    w_back = wt.t()
     step = block(rows, chunks)
     for start in range(0, rows, step):
         stop = min(start + step, rows)
-        x = _logits(h[start:stop], wt, bias)
-        peak, where = x.max(1, keepdim=True)
-        row_max[start:stop] = peak.squeeze(1)
-        aten._log_softmax.out(x, 1, False, out=x)  # reads each row before it writes it
-        torch.neg(x.gather(1, where).squeeze(1), out=row_logsum[start:stop])
-        picked[start:stop] = x.gather(1, safe[start:stop, None])
+        x = log_softmax_rows(start, stop)
+        g = aten.nll_loss_backward(
+            grad_output, x, target[start:stop], None, reduction, ignore_index, total_weight
+        )
+        aten._log_softmax_backward_data.out(g, x, 1, x.dtype, out=x)
+        del g
+        aten.mm.out(x, w_back, out=grad_h[start:stop])
         del x
-    loss, total_weight = aten.nll_loss_forward(
-        picked, _nll_targets(target, ignore_index), None, reduction, ignore_index
-    )
-    return loss, total_weight, row_max, row_logsum
+
+
+def _columns_pass(
+    grad_output: torch.Tensor,
+    h: torch.Tensor,
+    wt: torch.Tensor,
+    target: torch.Tensor,
+    reduction: int,
+    ignore_index: int,
+    total_weight: torch.Tensor,
+    chunks: int,
+    output_mask: Sequence[bool],
+    grad_wt: torch.Tensor,
+    grad_bias: torch.Tensor,
+    log_softmax_columns: Callable[[int, int, torch.Tensor], None],
+) -> None:
+    # grad_wt = mm(gl.t(), h) and grad_bias = sum(gl, [0], True) a block of columns at a time;
+    # log_softmax_columns(start, stop, out) writes those columns of the log-softmax into out.
+    rows, classes = h.shape[0], wt.shape[1]
+    # Each row's NLL gradient (``-grad_output / total_weight`` or 0), as the kernel makes it.
+    nll_targets = _nll_targets(target, ignore_index)
+    per_row = aten.nll_loss_backward(
+        grad_output,
+        h.new_zeros(rows, 1),
+        nll_targets,
+        None,
+        reduction,
+        ignore_index,
+        total_weight,
+    ).squeeze(1)
+    step = block(classes, chunks, ALIGN)
+    every_row = torch.arange(rows, device=h.device)
+    for start in range(0, classes, step):
+        stop = min(start + step, classes)
+        width = stop - start
+        lsm = h.new_empty(rows, width + 1)
+        log_softmax_columns(start, stop, lsm[:, :width])
+        lsm[:, width] = 0
+        inside = (target >= start) & (target < stop)
+        g = h.new_zeros(rows, width + 1)
+        column = torch.where(inside, target - start, width)
+        g[every_row, column] = per_row
+        aten._log_softmax_backward_data.out(g, lsm, 1, h.dtype, out=lsm)
+        del g
+        gl = lsm[:, :width]
+        if output_mask[1]:
+            aten.mm.out(gl.t(), h, out=grad_wt[start:stop])
+        if output_mask[2]:
+            aten.sum.IntList_out(gl, [0], True, out=grad_bias[:, start:stop])
+        del lsm, gl
 
 
 def backward_impl(
@@ -141,59 +315,59 @@ def backward_impl(
     as AOT makes it (``mm(gl.t(), h)``, ``[V, d]``) and for the bias (``sum(gl, [0], True)``),
     where ``gl`` is the logits' gradient, made by blocks of rows, then of columns; those
     ``output_mask`` does not ask for are empty."""
-    rows, classes = h.shape[0], wt.shape[1]
-    dtype = h.dtype
     grad_h, grad_wt, grad_bias = _backward_meta(h, wt, output_mask)
-    if output_mask[0]:
-        w_back = wt.t()
-        step = block(rows, chunks)
-        for start in range(0, rows, step):
-            stop = min(start + step, rows)
-            x = _logits(h[start:stop], wt, bias)
-            aten._log_softmax.out(x, 1, False, out=x)
-            g = aten.nll_loss_backward(
-                grad_output, x, target[start:stop], None, reduction, ignore_index, total_weight
-            )
-            aten._log_softmax_backward_data.out(g, x, 1, dtype, out=x)
-            del g
-            aten.mm.out(x, w_back, out=grad_h[start:stop])
-            del x
-    if not (output_mask[1] or output_mask[2]):
-        return grad_h, grad_wt, grad_bias
-    # Each row's NLL gradient (``-grad_output / total_weight`` or 0), as the kernel makes it.
-    nll_targets = _nll_targets(target, ignore_index)
-    per_row = aten.nll_loss_backward(
-        grad_output,
-        h.new_zeros(rows, 1),
-        nll_targets,
-        None,
-        reduction,
-        ignore_index,
-        total_weight,
-    ).squeeze(1)
-    step = block(classes, chunks, ALIGN)
-    every_row = torch.arange(rows, device=h.device)
-    for start in range(0, classes, step):
-        stop = min(start + step, classes)
-        width = stop - start
+    rule = (reduction, ignore_index, total_weight, chunks)
+
+    def rows_of(start: int, stop: int) -> torch.Tensor:
+        x = _logits(h[start:stop], wt, bias)
+        return aten._log_softmax.out(x, 1, False, out=x)
+
+    def columns_of(start: int, stop: int, out: torch.Tensor) -> None:
         x = _logits(h, wt[:, start:stop], None if bias is None else bias[start:stop])
         torch.sub(x, row_max[:, None], out=x)
-        lsm = h.new_empty(rows, width + 1)
-        torch.sub(x, row_logsum[:, None], out=lsm[:, :width])
-        del x
-        lsm[:, width] = 0
-        inside = (target >= start) & (target < stop)
-        g = h.new_zeros(rows, width + 1)
-        column = torch.where(inside, target - start, width)
-        g[every_row, column] = per_row
-        aten._log_softmax_backward_data.out(g, lsm, 1, dtype, out=lsm)
-        del g
-        gl = lsm[:, :width]
-        if output_mask[1]:
-            aten.mm.out(gl.t(), h, out=grad_wt[start:stop])
-        if output_mask[2]:
-            aten.sum.IntList_out(gl, [0], True, out=grad_bias[:, start:stop])
-        del lsm, gl
+        torch.sub(x, row_logsum[:, None], out=out)
+
+    if output_mask[0]:
+        _rows_pass(grad_output, wt, target, *rule, grad_h, rows_of)
+    if output_mask[1] or output_mask[2]:
+        _columns_pass(
+            grad_output, h, wt, target, *rule, output_mask, grad_wt, grad_bias, columns_of
+        )
+    return grad_h, grad_wt, grad_bias
+
+
+def backward_host_impl(
+    grad_output: torch.Tensor,
+    h: torch.Tensor,
+    wt: torch.Tensor,
+    target: torch.Tensor,
+    reduction: int,
+    ignore_index: int,
+    total_weight: torch.Tensor,
+    saved: torch.Tensor,
+    chunks: int,
+    output_mask: Sequence[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`backward_impl`'s gradients from the host-tier log-softmax ``saved`` instead of
+    logits made again: its blocks of rows and of columns are copied to the device in turn.
+    ``saved`` is read, never written (a second backward reads it again)."""
+    _host_tier(h)
+    grad_h, grad_wt, grad_bias = _backward_meta(h, wt, output_mask)
+    rule = (reduction, ignore_index, total_weight, chunks)
+
+    def rows_of(start: int, stop: int) -> torch.Tensor:
+        x = h.new_empty(stop - start, saved.shape[1])
+        return x.copy_(saved[start:stop])
+
+    def columns_of(start: int, stop: int, out: torch.Tensor) -> None:
+        out.copy_(saved[:, start:stop])
+
+    if output_mask[0]:
+        _rows_pass(grad_output, wt, target, *rule, grad_h, rows_of)
+    if output_mask[1] or output_mask[2]:
+        _columns_pass(
+            grad_output, h, wt, target, *rule, output_mask, grad_wt, grad_bias, columns_of
+        )
     return grad_h, grad_wt, grad_bias
 
 
@@ -216,6 +390,12 @@ def _backward_meta(
     )
 
 
+def _forward_host_meta(
+    h: torch.Tensor, wt: torch.Tensor, *_: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return h.new_empty(()), h.new_empty(()), h.new_empty(h.shape[0], wt.shape[1])
+
+
 def _backward_fake(
     grad_output: torch.Tensor,
     h: torch.Tensor,
@@ -231,6 +411,10 @@ _lib.impl("linear_ce_forward", forward_impl, "CompositeExplicitAutograd")
 _lib.impl("linear_ce_backward", backward_impl, "CompositeExplicitAutograd")
 _lib.impl("linear_ce_forward", _forward_meta, "Meta")
 _lib.impl("linear_ce_backward", _backward_fake, "Meta")
+_lib.impl("linear_ce_forward_host", forward_host_impl, "CompositeExplicitAutograd")
+_lib.impl("linear_ce_backward_host", backward_host_impl, "CompositeExplicitAutograd")
+_lib.impl("linear_ce_forward_host", _forward_host_meta, "Meta")
+_lib.impl("linear_ce_backward_host", _backward_fake, "Meta")
 
 
 def _head_flops(h_shape: torch.Size, wt_shape: torch.Size) -> int:
@@ -248,3 +432,16 @@ def _backward_flops(
 ) -> int:
     # The logits twice, and the two gradient matmuls.
     return 4 * _head_flops(h_shape, wt_shape)
+
+
+@register_flop_formula(torch.ops.memcompile.linear_ce_forward_host)
+def _forward_host_flops(h_shape: torch.Size, wt_shape: torch.Size, *_: object, **__: object) -> int:
+    return _head_flops(h_shape, wt_shape)
+
+
+@register_flop_formula(torch.ops.memcompile.linear_ce_backward_host)
+def _backward_host_flops(
+    grad_shape: torch.Size, h_shape: torch.Size, wt_shape: torch.Size, *_: object, **__: object
+) -> int:
+    # The two gradient matmuls only: the log-softmax comes from the host.
+    return 2 * _head_flops(h_shape, wt_shape)

@@ -25,12 +25,14 @@ from typing import Protocol
 
 import torch
 
+import memcompile.runtime.linearce  # registers the loss head's ops by blocks
 import memcompile.runtime.losshead  # registers the loss head's in-place ops
 import memcompile.runtime.rng  # noqa: F401 - registers the dropout replay ops
 from memcompile.runtime.store import get_store
 
 __all__ = [
     "DIRECT",
+    "HOST_RESULTS",
     "TIERS",
     "InGraphHook",
     "offload",
@@ -90,6 +92,15 @@ def wait(y: torch.Tensor, store: int) -> None:
 @wait.register_fake
 def _(y: torch.Tensor, store: int) -> None:
     return None
+
+
+#: Graph ops whose results (by index; 0 for an op with one) are host-tier memory, not the
+#: device's: a swapped-out copy, and the log-softmax a loss head by blocks keeps on the host
+#: (``runtime/linearce.py``). The analyses count them as held outside the device.
+HOST_RESULTS: dict[object, tuple[int, ...]] = {
+    torch.ops.memcompile.offload.default: (0,),
+    torch.ops.memcompile.linear_ce_forward_host.default: (2,),
+}
 
 
 class InGraphHook(Protocol):

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import mmap
 import os
 import tempfile
@@ -67,6 +68,7 @@ __all__ = [
     "TieredStore",
     "can_host_place",
     "get_store",
+    "host_empty",
     "host_storage_bytes",
     "is_host_placed",
     "place_on_host",
@@ -121,6 +123,15 @@ def is_host_placed(t: torch.Tensor) -> bool:
 def host_storage_bytes(t: torch.Tensor) -> int:
     """Bytes of ``t``'s storage if it is in the CPU host tier, else 0."""
     return t.untyped_storage().nbytes() if is_host_placed(t) else 0
+
+
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized contiguous CPU tensor in the host tier (outside torch's allocator, so
+    the CPU profiler does not count it as device memory); freed with its last reference."""
+    numel = math.prod(shape)
+    if not numel:
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_numpy(_host_buffer(numel * dtype.itemsize)).view(dtype).view(shape)
 
 
 def _host_copy(x: torch.Tensor) -> torch.Tensor:
