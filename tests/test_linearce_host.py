@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 from test_linearce import CTX, _compile_and_train, _head_inputs, _smallest, _whole
+from torch.utils.flop_counter import FlopCounterMode
 
 import memcompile
 import memcompile.passes.linearce as linearce
@@ -155,3 +156,33 @@ def test_a_budget_only_the_blocks_fit_keeps_the_log_softmax_on_the_host(monkeypa
     assert calls == {"linear_ce_forward_host": 1, "linear_ce_backward_host": 1}
     line = "blocks, log-softmax on the host), its log-softmax copied to the host and back"
     assert line in str(rep)
+
+
+def test_a_head_the_host_blocks_do_not_match_makes_its_logits_again(monkeypatch):
+    _forced(monkeypatch)
+    real = kernels.backward_host_impl
+
+    def off_by_one_ulp(*args):
+        gh, gw, gb = real(*args)
+        return gh, torch.nextafter(gw, torch.full_like(gw, float("inf"))), gb
+
+    monkeypatch.setattr(kernels, "backward_host_impl", off_by_one_ulp)
+    monkeypatch.setattr(linearce, "_exact_cache", {})
+    wl = zoo.build("gpt", size="tiny")
+    joint = capture_module(wl.model, *wl.batch(0))["joint"]
+    (head,) = linearce.find_linear_ce(joint, CTX, host_profile=device_profile("cpu"))
+    assert not head.host and head.chunks in linearce.CHUNKS
+
+
+def test_flop_counts_price_the_matmuls_each_variant_runs():
+    h, wt, b, target = _head_inputs(rows=64, features=32, classes=128)
+    go, head = torch.tensor(1.0), 2 * 64 * 32 * 128
+    mask = [True, True, True]
+    with FlopCounterMode(display=False) as made_again:
+        _, tw, row_max, row_logsum = mc.linear_ce_forward(h, wt, b, target, 1, -100, 2)
+        mc.linear_ce_backward(go, h, wt, b, target, 1, -100, tw, row_max, row_logsum, 2, mask)
+    with FlopCounterMode(display=False) as on_host:
+        _host_grads(h, wt, b, target, 1, -100, go, 2, mask)
+    # The forward one matmul; the backward two, and two more where it makes the logits again.
+    assert made_again.get_total_flops() == 5 * head
+    assert on_host.get_total_flops() == 3 * head

@@ -472,25 +472,11 @@ def find_linear_ce(
             continue
         h_val, wt_val = _val(m["h"]), _val(m["wt"])
         assert h_val is not None and wt_val is not None  # _match checked them
-        host = host_profile is not None and keeps_on_host(h_val, wt_val, host_profile)
-        chunks = exact_chunks(
-            h_val,
-            wt_val,
-            _val(m["bias"]),
-            _val(m["target"]),  # type: ignore[arg-type]
-            m["reduction"],
-            m["ignore_index"],
-            _mask(m),
-            host=host,
-        )
-        if chunks is None and host:
-            log.info(
-                "%s: the loss head at %s is not bitwise the same by blocks with its "
-                "log-softmax on the host; tried making the logits again instead",
-                ctx.fragment,
-                n.name,
-            )
-            host = False
+        # The log-softmax on the host where that is cheaper, else (or if its blocks are not
+        # bitwise the whole head's) the logits made again.
+        on_host = host_profile is not None and keeps_on_host(h_val, wt_val, host_profile)
+        chunks, host = None, False
+        for host in (True, False) if on_host else (False,):
             chunks = exact_chunks(
                 h_val,
                 wt_val,
@@ -499,7 +485,17 @@ def find_linear_ce(
                 m["reduction"],
                 m["ignore_index"],
                 _mask(m),
+                host=host,
             )
+            if chunks is not None:
+                break
+            if host:
+                log.info(
+                    "%s: the loss head at %s is not bitwise the same by blocks with its "
+                    "log-softmax on the host; trying the logits made again",
+                    ctx.fragment,
+                    n.name,
+                )
         if chunks is None:
             log.info(
                 "%s: the loss head at %s is not bitwise the same by blocks on this device; "

@@ -61,6 +61,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils.flop_counter import register_flop_formula
@@ -421,27 +422,18 @@ def _head_flops(h_shape: torch.Size, wt_shape: torch.Size) -> int:
     return 2 * int(h_shape[0]) * int(h_shape[1]) * int(wt_shape[1])
 
 
-@register_flop_formula(torch.ops.memcompile.linear_ce_forward)
-def _forward_flops(h_shape: torch.Size, wt_shape: torch.Size, *_: object, **__: object) -> int:
-    return _head_flops(h_shape, wt_shape)
+def _heads_formula(heads: int, first: int) -> Callable[..., int]:
+    # A flop formula: ``heads`` matmuls of the head's size, whose h and wt shapes are the
+    # arguments at ``first`` and ``first + 1``.
+    def formula(*shapes: Any, **_: object) -> int:
+        return heads * _head_flops(shapes[first], shapes[first + 1])
+
+    return formula
 
 
-@register_flop_formula(torch.ops.memcompile.linear_ce_backward)
-def _backward_flops(
-    grad_shape: torch.Size, h_shape: torch.Size, wt_shape: torch.Size, *_: object, **__: object
-) -> int:
-    # The logits twice, and the two gradient matmuls.
-    return 4 * _head_flops(h_shape, wt_shape)
-
-
-@register_flop_formula(torch.ops.memcompile.linear_ce_forward_host)
-def _forward_host_flops(h_shape: torch.Size, wt_shape: torch.Size, *_: object, **__: object) -> int:
-    return _head_flops(h_shape, wt_shape)
-
-
-@register_flop_formula(torch.ops.memcompile.linear_ce_backward_host)
-def _backward_host_flops(
-    grad_shape: torch.Size, h_shape: torch.Size, wt_shape: torch.Size, *_: object, **__: object
-) -> int:
-    # The two gradient matmuls only: the log-softmax comes from the host.
-    return 2 * _head_flops(h_shape, wt_shape)
+_ops = torch.ops.memcompile
+register_flop_formula([_ops.linear_ce_forward, _ops.linear_ce_forward_host])(_heads_formula(1, 0))
+# The logits twice more (by rows and by columns), and the two gradient matmuls.
+register_flop_formula(_ops.linear_ce_backward)(_heads_formula(4, 1))
+# The two gradient matmuls only: the log-softmax comes from the host.
+register_flop_formula(_ops.linear_ce_backward_host)(_heads_formula(2, 1))
