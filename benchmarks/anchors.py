@@ -69,6 +69,7 @@ CONFIGS: dict[str, str] = {
     "mc_r15": "memcompile, budget 0.15, recompute only",
     "mc_r12": "memcompile, budget 0.12, recompute only",
     "mc_r10": "memcompile, budget 0.10, recompute only",
+    "mc_r00": "memcompile, budget 0: its error names the smallest budget, recompute only",
     "mc_h25": "memcompile, budget 0.25, recompute + host tier",
     "mc_h15": "memcompile, budget 0.15, recompute + host tier",
     "mc_h10": "memcompile, budget 0.10, recompute + host tier",
