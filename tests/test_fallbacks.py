@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import memcompile
 from memcompile import EagerFallbackWarning
@@ -197,3 +198,51 @@ def test_torch_compile_path_counts_parameters_only_eager_frames_read() -> None:
     assert err.value.min_feasible > 256 * 1024
     # The message names what stays on the device whatever the plan.
     assert "256.00 KiB is the model's parameters and buffers that no fragment" in str(err.value)
+
+
+class _Passthrough(TorchDispatchMode):
+    """A dispatch mode that changes nothing (as a flop counter or a memory tracker would not)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _Functional(nn.Module):
+    """Functional ops only: a frame Dynamo skips under a mode is marked skipped for good, so no
+    ``nn.Linear.forward`` of other tests is touched (the fixture's reset clears the mark)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.w).sum()
+
+
+def test_a_first_call_under_a_dispatch_mode_is_reported_as_eager() -> None:
+    compiled = memcompile.compile(_Functional())
+    x = torch.randn(4, 8)
+    with pytest.warns(EagerFallbackWarning, match=r"dispatch_mode: a TorchDispatchMode \(_Pass"):
+        with _Passthrough():
+            compiled(x).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EagerFallbackWarning)  # once per model
+        with _Passthrough():
+            compiled(x).backward()
+    rep = memcompile.report(compiled)
+    assert rep.eager_frames == 1 and not rep.fragments
+    assert "EAGER the compiled model's call: dispatch_mode" in str(rep)
+
+
+def test_a_call_under_a_dispatch_mode_after_a_compile_is_reported_too() -> None:
+    compiled = memcompile.compile(_Functional())
+    x = torch.randn(4, 8)
+    compiled(x).backward()
+    with pytest.warns(EagerFallbackWarning, match=r"until torch._dynamo.reset\(\)"):
+        with _Passthrough():
+            compiled(x).backward()
+    # What the warning says: the compiled code ran in neither that call nor the next one
+    # (Dynamo marked the frame skipped; torch 2.13).
+    compiled(x).backward()
+    rep = memcompile.report(compiled)
+    assert rep.eager_frames == 1 and rep.fragments[0].forward_calls == 1

@@ -46,7 +46,13 @@ from memcompile.backends.dynamo_hooks import (
     install_call_hook,
 )
 from memcompile.backends.fakes import real_inputs
-from memcompile.backends.fallbacks import Fallback, FunctionSpan, monitor
+from memcompile.backends.fallbacks import (
+    EagerFallbackWarning,
+    Fallback,
+    FunctionSpan,
+    dispatch_mode_fallback,
+    monitor,
+)
 from memcompile.backends.fragments import (
     FragmentIdentity,
     FragmentRecord,
@@ -2405,6 +2411,9 @@ class MemCompiler:
             install_pinned_hooks()  # torch._dynamo.reset() drops them; traces need them
             self._between_calls()
             self.claim_late()
+            # Under a dispatch mode Dynamo runs the call eagerly, compiled code or not, and
+            # says so nowhere the monitor reads.
+            self._dispatch_mode_call()
             cursor = monitor.cursor()
             return lambda: self._claim(monitor.claim_since(cursor))
 
@@ -2426,6 +2435,17 @@ class MemCompiler:
                 for code in codes:
                     torch._dynamo.reset_code(code)
             log.info("memcompile: dropped %d compiled frame(s) to re-plan them", len(codes))
+
+    def _dispatch_mode_call(self) -> None:
+        fallback = dispatch_mode_fallback()
+        if fallback is None:
+            return
+        with self._lock:
+            first = fallback not in self.fallbacks
+            if first:
+                self.fallbacks.append(fallback)
+        if first:
+            warnings.warn(fallback.message(), EagerFallbackWarning, stacklevel=4)
 
     def _claim(self, fallbacks: list[Fallback]) -> None:
         if fallbacks:

@@ -18,6 +18,12 @@ memcompile could watch are claimed by function (``claim_functions``: the model's
 ambiguous only if the same class also runs under another backend in the process). Each event is
 claimed once and warned about once per (frame, kind), with an :class:`EagerFallbackWarning`.
 Events no memcompile model claims (other backends' frames) are never reported.
+
+One fallback leaves no record: a call made while a ``TorchDispatchMode`` is active (one that
+does not ask Dynamo to ignore it) runs eagerly, compiled code or not, and Dynamo marks the
+frames' code as skipped, so the later calls run eagerly too (torch 2.13, until
+``torch._dynamo.reset()``). :func:`dispatch_mode_fallback` applies Dynamo's own test when a
+model's call starts (``MemCompiler.attach``), kind ``dispatch_mode``.
 """
 
 from __future__ import annotations
@@ -34,6 +40,11 @@ from typing import Any
 import torch._dynamo
 import torch._dynamo.utils as dynamo_utils
 from torch._dynamo.utils import get_compilation_metrics, set_compilation_metrics_limit
+from torch.utils._python_dispatch import (
+    _get_current_dispatch_mode,
+    any_torch_dispatch_mode_on_stack,
+    is_in_any_mode_without_ignore_compile_internals,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +53,7 @@ __all__ = [
     "Fallback",
     "FallbackMonitor",
     "FunctionSpan",
+    "dispatch_mode_fallback",
     "function_span",
     "monitor",
 ]
@@ -61,6 +73,11 @@ _HINTS = {
         "calls modules Dynamo compiles"
     ),
     "failed_frame": "run with TORCH_LOGS=graph_breaks to see why Dynamo gave up on this frame",
+    "dispatch_mode": (
+        "call the compiled model outside the mode: Dynamo also marks the code it skips this way "
+        "as not to be compiled, so the model's later calls run eagerly too, until "
+        "torch._dynamo.reset()"
+    ),
 }
 
 
@@ -79,7 +96,7 @@ class Fallback:
 
     Attributes:
         code: ``function (file:line)`` of the frame.
-        kind: ``recompile_limit``, ``skipped_frame`` or ``failed_frame``.
+        kind: ``recompile_limit``, ``skipped_frame``, ``failed_frame`` or ``dispatch_mode``.
         reason: Dynamo's reason, first line.
         compile_id: Dynamo's compile id of the failed attempt.
         hint: what the user can do about it.
@@ -106,6 +123,26 @@ class Fallback:
             "compile_id": self.compile_id,
             "hint": self.hint,
         }
+
+
+def dispatch_mode_fallback() -> Fallback | None:
+    """The fallback a call starting now would be, when a ``TorchDispatchMode`` Dynamo does not
+    trace under is active (Dynamo's own test, ``convert_frame``): Dynamo then runs the call's
+    frames eagerly without a compilation record, so :class:`FallbackMonitor` never sees it."""
+    if torch._dynamo.config.inline_torch_dispatch_torch_compile:
+        active = any_torch_dispatch_mode_on_stack()
+    else:
+        active = is_in_any_mode_without_ignore_compile_internals()
+    if not active:
+        return None
+    mode = _get_current_dispatch_mode()
+    return Fallback(
+        code="the compiled model's call",
+        kind="dispatch_mode",
+        reason=f"a TorchDispatchMode ({type(mode).__name__}) is active",
+        compile_id="",
+        hint=_HINTS["dispatch_mode"],
+    )
 
 
 def _classify(reason: str) -> str:
