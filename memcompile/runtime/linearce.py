@@ -298,6 +298,28 @@ def _columns_pass(
         del lsm, gl
 
 
+def _both_passes(
+    grad_output: torch.Tensor,
+    h: torch.Tensor,
+    wt: torch.Tensor,
+    target: torch.Tensor,
+    rule: tuple[int, int, torch.Tensor, int],
+    output_mask: Sequence[bool],
+    rows_of: Callable[[int, int], torch.Tensor],
+    columns_of: Callable[[int, int, torch.Tensor], None],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The gradients output_mask asks for (the others empty), by the passes that need them;
+    # rule: (reduction, ignore_index, total_weight, chunks).
+    grad_h, grad_wt, grad_bias = _backward_meta(h, wt, output_mask)
+    if output_mask[0]:
+        _rows_pass(grad_output, wt, target, *rule, grad_h, rows_of)
+    if output_mask[1] or output_mask[2]:
+        _columns_pass(
+            grad_output, h, wt, target, *rule, output_mask, grad_wt, grad_bias, columns_of
+        )
+    return grad_h, grad_wt, grad_bias
+
+
 def backward_impl(
     grad_output: torch.Tensor,
     h: torch.Tensor,
@@ -316,7 +338,6 @@ def backward_impl(
     as AOT makes it (``mm(gl.t(), h)``, ``[V, d]``) and for the bias (``sum(gl, [0], True)``),
     where ``gl`` is the logits' gradient, made by blocks of rows, then of columns; those
     ``output_mask`` does not ask for are empty."""
-    grad_h, grad_wt, grad_bias = _backward_meta(h, wt, output_mask)
     rule = (reduction, ignore_index, total_weight, chunks)
 
     def rows_of(start: int, stop: int) -> torch.Tensor:
@@ -328,13 +349,7 @@ def backward_impl(
         torch.sub(x, row_max[:, None], out=x)
         torch.sub(x, row_logsum[:, None], out=out)
 
-    if output_mask[0]:
-        _rows_pass(grad_output, wt, target, *rule, grad_h, rows_of)
-    if output_mask[1] or output_mask[2]:
-        _columns_pass(
-            grad_output, h, wt, target, *rule, output_mask, grad_wt, grad_bias, columns_of
-        )
-    return grad_h, grad_wt, grad_bias
+    return _both_passes(grad_output, h, wt, target, rule, output_mask, rows_of, columns_of)
 
 
 def backward_host_impl(
@@ -353,7 +368,6 @@ def backward_host_impl(
     logits made again: its blocks of rows and of columns are copied to the device in turn.
     ``saved`` is read, never written (a second backward reads it again)."""
     _host_tier(h)
-    grad_h, grad_wt, grad_bias = _backward_meta(h, wt, output_mask)
     rule = (reduction, ignore_index, total_weight, chunks)
 
     def rows_of(start: int, stop: int) -> torch.Tensor:
@@ -363,13 +377,7 @@ def backward_host_impl(
     def columns_of(start: int, stop: int, out: torch.Tensor) -> None:
         out.copy_(saved[:, start:stop])
 
-    if output_mask[0]:
-        _rows_pass(grad_output, wt, target, *rule, grad_h, rows_of)
-    if output_mask[1] or output_mask[2]:
-        _columns_pass(
-            grad_output, h, wt, target, *rule, output_mask, grad_wt, grad_bias, columns_of
-        )
-    return grad_h, grad_wt, grad_bias
+    return _both_passes(grad_output, h, wt, target, rule, output_mask, rows_of, columns_of)
 
 
 def _forward_meta(
