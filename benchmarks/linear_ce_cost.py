@@ -55,18 +55,9 @@ def _whole(h, wt, b, target, go):
     return loss, aten.mm(gl, wt.t()), aten.mm(gl.t(), h), aten.sum(gl, [0], True)
 
 
-def _blocks(h, wt, b, target, go, chunks):
-    loss, tw, row_max, row_logsum = kernels.forward_impl(h, wt, b, target, 1, -100, chunks)
-    grads = kernels.backward_impl(
-        go, h, wt, b, target, 1, -100, tw, row_max, row_logsum, chunks, [True, True, True]
-    )
-    return loss, *grads
-
-
-def _host(h, wt, b, target, go, chunks):
-    loss, tw, saved = kernels.forward_host_impl(h, wt, b, target, 1, -100, chunks)
-    grads = kernels.backward_host_impl(
-        go, h, wt, target, 1, -100, tw, saved, chunks, [True, True, True]
+def _blocks(h, wt, b, target, go, chunks, host=False):
+    loss, _, grads = kernels.run_blocks(
+        go, h, wt, b, target, 1, -100, chunks, (True, True, True), host=host
     )
     return loss, *grads
 
@@ -116,7 +107,7 @@ def measure(sizes: tuple[tuple[int, int, int], ...], reps: int, device: str) -> 
         )
         row["host_chunks"] = host
         if host is not None:
-            runs["host"] = functools.partial(_host, h, wt, b, target, go, host)
+            runs["host"] = functools.partial(_blocks, h, wt, b, target, go, host, host=True)
         results = {}
         for name, fn in runs.items():
             row[f"{name}_ms"] = _time_ms(fn, reps, dev)

@@ -225,11 +225,13 @@ class MemReport:
         for f in self.fragments:
             if f.plan is not None and f.plan.linear_ce:
                 # It costs time (passes/linearce.py): the user is told where it was needed.
-                hosted = {h.endswith("on the host") for h in f.plan.linear_ce}
-                cost = {
-                    frozenset({True}): "its log-softmax copied to the host and back",
-                    frozenset({False}): "two more matmuls of its size a step",
-                }.get(frozenset(hosted), "host copies or two more matmuls of their size a step")
+                hosted = [h.endswith("on the host") for h in f.plan.linear_ce]
+                if all(hosted):
+                    cost = "its log-softmax copied to the host and back"
+                elif not any(hosted):
+                    cost = "two more matmuls of its size a step"
+                else:
+                    cost = "host copies or two more matmuls of their size a step"
                 lines.append(
                     f"  {f.name}: loss head made by blocks ({', '.join(f.plan.linear_ce)}), "
                     f"{cost}, to fit the budget"

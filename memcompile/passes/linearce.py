@@ -373,8 +373,8 @@ def exact_chunks(
         whole = [loss, tw, *(g for g, wanted in zip(grads, output_mask, strict=True) if wanted)]
         del gl, grads
         for chunks in candidates:
-            loss2, tw2, grads = _run_blocks(
-                go, hr, wtr, br, tr, reduction, ignore_index, chunks, list(output_mask), host
+            loss2, tw2, grads = kernels.run_blocks(
+                go, hr, wtr, br, tr, reduction, ignore_index, chunks, output_mask, host=host
             )
             blocks = [
                 loss2,
@@ -389,47 +389,6 @@ def exact_chunks(
                 break
     _exact_cache[key] = found
     return found
-
-
-def _run_blocks(
-    go: torch.Tensor,
-    h: torch.Tensor,
-    wt: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    reduction: int,
-    ignore_index: int,
-    chunks: int,
-    output_mask: list[bool],
-    host: bool,
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    # The head's loss, total weight and gradients by the ops of one variant.
-    if host:
-        loss, tw, saved = kernels.forward_host_impl(
-            h, wt, bias, target, reduction, ignore_index, chunks
-        )
-        grads = kernels.backward_host_impl(
-            go, h, wt, target, reduction, ignore_index, tw, saved, chunks, output_mask
-        )
-        return loss, tw, grads
-    loss, tw, row_max, row_logsum = kernels.forward_impl(
-        h, wt, bias, target, reduction, ignore_index, chunks
-    )
-    grads = kernels.backward_impl(
-        go,
-        h,
-        wt,
-        bias,
-        target,
-        reduction,
-        ignore_index,
-        tw,
-        row_max,
-        row_logsum,
-        chunks,
-        output_mask,
-    )
-    return loss, tw, grads
 
 
 def keeps_on_host(h: torch.Tensor, wt: torch.Tensor, profile: DeviceProfile) -> bool:

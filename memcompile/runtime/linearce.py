@@ -77,6 +77,7 @@ __all__ = [
     "block",
     "forward_host_impl",
     "forward_impl",
+    "run_blocks",
 ]
 
 aten = torch.ops.aten
@@ -133,12 +134,12 @@ def _forward_blocks(
     ignore_index: int,
     chunks: int,
     *,
-    row_max: torch.Tensor | None = None,
-    row_logsum: torch.Tensor | None = None,
+    stats: tuple[torch.Tensor, torch.Tensor] | None = None,
     saved: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # The loss and total weight, a block of rows at a time; per row, the maximum and
-    # -log_softmax there into row_max / row_logsum, and the log-softmax into saved, if given.
+    # -log_softmax there into stats (row_max, row_logsum), and the log-softmax into saved, if
+    # given.
     rows = h.shape[0]
     picked = h.new_empty(rows, 1)
     # An out-of-range target raises in gather, as it does in nll_loss.
@@ -147,12 +148,12 @@ def _forward_blocks(
     for start in range(0, rows, step):
         stop = min(start + step, rows)
         x = _logits(h[start:stop], wt, bias)
-        if row_max is not None and row_logsum is not None:
+        if stats is not None:
             peak, where = x.max(1, keepdim=True)
-            row_max[start:stop] = peak.squeeze(1)
+            stats[0][start:stop] = peak.squeeze(1)
         aten._log_softmax.out(x, 1, False, out=x)  # reads each row before it writes it
-        if row_max is not None and row_logsum is not None:
-            torch.neg(x.gather(1, where).squeeze(1), out=row_logsum[start:stop])
+        if stats is not None:
+            torch.neg(x.gather(1, where).squeeze(1), out=stats[1][start:stop])
         picked[start:stop] = x.gather(1, safe[start:stop, None])
         if saved is not None:
             saved[start:stop].copy_(x)
@@ -178,15 +179,7 @@ def forward_impl(
     row_max = h.new_empty(rows)
     row_logsum = h.new_empty(rows)
     loss, total_weight = _forward_blocks(
-        h,
-        wt,
-        bias,
-        target,
-        reduction,
-        ignore_index,
-        chunks,
-        row_max=row_max,
-        row_logsum=row_logsum,
+        h, wt, bias, target, reduction, ignore_index, chunks, stats=(row_max, row_logsum)
     )
     return loss, total_weight, row_max, row_logsum
 
@@ -378,6 +371,35 @@ def backward_host_impl(
         out.copy_(saved[:, start:stop])
 
     return _both_passes(grad_output, h, wt, target, rule, output_mask, rows_of, columns_of)
+
+
+def run_blocks(
+    grad_output: torch.Tensor,
+    h: torch.Tensor,
+    wt: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    reduction: int,
+    ignore_index: int,
+    chunks: int,
+    output_mask: Sequence[bool],
+    *,
+    host: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """One forward and backward of the head by blocks (``host``: the log-softmax kept on the
+    host): the loss, the total weight and the three gradients (see :func:`backward_impl`)."""
+    rule = (reduction, ignore_index)
+    if host:
+        loss, tw, saved = forward_host_impl(h, wt, bias, target, *rule, chunks)
+        grads = backward_host_impl(
+            grad_output, h, wt, target, *rule, tw, saved, chunks, output_mask
+        )
+    else:
+        loss, tw, row_max, row_logsum = forward_impl(h, wt, bias, target, *rule, chunks)
+        grads = backward_impl(
+            grad_output, h, wt, bias, target, *rule, tw, row_max, row_logsum, chunks, output_mask
+        )
+    return loss, tw, grads
 
 
 def _forward_meta(
