@@ -114,8 +114,9 @@ def test_auto_moves_parameters_to_the_host_with_less_reserve_for_the_pilot(name:
     # parameters on the host did not fit either, so "auto" kept them on the device and the
     # step ran over: early exit at 431,570 B measured 572,584 B, the MoE at 0.7x 440,136 B
     # (both warned). Planned with what is left for the cache, the host tier fits.
+    # (The pilot asked for: "auto" no longer runs on the CPU device, nor reserves anything.)
     budget = 431_570 if name == "early_exit" else int(_unplanned_peak("moe") * 0.70)
-    compiled, wl, caught = _train_under(name, budget, 4)
+    compiled, wl, caught = _train_under(name, budget, 4, pilot="lightgbm")
     assert not [w for w in caught if issubclass(w.category, MemoryBudgetWarning)]
     measured = measure_settled(compiled, wl, wl.batch(4))
     rep = memcompile.report(compiled)
@@ -160,7 +161,7 @@ def test_auto_puts_the_whole_steps_parameters_on_the_host_when_saved_sets_cannot
         return out
 
     monkeypatch.setattr(MemCompiler, "resident_bytes", spy)
-    compiled, wl, caught = _train_under("moe", budget, 4)
+    compiled, wl, caught = _train_under("moe", budget, 4, pilot="lightgbm")  # with its reserve
     assert not [w for w in caught if issubclass(w.category, MemoryBudgetWarning)]
     measured = measure_settled(compiled, wl, wl.batch(4))  # (a step that checks the last round)
     rep = memcompile.report(compiled)
@@ -204,7 +205,9 @@ def test_a_fragment_that_does_not_fit_runs_its_smallest_plan_without_the_pilots_
     # bucket's, and 164 KiB without it. The reserve gives way where the plan does not fit, as
     # it does for the first fragment; the warnings say what is resident and name no reserve.
     budget = int(_unplanned_peak("gru") * 0.4)
-    compiled, _, caught = _train_under("gru", budget, 3, on_infeasible="best_effort")
+    compiled, _, caught = _train_under(
+        "gru", budget, 3, on_infeasible="best_effort", pilot="lightgbm"
+    )
     plans = memcompile.report(compiled).plan.fragments
     # (No larger than the first bucket's, which was planned without the reserve.)
     first, *longer = (p.predicted_peak for p in plans)

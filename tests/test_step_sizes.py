@@ -490,7 +490,9 @@ def test_step_prediction_counts_the_prefetch_cache_a_forward_leaves() -> None:
     torch._dynamo.reset()
     torch.manual_seed(0)
     wl = zoo.build("early_exit", size="tiny", seed=0)
-    compiled = memcompile.compile(wl.model, budget=201_998, on_infeasible="best_effort")
+    compiled = memcompile.compile(
+        wl.model, budget=201_998, on_infeasible="best_effort", pilot="lightgbm"
+    )
     opt = torch.optim.SGD(wl.model.parameters(), lr=0.01)
     for step in range(3):
         wl.loss(compiled, step).backward()
@@ -516,7 +518,7 @@ def test_the_pilots_copies_made_inside_a_graph_count_from_there() -> None:
     wl = zoo.build("early_exit", size="tiny")
     budget = 431_570
     compiled = memcompile.compile(
-        wl.model, budget=budget, offload_params=True, on_infeasible="best_effort"
+        wl.model, budget=budget, offload_params=True, on_infeasible="best_effort", pilot="lightgbm"
     )
     for _ in range(5):
         wl.model.zero_grad(set_to_none=True)
@@ -557,10 +559,11 @@ def test_treelstm_with_host_parameters_under_a_budget_is_predicted_within_3_perc
 
 
 def test_parameters_moved_to_the_host_are_not_resident_in_records_made_before() -> None:
-    # TreeLSTM at 0.7x with "auto": a re-plan moves the embedding to the host; the record of
+    # TreeLSTM at 0.65x with "auto": a re-plan moves the embedding to the host; the record of
     # the embedding's first (static) graph, compiled before, still lists its device storage.
-    # It was counted: 8,384 B of a freed storage in every call's prediction.
-    budget = int(predicted_peak("treelstm") * 0.7)
+    # It was counted: 8,384 B of a freed storage in every call's prediction. (At 0.7x while
+    # the "auto" pilot reserved a prefetch cache, which it no longer does on the CPU.)
+    budget = int(predicted_peak("treelstm") * 0.65)
     torch._dynamo.reset()
     wl = zoo.build("treelstm", size="tiny")
     compiled = memcompile.compile(wl.model, budget=budget, on_infeasible="best_effort")

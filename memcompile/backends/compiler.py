@@ -247,6 +247,16 @@ CUDA_AUTO_PILOT_OFF = (
     "on CUDA the pilot prefetches only when asked for (pilot='markov' or 'lightgbm'): issuing "
     "its copies costs the host more than they hid on the measured MoE"
 )
+#: Why it stays off on the CPU device: there a copy runs on the thread that computes, so a
+#: prefetched copy takes as long as the on-demand one it replaces and hides nothing, and the
+#: predictions, the cache and the copies of mispredicted blocks are added time (the small zoo
+#: MoE, benchmarks/results/dynamic_prefetch.md: 61.1 ms a step with the pilot in its graphs,
+#: 46.9 ms fetching on demand), besides the budget its cache reserves.
+CPU_AUTO_PILOT_OFF = (
+    "on the CPU device the pilot prefetches only when asked for (pilot='markov' or "
+    "'lightgbm', e.g. for its simulated GPU stall): a copy there cannot overlap compute, so "
+    "prefetching adds step time and hides none"
+)
 
 #: Step compositions remembered as already checked against the budget (then forgotten).
 _MAX_CHECKED_STEPS = 4096
@@ -1831,24 +1841,24 @@ class MemCompiler:
 
     # -- dynamic models and the pilot ------------------------------------------------------------
     def pilot_plans(self) -> bool:
-        """Whether plans leave a prefetch reserve: an explicit pilot, or ``"auto"`` once the
-        model is known to be dynamic."""
-        pilot = self.config.pilot
-        return pilot in ("markov", "lightgbm") or (pilot == "auto" and bool(self.dynamic))
+        """Whether plans leave a prefetch reserve (and forward graphs a prediction op): an
+        explicit pilot. ``"auto"`` runs on no device today (:meth:`_pilot_gate`), so it
+        reserves nothing."""
+        return self.config.pilot in ("markov", "lightgbm")
 
     def _pilot_gate(self) -> bool:
-        # pilot="auto": prefetch once the model is dynamic and has parameters on the host, on
-        # the CPU device. A CUDA model's pinned parameters are prefetched only on request: the
-        # copies are issued from the host, and on the measured MoE that host time cost more
-        # step time than the copies they hid (benchmarks/results/dynamic_prefetch_cuda.md).
+        # pilot="auto": the pilot where its prefetches pay, once the model is dynamic and has
+        # parameters on the host; the report says why it does not run. Measured so far, they
+        # pay on no device: on CUDA issuing the copies costs the host more step time than the
+        # copies hid (benchmarks/results/dynamic_prefetch_cuda.md), and on the CPU device a
+        # copy cannot overlap compute at all.
         if not self.dynamic or not self.host_param_bytes:
             return False
-        if self.host_params_pinned:
-            if self.prefetcher is not None and self.prefetcher.blocked is None:
-                self.prefetcher.blocked = CUDA_AUTO_PILOT_OFF
-                log.info("memcompile pilot: %s", CUDA_AUTO_PILOT_OFF)
-            return False
-        return True
+        reason = CUDA_AUTO_PILOT_OFF if self.host_params_pinned else CPU_AUTO_PILOT_OFF
+        if self.prefetcher is not None and self.prefetcher.blocked is None:
+            self.prefetcher.blocked = reason
+            log.info("memcompile pilot: %s", reason)
+        return False
 
     def note_dynamic(self, reason: str) -> None:
         """The model is dynamic (first reason kept). Dynamo's recompile limit is raised for it,

@@ -24,9 +24,9 @@ The compiler (``backends/compiler.py``) calls the :class:`Prefetcher` around eve
                   research/04 §Q1). After ``in_graph`` ran: no second prediction; free what
                   the prediction does not name (the block's unfetched copies) and copy what did
                   not fit the fragment's reserve while it fit the largest. Else (a graph built
-                  without the op: ``pilot="auto"`` before the model was seen to be dynamic, or
-                  the compiler's ``PILOT_IN_GRAPH`` off) the same work as ``in_graph``, here,
-                  with the call's outputs.
+                  without the op: its observed values on a CUDA device, or the compiler's
+                  ``PILOT_IN_GRAPH`` off) the same work as ``in_graph``, here, with the call's
+                  outputs.
     optimizer step (a global ``torch.optim`` step post-hook, only for an optimizer that steps
                   host-placed parameters the prefetcher has seen): the parameters are final
                   now; copy those of the first prediction kept at the last forward call's
@@ -62,8 +62,8 @@ fragment's peak. A fragment's reserve is ``prefetch_depth ×`` the largest host-
 bytes of one block known when it is planned (its own included): the cache holds at most the next
 ``prefetch_depth`` blocks' parameters. Before each call the cache is trimmed to that fragment's
 reserve; prefetches stop at the largest reserve of any plan (the next fragment, not known yet,
-trims again). A fragment planned with no reserve (``"auto"`` before the model was seen to be
-dynamic) runs with an empty cache. With ``offload_params="auto"``, a fragment whose plan fits
+trims again). A fragment planned with no reserve runs with an empty cache. With
+``offload_params="auto"``, a fragment whose plan fits
 with its parameters on the host but not beside the full reserve gets what its plan leaves under
 the budget instead (the host tier is what fits; the cache only saves time). Between a step's
 optimizer step and the next forward the cache holds the next step's first block (within that
@@ -72,13 +72,16 @@ that copy, which was made before it started.
 
 Predictors (``pilot`` option): ``"markov"`` (last successor, markov.py), ``"lightgbm"`` (the
 online :class:`~memcompile.dynamic.pilot.Pilot`, Markov below its confidence threshold), ``"auto"``
-(the Pilot once the model is dynamic and has parameters in the host tier, on the CPU device;
-see the compiler's ``MemCompiler.dynamic``), ``"off"`` (no prefetcher: every fetch on demand).
+(the Pilot where its prefetches pay, once the model is dynamic and has parameters in the host
+tier; measured so far on no device, see below: the report says why it does not run), ``"off"``
+(no prefetcher: every fetch on demand).
 Any object with ``observe``/``predict``/``end_step`` and an ``active`` name can replace
 :attr:`Prefetcher.predictor` (tests inject an adversarial one).
 
 **Devices.** On the CPU device the copies are synchronous (the time is spent inside the graph,
-where a GPU's copy would overlap compute). On CUDA, host-placed parameters are pinned CPU
+where a GPU's copy would overlap compute): a prefetch hides nothing there and the pilot's work
+is added step time, so ``pilot="auto"`` stays off on the CPU (an explicit pilot runs, e.g. for
+its simulated GPU stall). On CUDA, host-placed parameters are pinned CPU
 tensors (``runtime/pinned.py``): a prefetch copies on the cache's side stream and records an
 event, and a hit makes the compute stream wait for that event (runtime/cache.py), so a copy
 issued by the in-graph op overlaps the rest of the graph. The report then gives, beside the
