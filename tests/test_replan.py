@@ -16,6 +16,7 @@ from memcompile.backends.replan import MAX_REPLANS, decide_replan
 from memcompile.passes.analysis import GraphProfile
 from memcompile.passes.fragment import FragmentProfile
 from memcompile.passes.step import StepPrediction, simulate_step
+from memcompile.report import find_compiler
 from memcompile.runtime.measure import storage_sizes
 
 from helpers import assert_same_state, measure_settled
@@ -297,3 +298,27 @@ def test_decide_replan_rejects_mismatched_calls() -> None:
             assumed={},
             replans={},
         )
+
+
+def test_a_fragment_asked_to_replan_twice_before_it_recompiles_is_replanned_once() -> None:
+    # Two re-plan requests for one fragment before its code compiled again (a round asked at
+    # the end of one step, another at the next, a fragment of the first not yet called) queued
+    # its record twice: the first recompile replaced the record, and the next compile of that
+    # graph looked for the replaced one ("ValueError: ... is not in list", seen on
+    # Hugging Face's Qwen2-MoE with eager experts at 0.75x its eager peak). The later request
+    # now replaces the earlier, and a recompile replaces the record of its index.
+    torch._dynamo.reset()
+    wl = zoo.build("gpt", size="tiny")
+    compiled = memcompile.compile(wl.model, budget="1GiB")
+    wl.loss(compiled, 0).backward()
+    comp, _ = find_compiler(compiled)
+    (record,) = comp.records()
+    for resident in (1000, 2000):
+        comp._request_replan({record.index: resident}, {record.index: record}, {})
+    assert [entry[1] for entry in comp._awaiting[record.identity.id]] == [2000]
+    for step in (1, 2):
+        wl.loss(compiled, step).backward()
+        comp._request_replan({record.index: 3000}, {record.index: comp.records()[0]}, {})
+    wl.loss(compiled, 3).backward()
+    records = comp.records()
+    assert [r.index for r in records] == [record.index] and records[0] is not record

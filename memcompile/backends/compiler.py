@@ -2001,8 +2001,15 @@ class MemCompiler:
         with self._lock:
             if code is not None:
                 self._codes[record.index] = weakref.ref(code)
-            if old is not None:
-                self.fragments[self.fragments.index(old)] = record
+            # A re-planned fragment's record is replaced where its index is (the record it was
+            # queued with may have been replaced since: a re-plan of a re-plan).
+            at = (
+                next((i for i, r in enumerate(self.fragments) if r.index == old.index), None)
+                if old is not None
+                else None
+            )
+            if at is not None:
+                self.fragments[at] = record
             else:
                 self.fragments.append(record)
         log.info(
@@ -3264,7 +3271,11 @@ class MemCompiler:
                 resident = r.plan.resident_bytes - self._reserves.get(index, 0)
             else:
                 resident = None
-            self._awaiting.setdefault(r.identity.id, []).append((r, resident, cap))
+            # A request made before the last one was served replaces it: the fragment compiles
+            # again once, and a second entry would name the record that compile replaced.
+            queued = self._awaiting.setdefault(r.identity.id, [])
+            queued[:] = [q for q in queued if q[0].index != index]
+            queued.append((r, resident, cap))
         self._pending_codes.extend(codes.values())
 
     def current_step(self) -> tuple[StepEvent, ...]:
