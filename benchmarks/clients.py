@@ -175,11 +175,15 @@ def _yes(v: Any) -> str:
 
 
 def to_markdown(rows: list[dict[str, Any]], command: str) -> str:
+    import torch
+    import transformers
+
     out = [
         "# memcompile on Hugging Face client models",
         "",
         f"- command: `{command}`",
-        f"- machine: {describe_machine()}",
+        f"- machine: {describe_machine()}, torch {torch.__version__}, transformers "
+        f"{transformers.__version__}",
         f"- date: {datetime.date.today().isoformat()}",
         f"- models: tiny random configs (hidden 64, 2 layers, vocab {VOCAB}), batch {BATCH} x "
         f"{SEQ} tokens, one training step; peaks measured by the CPU profiler, absolute",
