@@ -63,12 +63,12 @@ bytes of one block known when it is planned (its own included): the cache holds 
 ``prefetch_depth`` blocks' parameters. Before each call the cache is trimmed to that fragment's
 reserve; prefetches stop at the largest reserve of any plan (the next fragment, not known yet,
 trims again). A fragment planned with no reserve runs with an empty cache. With
-``offload_params="auto"``, a fragment whose plan fits
-with its parameters on the host but not beside the full reserve gets what its plan leaves under
-the budget instead (the host tier is what fits; the cache only saves time). Between a step's
-optimizer step and the next forward the cache holds the next step's first block (within that
-block's fragment's reserve); a CPU measurement started in between (``measure_peak``) does not see
-that copy, which was made before it started.
+``offload_params="auto"``, a fragment whose plan fits with its parameters on the host but not
+beside the full reserve gets what its plan leaves under the budget instead (the host tier is
+what fits; the cache only saves time). Between a step's optimizer step and the next forward the
+cache holds the next step's first block (within that block's fragment's reserve); a CPU
+measurement started in between (``measure_peak``) does not see that copy, which was made before
+it started.
 
 Predictors (``pilot`` option): ``"markov"`` (last successor, markov.py), ``"lightgbm"`` (the
 online :class:`~memcompile.dynamic.pilot.Pilot`, Markov below its confidence threshold), ``"auto"``
