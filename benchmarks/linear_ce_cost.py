@@ -41,18 +41,10 @@ VARIANTS = {"blocks": "by blocks, logits made again", "host": "by blocks, log-so
 #: a small language model's (2048 tokens, d 512, 32,000 classes).
 SIZES = ((2048, 256, 2048), (2048, 512, 32000))
 
-aten = torch.ops.aten
-
 
 def _whole(h, wt, b, target, go):
-    x = aten.addmm(b, h, wt)
-    lsm = aten._log_softmax(x, 1, False)
-    del x
-    loss, tw = aten.nll_loss_forward(lsm, target, None, 1, -100)
-    g = aten.nll_loss_backward(go, lsm, target, None, 1, -100, tw)
-    gl = aten._log_softmax_backward_data(g, lsm, 1, lsm.dtype)
-    del g, lsm
-    return loss, aten.mm(gl, wt.t()), aten.mm(gl.t(), h), aten.sum(gl, [0], True)
+    loss, _, grads = kernels.run_whole(go, h, wt, b, target, 1, -100)
+    return loss, *grads
 
 
 def _blocks(h, wt, b, target, go, chunks, host=False):

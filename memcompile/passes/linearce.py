@@ -362,16 +362,9 @@ def exact_chunks(
         tr = tr.to(target.dtype)
         tr[::7] = ignore_index  # some rows ignored, as padding is
         go = torch.rand((), dtype=h.dtype, device=device) + 0.5
-        x = aten.mm(hr, wtr) if br is None else aten.addmm(br, hr, wtr)
-        lsm = aten._log_softmax(x, 1, False)
-        del x
-        loss, tw = aten.nll_loss_forward(lsm, tr, None, reduction, ignore_index)
-        g = aten.nll_loss_backward(go, lsm, tr, None, reduction, ignore_index, tw)
-        gl = aten._log_softmax_backward_data(g, lsm, 1, lsm.dtype)
-        del g, lsm
-        grads = (aten.mm(gl, wtr.t()), aten.mm(gl.t(), hr), aten.sum(gl, [0], True))
+        loss, tw, grads = kernels.run_whole(go, hr, wtr, br, tr, reduction, ignore_index)
         whole = [loss, tw, *(g for g, wanted in zip(grads, output_mask, strict=True) if wanted)]
-        del gl, grads
+        del grads
         for chunks in candidates:
             loss2, tw2, grads = kernels.run_blocks(
                 go, hr, wtr, br, tr, reduction, ignore_index, chunks, output_mask, host=host

@@ -373,6 +373,28 @@ def backward_host_impl(
     return _both_passes(grad_output, h, wt, target, rule, output_mask, rows_of, columns_of)
 
 
+def run_whole(
+    grad_output: torch.Tensor,
+    h: torch.Tensor,
+    wt: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    reduction: int,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """One forward and backward of the whole head as AOT's graph has it (aten's ops, the logits
+    whole): the loss, the total weight and the three gradients, as :func:`run_blocks` gives
+    them; the reference the blocks are checked against."""
+    x = _logits(h, wt, bias)
+    lsm = aten._log_softmax(x, 1, False)
+    del x
+    loss, tw = aten.nll_loss_forward(lsm, target, None, reduction, ignore_index)
+    g = aten.nll_loss_backward(grad_output, lsm, target, None, reduction, ignore_index, tw)
+    gl = aten._log_softmax_backward_data(g, lsm, 1, lsm.dtype)
+    del g, lsm
+    return loss, tw, (aten.mm(gl, wt.t()), aten.mm(gl.t(), h), aten.sum(gl, [0], True))
+
+
 def run_blocks(
     grad_output: torch.Tensor,
     h: torch.Tensor,
