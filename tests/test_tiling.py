@@ -164,7 +164,8 @@ def test_a_value_read_earlier_stays_for_its_reader_and_the_blocks_make_it_again(
         assert torch.equal(a, b)
 
 
-def test_a_swapped_operand_is_reloaded_a_block_of_rows_at_a_time():
+@pytest.mark.parametrize("ahead", [None, True])
+def test_a_swapped_operand_is_reloaded_a_block_of_rows_at_a_time(ahead):
     store = TieredStore()
     key = register_store(store)
     gm = _trace(_swapped_backward, key=key)
@@ -174,16 +175,18 @@ def test_a_swapped_operand_is_reloaded_a_block_of_rows_at_a_time():
     assert leaf in found.leaves
     assert found.nbytes == 2 * N * H * 4  # the scaled gradient and the reload go
 
-    out = row_tile_pass(gm, CTX, blocks=4)
+    out = row_tile_pass(gm, CTX, blocks=4, ahead=ahead)
     reloads = out.graph.find_nodes(op="call_function", target=torch.ops.memcompile.reload.default)
     assert [tuple(r.meta["val"].shape) for r in reloads] == [(N // 4, H)] * 4
     waits = out.graph.find_nodes(op="call_function", target=torch.ops.memcompile.wait.default)
     assert sorted(w.args[0] for w in waits) == sorted(reloads)
-    # Each block's copy is issued before the previous block computes (it overlaps on a GPU).
     order = {n: i for i, n in enumerate(out.graph.nodes)}
     grads = out.graph.find_nodes(op="call_function", target=aten.gelu_backward.grad_input)
     assert len(grads) == 4
-    assert all(order[reloads[i + 1]] < order[grads[i]] for i in range(3))
+    if ahead:  # each block's copy is issued before the previous block computes (a GPU's overlap)
+        assert all(order[reloads[i + 1]] < order[grads[i]] for i in range(3))
+    else:  # on the CPU, where a copy hides nothing: after it, so that it is not held through it
+        assert all(order[grads[i]] < order[reloads[i + 1]] for i in range(3))
     args = _inputs(_swapped_backward)
     before = store.bytes_in["host"]
     for a, b in zip(gm(*args), out(*args), strict=True):
@@ -284,6 +287,70 @@ def test_the_softmax_gradient_is_made_by_blocks_of_whole_batches():
     assert (
         len(out.graph.find_nodes(op="call_function", target=aten._softmax_backward_data.out)) == 3
     )
+    for a, b in zip(gm(*args), out(*args), strict=True):
+        assert torch.equal(a, b)
+
+
+def _attention_backward_swapped(d_out, v_host, probs, *, key, late_reader=False):
+    # Hand-written attention's backward in a plan that swaps the values: reloaded whole from
+    # their host copy, read transposed by the probabilities' gradient (a batched matmul) alone,
+    # or also by a later reader.
+    v = torch.ops.memcompile.reload.default(v_host, torch.device("cpu"), key, 0)
+    torch.ops.memcompile.wait.default(v, key)
+    d_probs = aten.view.default(
+        aten.bmm.default(d_out, aten.transpose.int(v, 1, 2)), [B, HEADS, T, T]
+    )
+    d_scores = aten._softmax_backward_data.default(d_probs, probs, -1, torch.float32)
+    flat = aten.view.default(d_scores, [B * HEADS, T, T])
+    d_k = aten.bmm.default(aten.transpose.int(flat, 1, 2), d_out)
+    return (d_k, aten.bmm.default(flat, v)) if late_reader else d_k
+
+
+def _attention_backward_args():
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(B * HEADS, T, D, generator=g),
+        torch.randn(B * HEADS, T, D, generator=g),
+        torch.randn(B, HEADS, T, T, generator=g).softmax(-1),
+    ]
+
+
+def test_a_swapped_batched_matmul_operand_is_reloaded_a_range_of_batches_at_a_time():
+    store = TieredStore()
+    key = register_store(store)
+    args = _attention_backward_args()
+    gm = make_fx(lambda *a: _attention_backward_swapped(*a, key=key), tracing_mode="fake")(*args)
+    (found,) = find_row_tilings(gm, blocks=4)
+    # The transposed reload is read by the batched matmul only: reloaded by its batches.
+    (leaf,) = found.reloaded_batches
+    assert leaf.startswith("transpose") and leaf in found.leaves and not found.reloaded
+    assert found.nbytes == B * HEADS * T * T * 4 + B * HEADS * T * D * 4  # d_probs and the reload
+
+    out = row_tile_pass(gm, CTX, blocks=4)
+    reloads = out.graph.find_nodes(op="call_function", target=torch.ops.memcompile.reload.default)
+    # 6 batches in blocks of 2 whole batches: each block reloads its own 2 from the host copy.
+    assert [tuple(r.meta["val"].shape) for r in reloads] == [(2, T, D)] * 3
+    waits = out.graph.find_nodes(op="call_function", target=torch.ops.memcompile.wait.default)
+    assert sorted(w.args[0] for w in waits) == sorted(reloads)
+    products = out.graph.find_nodes(op="call_function", target=aten.bmm.default)
+    assert [tuple(p.meta["val"].shape) for p in products[:3]] == [(2, T, T)] * 3
+    before = store.bytes_in["host"]
+    assert torch.equal(gm(*args), out(*args))
+    # The whole once (``gm``), then by blocks (``out``).
+    assert store.bytes_in["host"] - before == 2 * B * HEADS * T * D * 4
+
+
+def test_a_swapped_batched_matmul_operand_read_again_later_is_reloaded_whole():
+    key = register_store(TieredStore())
+    args = _attention_backward_args()
+    gm = make_fx(
+        lambda *a: _attention_backward_swapped(*a, key=key, late_reader=True), tracing_mode="fake"
+    )(*args)
+    (found,) = find_row_tilings(gm, blocks=4)
+    assert not found.reloaded_batches and not found.reloaded
+    out = row_tile_pass(gm, CTX, blocks=4)
+    reloads = out.graph.find_nodes(op="call_function", target=torch.ops.memcompile.reload.default)
+    assert [tuple(r.meta["val"].shape) for r in reloads] == [(B * HEADS, T, D)]
     for a, b in zip(gm(*args), out(*args), strict=True):
         assert torch.equal(a, b)
 
@@ -477,7 +544,7 @@ def test_each_built_graph_is_searched_for_tilings_once_per_matmul_allowance(monk
 def test_a_swapping_plan_over_its_target_falls_back_to_recomputing(monkeypatch):
     # With no reload read by rows, tiling acts on values the graphs make only: with swaps
     # allowed the smallest plan is still no larger than recomputing alone.
-    monkeypatch.setattr(tiling, "_reloaded", lambda *a: set())
+    monkeypatch.setattr(tiling, "_reloaded", lambda *a, **k: set())
     host = dict(offload_params=True, pilot="off")
     assert _floor(monkeypatch, True, **host) <= _floor(monkeypatch, True, swap=False, **host)
 
@@ -495,7 +562,7 @@ def test_a_swapping_plan_reloads_by_rows_below_the_recomputing_floor(monkeypatch
     budget = (swapping + recomputing) // 2
     (plan,) = _train_within("branchy", budget, **host).plan.fragments
     assert len(plan.swapped) == 8 and not plan.recomputed
-    monkeypatch.setattr(tiling, "_reloaded", lambda *a: set())
+    monkeypatch.setattr(tiling, "_reloaded", lambda *a, **k: set())
     with pytest.raises(memcompile.MemoryBudgetError):
         train_under_budget("branchy", "adam", budget, **host)
 

@@ -52,8 +52,9 @@ between the chain's first node and the op writes into a leaf (the blocks read th
 the op).
 
 **Reloads by rows.** A leaf that is a swapped tensor's ``reload`` (or a view of it), read by
-rows only, goes with its ``wait``: each block reloads its own rows from the host copy, the next
-block's copy issued before this block computes (on a GPU it overlaps)::
+rows only, goes with its ``wait``: each block reloads its own rows from the host copy, on a GPU
+the next block's copy issued before this block computes, so that it overlaps (on a CPU the copy
+runs on the computing thread: issued early it would only be held through this block)::
 
     before                                       after
       h = memcompile.reload(h_host, dev, s, 0)     for each block r of rows:
@@ -63,7 +64,11 @@ block's copy issued before this block computes (on a GPU it overlaps)::
                                                      gelu_backward.grad_input(g_r, h_r, ...)
 
 (branchy's host tier: a plan that swaps every pre-activation peaks as low as one that
-recomputes them, without their matmuls).
+recomputes them, without their matmuls). Likewise a reload read only as a batched matmul's
+operand (directly, or through views and transposes of its later dims, ``v.transpose(1, 2)``):
+each block reloads its own batches, the host copy's first dim, and makes the leaf's views of
+them (hand-written attention's host tier: the values, reloaded whole for the probabilities'
+gradient, 2 MiB a layer at the bench GPT's size, held beside the scores' blocks).
 
 **Bit-identical, measured.** A block of rows of ``addmm`` is the same dot products as the whole,
 and an elementwise kernel computes each element alike, but that is the kernels' business (a
@@ -171,6 +176,9 @@ class RowTiling:
         nbytes: bytes of the chain's values (and the reloads) no longer held whole.
         align: each block's rows are a multiple of it (a batched matmul's rows per batch).
         new: the node that holds the whole result now (``""`` before the rewrite).
+        reloaded_batches: the leaves that are the reload of a swapped tensor (or a view or a
+            transpose of its later dims), read only as a batched matmul's operand: the blocks
+            reload their batches from the host copy instead, and the whole reload goes.
     """
 
     node: str
@@ -184,6 +192,7 @@ class RowTiling:
     nbytes: int
     align: int = 1
     new: str = ""
+    reloaded_batches: tuple[str, ...] = ()
 
 
 def _static(shape: Sequence[Any]) -> tuple[int, ...] | None:
@@ -267,41 +276,59 @@ def _broadcast(v: torch.Tensor) -> bool:
     return v.ndim <= 1 or all(s == 1 for s in v.shape[:-1])
 
 
-def _reload_path(leaf: fx.Node) -> tuple[list[fx.Node], fx.Node] | None:
+def _batch_dims(n: fx.Node) -> bool:
+    """Whether ``n`` is a ``transpose`` of two dims after the first (a batch's own layout)."""
+    if n.target is not aten.transpose.int:
+        return False
+    v, dims = _val(n), n.args[1:3]
+    return v is not None and all(isinstance(d, int) and d % v.ndim >= 1 for d in dims)
+
+
+def _reload_path(leaf: fx.Node, *, batched: bool = False) -> tuple[list[fx.Node], fx.Node] | None:
     """``(nodes, reload)`` when ``leaf`` is the value of a swapped tensor's ``reload`` (or a
     view of it with the same last size): the nodes that make it from the host copy (the views
-    on the way, the reload, its ``wait`` ops) and the reload; else ``None``."""
+    on the way, the reload, its ``wait`` ops) and the reload; else ``None``. ``batched``: a
+    batched matmul's operand, read by ranges of batches (its first dim): the views on the way
+    may also be transposes of later dims (``k.transpose(1, 2)``), and every value on the way
+    has the leaf's batches as its first size, so a range of batches of the leaf is that range
+    of the reload's (contiguous) rows."""
     path, n = [leaf], leaf
-    while n.target in _VIEWS and isinstance(n.args[0], fx.Node):
+    while (n.target in _VIEWS or (batched and _batch_dims(n))) and isinstance(n.args[0], fx.Node):
         n = n.args[0]
         path.append(n)
     if n.target is not _RELOAD or not isinstance(n.args[0], fx.Node):
         return None
     rv, lv = _val(n), _val(leaf)
-    if rv is None or lv is None or not rv.is_contiguous() or rv.shape[-1:] != lv.shape[-1:]:
+    if rv is None or lv is None or not rv.is_contiguous():
+        return None
+    if batched:
+        vals = [_val(m) for m in path]
+        if lv.ndim < 2 or any(v is None or v.ndim < 2 or v.shape[0] != lv.shape[0] for v in vals):
+            return None
+    elif rv.shape[-1:] != lv.shape[-1:]:
         return None
     return [*path, *(u for u in n.users if u.target is _WAIT)], n
 
 
-def _reloaded_by(leaf: fx.Node) -> tuple[list[fx.Node], fx.Node]:
+def _reloaded_by(leaf: fx.Node, *, batched: bool = False) -> tuple[list[fx.Node], fx.Node]:
     """:func:`_reload_path` of a leaf known to be reloaded."""
-    made = _reload_path(leaf)
+    made = _reload_path(leaf, batched=batched)
     assert made is not None, f"{leaf.name} is not a reload"
     return made
 
 
-def _source(leaf: fx.Node) -> fx.Node:
+def _source(leaf: fx.Node, *, batched: bool = False) -> fx.Node:
     """The host copy a reloaded leaf is made from."""
-    return _reloaded_by(leaf)[1].args[0]  # type: ignore[return-value]
+    return _reloaded_by(leaf, batched=batched)[1].args[0]  # type: ignore[return-value]
 
 
-def _reloaded(rowed: set[fx.Node], readers: set[fx.Node]) -> set[fx.Node]:
-    """The leaves of ``rowed`` (read only by rows) whose reload can go: they and what makes them
-    from the host copy (:func:`_reload_path`) are read by ``readers`` (the nodes the rewrite
-    removes) only."""
+def _reloaded(rowed: set[fx.Node], readers: set[fx.Node], *, batched: bool = False) -> set[fx.Node]:
+    """The leaves of ``rowed`` (read only by rows; ``batched``: only by ranges of batches) whose
+    reload can go: they and what makes them from the host copy (:func:`_reload_path`) are read
+    by ``readers`` (the nodes the rewrite removes) only."""
     found = set()
     for leaf in rowed:
-        made = _reload_path(leaf)
+        made = _reload_path(leaf, batched=batched)
         if made is None:
             continue
         inside = readers | set(made[0])
@@ -586,19 +613,27 @@ def _tiling(
     kept = search.shared(order)
     if kept is None:
         return None
-    # A swapped operand read by rows only is reloaded a block at a time from its host copy.
-    reloaded = _reloaded(search.rowed - search.whole - search.batched, (search.chain - kept) | {n})
+    # A swapped operand read by rows only is reloaded a block at a time from its host copy; one
+    # read only by batched matmuls, a range of batches at a time.
+    readers = (search.chain - kept) | {n}
+    reloaded = _reloaded(search.rowed - search.whole - search.batched, readers)
+    others = search.rowed | search.whole | search.periodic
+    batches = _reloaded(search.batched - others, readers, batched=True)
     if not search.chain and not reloaded:
         return None
     chain = sorted(search.chain, key=order.__getitem__)
-    sources = [_source(leaf) if leaf in reloaded else leaf for leaf in search.leaves]
+    sources = [
+        _source(leaf, batched=leaf in batches) if leaf in reloaded | batches else leaf
+        for leaf in search.leaves
+    ]
     # The blocks read the leaves at the op, where the chain read them from its first node.
     start = order[chain[0]] if chain else order[n]
     if written_between(nodes, sources, start + 1, order[n]):
         return None
     gone = [c for c in chain if c.target not in _VIEWS and c not in kept]
     gone += [_reloaded_by(leaf)[1] for leaf in sorted(reloaded, key=order.__getitem__)]
-    nbytes = sum(c.meta["val"].untyped_storage().nbytes() for c in gone)
+    gone += [_reloaded_by(leaf, batched=True)[1] for leaf in sorted(batches, key=order.__getitem__)]
+    nbytes = sum(c.meta["val"].untyped_storage().nbytes() for c in dict.fromkeys(gone))
     # Worth its kernel calls: operands of at least half the result's bytes go.
     if 2 * nbytes < n.meta["val"].untyped_storage().nbytes():
         return None
@@ -613,6 +648,7 @@ def _tiling(
         blocks=max(1, min(blocks, rows)),
         nbytes=nbytes,
         align=search.align,
+        reloaded_batches=tuple(sorted(m.name for m in batches)),
     )
     return _Found(
         tiling, frozenset(c for c in kept if c.target in _MATMULS or c.target is aten.bmm.default)
@@ -627,20 +663,34 @@ def _bounds(rows: int, blocks: int, align: int = 1) -> list[tuple[int, int]]:
 class _Blocks:
     """Writes the op by blocks of rows into a graph whose placeholders are its leaves (a
     reloaded leaf's: its host copy, see :attr:`inputs`). With ``reload=False`` the reloaded
-    leaves are sliced like the others (the probe's graph: a reload copies bits)."""
+    leaves are sliced like the others (the probe's graph: a reload copies bits). ``ahead``:
+    each block also issues the next block's reloads (see :func:`row_tile_pass`)."""
 
-    def __init__(self, gm: fx.GraphModule, t: RowTiling, *, reload: bool = True) -> None:
+    def __init__(
+        self, gm: fx.GraphModule, t: RowTiling, *, reload: bool = True, ahead: bool = True
+    ) -> None:
         nodes = {n.name: n for n in gm.graph.nodes}
         self.t = t
+        self.ahead = ahead
         self.op_node = nodes[t.node]
         self.chain = [nodes[c] for c in t.chain]
         self.leaves = [nodes[name] for name in t.leaves]
-        #: Reloaded leaves -> their reload (read by rows from its host copy).
+        #: Reloaded leaves -> their reload (read by rows, or by batches, from its host copy).
         self.sources: dict[fx.Node, fx.Node] = {}
         for name in t.reloaded if reload else ():
             self.sources[nodes[name]] = _reloaded_by(nodes[name])[1]
+        #: Leaves reloaded by batches -> the views from the reload to the leaf, in that order.
+        self.by_batches: dict[fx.Node, list[fx.Node]] = {}
+        for name in t.reloaded_batches if reload else ():
+            leaf = nodes[name]
+            path, self.sources[leaf] = _reloaded_by(leaf, batched=True)
+            views = [m for m in path if m.target is not _WAIT and m is not self.sources[leaf]]
+            self.by_batches[leaf] = views[::-1]
         #: The nodes the placeholders stand for, in order.
-        self.inputs = [_source(n) if n in self.sources else n for n in self.leaves]
+        self.inputs: list[fx.Node] = [
+            self.sources[n].args[0] if n in self.sources else n  # type: ignore[misc]
+            for n in self.leaves
+        ]
         self.graph = fx.Graph()
         self.ph = {leaf: self.graph.placeholder(f"leaf{i}") for i, leaf in enumerate(self.leaves)}
         self.flat: dict[fx.Node, fx.Node] = {}  # leaves with rows, as [rows, k]
@@ -666,6 +716,29 @@ class _Blocks:
             return self.loaded[(leaf, rows)]
         return self.graph.call_function(aten.slice.Tensor, (self.rows_view(leaf), 0, *rows))
 
+    def batches(self, leaf: fx.Node, rows: tuple[int, int]) -> tuple[int, int]:
+        """The batches (first dim) of batched matmul operand ``leaf`` that block ``rows`` of the
+        result reads (blocks hold whole batches)."""
+        n = leaf.meta["val"].shape[0]
+        return rows[0] * n // self.t.rows, rows[1] * n // self.t.rows
+
+    def leaf_batches(self, leaf: fx.Node, rows: tuple[int, int]) -> fx.Node:
+        """The batches of ``leaf`` that block ``rows`` reads: a slice, or for a leaf reloaded
+        by batches the block's reload seen through the leaf's views."""
+        first, last = self.batches(leaf, rows)
+        if leaf not in self.by_batches:
+            return self.graph.call_function(aten.slice.Tensor, (self.ph[leaf], 0, first, last))
+        made = self.loaded[(leaf, rows)]
+        for view in self.by_batches[leaf]:  # the leaf's own views, on the block's batches
+            if view.target is aten.transpose.int:
+                made = self.graph.call_function(aten.transpose.int, (made, *view.args[1:3]))
+            elif view.target in (aten.detach.default, aten.alias.default):
+                continue
+            else:
+                shape = [last - first, *view.meta["val"].shape[1:]]
+                made = self.graph.call_function(aten.view.default, (made, shape))
+        return made
+
     def reload(self, rows: tuple[int, int], ahead: tuple[int, int] | None) -> None:
         """Reload block ``rows`` of each reloaded leaf (where not yet issued) and the next
         block's (``ahead``: its copy overlaps this block's compute on a GPU), then wait for
@@ -673,9 +746,14 @@ class _Blocks:
         for leaf, src in self.sources.items():
             for r in (rows, ahead):
                 if r is not None and (leaf, r) not in self.loaded:
-                    part = self.graph.call_function(
-                        aten.slice.Tensor, (self.rows_view(leaf), 0, *r)
-                    )
+                    if leaf in self.by_batches:  # its host copy's batches, in the reload's shape
+                        part = self.graph.call_function(
+                            aten.slice.Tensor, (self.ph[leaf], 0, *self.batches(leaf, r))
+                        )
+                    else:
+                        part = self.graph.call_function(
+                            aten.slice.Tensor, (self.rows_view(leaf), 0, *r)
+                        )
                     self.loaded[(leaf, r)] = self.graph.call_function(
                         _RELOAD, (part, *src.args[1:]), dict(src.kwargs)
                     )
@@ -727,10 +805,8 @@ class _Blocks:
                 assert isinstance(src, fx.Node)
                 block[c] = block[src] if src in block else self.leaf_rows(src, rows)
             elif c.target is aten.bmm.default:
-                per = cv.shape[1]  # rows per batch: the block is whole batches
-                batches = (rows[0] // per, rows[1] // per)
-                a, w = (self.graph.call_function(aten.slice.Tensor, (self.ph[x], 0, *batches))
-                        for x in c.args[:2])  # fmt: skip
+                # The block is whole batches of both operands (leaves).
+                a, w = (self.leaf_batches(x, rows) for x in c.args[:2])  # type: ignore[arg-type]
                 product = g.call_function(aten.bmm.default, (a, w))
                 block[c] = g.call_function(
                     aten.view.default, (product, [rows[1] - rows[0], cv.shape[-1]])
@@ -820,7 +896,8 @@ class _Blocks:
             )
         bounds = _bounds(t.rows, t.blocks, t.align)
         for i, rows in enumerate(bounds):
-            self.block(buffer, rows, bounds[i + 1] if i + 1 < len(bounds) else None)
+            ahead = bounds[i + 1] if self.ahead and i + 1 < len(bounds) else None
+            self.block(buffer, rows, ahead)
         g.output(result)
         return g
 
@@ -876,6 +953,9 @@ def _removed(t: RowTiling, nodes: dict[str, fx.Node]) -> set[str]:
     reloaded leaf's whole reload (with its views and ``wait``)."""
     gone = set(t.chain) - set(t.kept)
     gone.update(m.name for name in t.reloaded for m in _reloaded_by(nodes[name])[0])
+    gone.update(
+        m.name for name in t.reloaded_batches for m in _reloaded_by(nodes[name], batched=True)[0]
+    )
     return gone
 
 
@@ -915,13 +995,18 @@ def row_tile_pass(
     blocks: int = BLOCKS,
     max_kept_matmuls: int = MAX_KEPT_MATMULS,
     decided: tuple[RowTiling, ...] | None = None,
+    ahead: bool | None = None,
 ) -> fx.GraphModule:
     """A copy of the built graph ``gm`` with the ops :func:`find_row_tilings` picks made a block
     of rows at a time, where the probe finds the blocks bit-identical (:func:`tiles_exactly`);
     ``gm`` itself when there is none. ``gm`` is not changed; the copy shares the fake values of
     every node it keeps. The rewrites are in ``meta['memcompile_row_tiles']`` (a tuple of
     :class:`RowTiling`, ``new`` filled in). ``decided``: what :func:`find_row_tilings` returns
-    for ``gm`` with the same ``blocks`` and ``max_kept_matmuls``, when the caller has it."""
+    for ``gm`` with the same ``blocks`` and ``max_kept_matmuls``, when the caller has it.
+    ``ahead``: each block issues the next block's reloads before it computes, so that their
+    copy overlaps its compute; that block of each reloaded leaf is then held through this
+    block's peak. ``None``: where the op's device is a GPU (on a CPU a copy runs on the thread
+    that computes, and hides nothing)."""
     if decided is None:
         decided = find_row_tilings(gm, blocks=blocks, max_kept_matmuls=max_kept_matmuls)
     # An op that another's chain makes by blocks goes with that chain (its own blocks would
@@ -946,7 +1031,8 @@ def row_tile_pass(
         whole, probe = _whole_graph(gm, t), _Blocks(gm, t, reload=False).build()
         leaves = [nodes[name].meta["val"] for name in t.leaves]
         if tiles_exactly(whole, probe, leaves):
-            maker = _Blocks(gm, t)
+            device = nodes[t.node].meta["val"].device
+            maker = _Blocks(gm, t, ahead=device.type == "cuda" if ahead is None else ahead)
             graphs[t.node] = (t, maker.build(), maker.inputs)
         else:
             log.info(
