@@ -364,14 +364,19 @@ def _attention_probs(q, k, v, mask):
     return aten.bmm.default(probs, v)
 
 
-def _attention_recomputed_backward(q, k, v, mask, d_out):
+def _attention_recomputed_backward(q, k, v, mask, d_out, *, early=False, viewed=False):
     # The probabilities recomputed in a backward, read first by the value gradient, then by
-    # the softmax's gradient.
+    # the softmax's gradient (``early``: the value gradient is read before that, scaled;
+    # ``viewed``: viewed before that, the view returned).
     scores = aten.view.default(aten.bmm.default(q, aten.transpose.int(k, 1, 2)), [B, HEADS, T, T])
     masked = aten.masked_fill.Scalar(aten.mul.Tensor(scores, 0.125), mask, float("-inf"))
     probs = aten._softmax.default(masked, 3, False)  # the last dim, counted from the front
     flat = aten.view.default(probs, [B * HEADS, T, T])
     d_v = aten.bmm.default(aten.transpose.int(flat, 1, 2), d_out)
+    if early:
+        d_v = aten.mul.Tensor(d_v, 0.5)
+    if viewed:
+        d_v = aten.view.default(d_v, [B, HEADS, T, D])
     d_probs = aten.view.default(
         aten.bmm.default(d_out, aten.transpose.int(v, 1, 2)), [B, HEADS, T, T]
     )
@@ -379,22 +384,74 @@ def _attention_recomputed_backward(q, k, v, mask, d_out):
     return d_v, aten.bmm.default(aten.view.default(d_scores, [B * HEADS, T, T]), k)
 
 
-def test_probabilities_kept_for_an_earlier_reader_are_made_by_their_own_blocks_too():
+def _recomputed_backward_args():
     g = torch.Generator().manual_seed(0)
     args = [torch.randn(B * HEADS, T, D, generator=g) for _ in range(3)]
-    args += [torch.ones(T, T, dtype=torch.bool).triu(1), torch.randn(B * HEADS, T, D, generator=g)]
-    gm = make_fx(_attention_recomputed_backward, tracing_mode="fake")(*args)
+    return [
+        *args,
+        torch.ones(T, T, dtype=torch.bool).triu(1),
+        torch.randn(B * HEADS, T, D, generator=g),
+    ]
+
+
+def _whole_scores(gm: fx.GraphModule) -> set[object]:
+    """The ops of ``gm`` that make a value the size of all the scores."""
+    whole = [n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get("val") is not None]
+    return {n.target for n in whole if n.meta["val"].numel() == B * HEADS * T * T}
+
+
+@pytest.mark.parametrize("viewed", [False, True])
+def test_the_value_gradient_is_made_by_the_blocks_that_make_the_probabilities(viewed):
+    args = _recomputed_backward_args()
+    gm = make_fx(lambda *a: _attention_recomputed_backward(*a, viewed=viewed), tracing_mode="fake")(
+        *args
+    )
+    out = row_tile_pass(gm, CTX, blocks=4)
+    # The softmax's gradient makes the probabilities by blocks, and each block its batches of
+    # the value gradient too (the matmul that read them whole first): nothing keeps them.
+    (done,) = out.meta["memcompile_row_tiles"]
+    assert done.op == "aten._softmax_backward_data.default"
+    (absorbed,) = done.absorbed
+    assert absorbed.startswith("bmm") and not done.kept
+    # 6 batches in blocks of 2: 3 blocks, each making its scores once and its value gradient.
+    products = out.graph.find_nodes(op="call_function", target=aten.bmm.out)
+    assert [tuple(p.kwargs["out"].meta["val"].shape) for p in products] == [(2, T, D)] * 3
+    scores = [
+        n
+        for n in out.graph.find_nodes(op="call_function", target=aten.bmm.default)
+        if tuple(n.meta["val"].shape) == (2, T, T)
+    ]
+    assert len(scores) == 2 * 3  # the scores and the probabilities' gradient, per block
+    # Only the softmax gradient's buffer is whole (read by the key gradient).
+    assert _whole_scores(out) <= {aten.empty.memory_format, aten.view.default, aten.slice.Tensor}
+    if viewed:  # the view of the value gradient moved after the blocks that make it
+        (view,) = [
+            n
+            for n in out.graph.nodes
+            if n.meta.get("val") is not None and tuple(n.meta["val"].shape) == (B, HEADS, T, D)
+        ]
+        assert view.args[0].target is aten.empty.memory_format
+        order = {n: i for i, n in enumerate(out.graph.nodes)}
+        assert all(order[p] < order[view] for p in products)
+    for a, b in zip(gm(*args), out(*args), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_probabilities_kept_for_an_earlier_reader_are_made_by_their_own_blocks_too():
+    # The value gradient is read (scaled) before the softmax's gradient: the blocks cannot make
+    # it, so the probabilities are kept whole for it, made by their own blocks.
+    args = _recomputed_backward_args()
+    gm = make_fx(lambda *a: _attention_recomputed_backward(*a, early=True), tracing_mode="fake")(
+        *args
+    )
     out = row_tile_pass(gm, CTX, blocks=4)
     done = {t.op: t for t in out.meta["memcompile_row_tiles"]}
     # The softmax's gradient makes the probabilities again by blocks (kept whole for the value
     # gradient), and the softmax itself is made by blocks: no whole scores or their gradient.
-    assert set(done) == {"aten._softmax.default", "aten._softmax_backward_data.default"}
+    assert {"aten._softmax.default", "aten._softmax_backward_data.default"} <= set(done)
+    assert not done["aten._softmax_backward_data.default"].absorbed
     assert any(c.startswith("_softmax") for c in done["aten._softmax_backward_data.default"].kept)
-    whole = [
-        n for n in out.graph.nodes if n.op == "call_function" and n.meta.get("val") is not None
-    ]
-    made = {n.target for n in whole if n.meta["val"].numel() == B * HEADS * T * T}
-    assert made <= {
+    assert _whole_scores(out) <= {
         aten.empty.memory_format,
         aten.view.default,
         aten.slice.Tensor,

@@ -51,6 +51,25 @@ tiled only where the values that go are at least half its result's bytes, and wh
 between the chain's first node and the op writes into a leaf (the blocks read the leaves at
 the op).
 
+**Absorbed readers.** Where every other reader of a kept value is a ``bmm`` that reads it
+through views nothing else reads (in its memory order, then transposes of later dims), whose
+other operand is not made by the chain, and whose product nothing but views reads before the
+op, the blocks make those products too, each block its own batches into the product's buffer
+(``bmm.out``), and the value is not kept. Hand-written attention's value gradient reads the
+recomputed probabilities before their gradient is made::
+
+    before                                      after
+      p = _softmax(scores)  # whole, 8 MiB        d_v = empty([B*H, T, D])
+      d_v = bmm(transpose(view(p)), d_out)        for each block r of whole batches:
+      d_s = _softmax_backward_data(d_p, p, ...)     p_r = _softmax(scores_r)
+                                                    bmm.out(transpose(view(p_r)), d_out[r],
+                                                            out=d_v[r])
+                                                    _softmax_backward_data.out(d_p_r, p_r, ...)
+
+so the probabilities are made once per step instead of twice (their own blocks for ``d_v``,
+then the gradient's), and never whole. The product's views placed before the op move after
+it; the probe compares the products too.
+
 **Reloads by rows.** A leaf that is a swapped tensor's ``reload`` (or a view of it), read by
 rows only, goes with its ``wait``: each block reloads its own rows from the host copy, on a GPU
 the next block's copy issued before this block computes, so that it overlaps (on a CPU the copy
@@ -88,7 +107,7 @@ import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,6 +198,8 @@ class RowTiling:
         reloaded_batches: the leaves that are the reload of a swapped tensor (or a view or a
             transpose of its later dims), read only as a batched matmul's operand: the blocks
             reload their batches from the host copy instead, and the whole reload goes.
+        absorbed: batched matmuls, earlier readers of a chain value, that the blocks make
+            instead, each block its own batches (the chain value is then not kept whole).
     """
 
     node: str
@@ -193,6 +214,7 @@ class RowTiling:
     align: int = 1
     new: str = ""
     reloaded_batches: tuple[str, ...] = ()
+    absorbed: tuple[str, ...] = ()
 
 
 def _static(shape: Sequence[Any]) -> tuple[int, ...] | None:
@@ -520,14 +542,17 @@ class _Chain:
             )
         )
 
-    def shared(self, order: dict[fx.Node, int]) -> set[fx.Node] | None:
+    def shared(
+        self, order: dict[fx.Node, int], absorbed: Collection[fx.Node] = ()
+    ) -> set[fx.Node] | None:
         """The chain values that stay in the graph for other readers (the blocks make them
         again), with the chain values they read; ``None`` when a chain value has a reader
         after the op (holding it whole there too would gain nothing) or is a graph output,
-        or a chain value is also a leaf."""
+        or a chain value is also a leaf. ``absorbed``: readers the blocks make too (with the
+        views on their way), which keep nothing."""
         if self.chain & self.leaves:
             return None
-        inside = self.chain | {self.op_node}
+        inside = self.chain | {self.op_node} | set(absorbed)
         kept: set[fx.Node] = set()
         for c in self.chain:
             outside = [u for u in c.users if u not in inside]
@@ -584,6 +609,96 @@ class _Found:
     kept_matmuls: frozenset[fx.Node]
 
 
+def _absorbed_path(bmm: fx.Node, chain: Collection[fx.Node]) -> tuple[int, list[fx.Node]] | None:
+    """``(i, path)`` when operand ``i`` of batched matmul ``bmm`` is a value of ``chain`` seen
+    through views of it that nothing else reads (in its memory order, then transposes of later
+    dims): ``path`` is that value, then each view in order; ``None`` when neither operand is
+    one."""
+    for i, a in enumerate(bmm.args[:2]):
+        views: list[fx.Node] = []
+        while isinstance(a, fx.Node) and a not in chain:
+            transposed = _batch_dims(a)
+            # Walking back from the operand: transposes first, then views.
+            if len(a.users) != 1 or not (transposed or _same_view(a)):
+                break
+            if transposed and views and not _batch_dims(views[0]):
+                break
+            views.insert(0, a)
+            a = a.args[0]
+        if isinstance(a, fx.Node) and a in chain and views:
+            return i, [a, *views]
+    return None
+
+
+def _same_view(n: fx.Node) -> bool:
+    """A view of its input in the same memory order (``_VIEWS``, an ``expand`` to its own
+    shape)."""
+    if n.target in _VIEWS:
+        return True
+    if n.target is not aten.expand.default or not isinstance(n.args[0], fx.Node):
+        return False
+    v, src = _val(n), _val(n.args[0])
+    return v is not None and src is not None and v.shape == src.shape
+
+
+def _absorbable(
+    search: _Chain, kept: set[fx.Node], order: dict[fx.Node, int], rows: int
+) -> dict[fx.Node, tuple[int, list[fx.Node]]]:
+    """The readers of kept chain values the blocks can make instead, so that those values are
+    not kept: for a kept value whose every reader outside the chain is, through views of
+    it that nothing else reads, a batched matmul whose other operand is not a chain value,
+    whose blocks are whole batches of the value's rows, and whose result nothing but views
+    reads before the op. Matmul -> :func:`_absorbed_path`."""
+    op = search.op_node
+    found: dict[fx.Node, tuple[int, list[fx.Node]]] = {}
+    for c in sorted(kept, key=order.__getitem__):
+        outside = [u for u in c.users if u not in search.chain and u is not op]
+        if not outside or c.target in _VIEWS:
+            continue
+        mine: dict[fx.Node, tuple[int, list[fx.Node]]] = {}
+        for u in outside:
+            bmm = u
+            while bmm.target is not aten.bmm.default and len(bmm.users) == 1:
+                bmm = next(iter(bmm.users))
+            made = _absorbed_path(bmm, {c}) if bmm.target is aten.bmm.default else None
+            if made is None or made[1][1] is not u or not _absorbs(bmm, made, order, op, rows):
+                break
+            other = bmm.args[1 - made[0]]
+            if not isinstance(other, fx.Node) or other in search.chain:
+                break
+            mine[bmm] = made
+        else:
+            found.update(mine)
+    return found
+
+
+def _absorbs(
+    bmm: fx.Node,
+    made: tuple[int, list[fx.Node]],
+    order: dict[fx.Node, int],
+    op: fx.Node,
+    rows: int,
+) -> bool:
+    # Static 3-d batches, whole batches per block of the chain value's rows, and every reader
+    # of the product before the op a view (the views move after the blocks with it).
+    v = _val(bmm)
+    first = next((m for m in reversed(made[1]) if not _batch_dims(m)), made[1][0])
+    fv = _val(first)
+    if v is None or fv is None or v.ndim != 3 or _static(v.shape) is None:
+        return False
+    if fv.ndim != 3 or fv.shape[0] != v.shape[0] or rows % v.shape[0]:
+        return False
+    todo = list(bmm.users)
+    while todo:
+        u = todo.pop()
+        if u.op == "output" or order[u] > order[op]:
+            continue
+        if u.target not in _VIEWS and not _batch_dims(u):
+            return False
+        todo += u.users
+    return True
+
+
 def _tiling(
     n: fx.Node,
     op: torch._ops.OpOverload,
@@ -613,9 +728,25 @@ def _tiling(
     kept = search.shared(order)
     if kept is None:
         return None
+    # An earlier reader of a kept value that is a batched matmul is made by the blocks too: the
+    # value is then made by the blocks only (the probabilities, read whole by the value
+    # gradient before their gradient is made).
+    absorbed = _absorbable(search, kept, order, rows)
+    if absorbed:
+        extra = {m for bmm, (_, path) in absorbed.items() for m in (bmm, *path[1:])}
+        again = search.shared(order, extra)
+        if again is None:
+            return None
+        kept = again
+        for bmm, (i, _) in absorbed.items():
+            other = bmm.args[1 - i]
+            assert isinstance(other, fx.Node)
+            search.leaves.add(other)
+            search.batched.add(other)
+            search.align = math.lcm(search.align, rows // bmm.meta["val"].shape[0])
     # A swapped operand read by rows only is reloaded a block at a time from its host copy; one
     # read only by batched matmuls, a range of batches at a time.
-    readers = (search.chain - kept) | {n}
+    readers = (search.chain - kept) | {n} | set(absorbed)
     reloaded = _reloaded(search.rowed - search.whole - search.batched, readers)
     others = search.rowed | search.whole | search.periodic
     batches = _reloaded(search.batched - others, readers, batched=True)
@@ -649,6 +780,7 @@ def _tiling(
         nbytes=nbytes,
         align=search.align,
         reloaded_batches=tuple(sorted(m.name for m in batches)),
+        absorbed=tuple(m.name for m in sorted(absorbed, key=order.__getitem__)),
     )
     return _Found(
         tiling, frozenset(c for c in kept if c.target in _MATMULS or c.target is aten.bmm.default)
@@ -686,6 +818,14 @@ class _Blocks:
             path, self.sources[leaf] = _reloaded_by(leaf, batched=True)
             views = [m for m in path if m.target is not _WAIT and m is not self.sources[leaf]]
             self.by_batches[leaf] = views[::-1]
+        #: Batched matmuls the blocks make too -> (the chain value's operand, the path to it).
+        chain_set = set(self.chain)
+        self.absorbed: dict[fx.Node, tuple[int, list[fx.Node]]] = {}
+        for name in t.absorbed:
+            made = _absorbed_path(nodes[name], chain_set)
+            assert made is not None, f"{name} reads no chain value"
+            self.absorbed[nodes[name]] = made
+        self.products: dict[fx.Node, fx.Node] = {}  # their whole results (buffers)
         #: The nodes the placeholders stand for, in order.
         self.inputs: list[fx.Node] = [
             self.sources[n].args[0] if n in self.sources else n  # type: ignore[misc]
@@ -840,6 +980,8 @@ class _Blocks:
                     target = form[0]
                     kwargs.pop(_FORMS[form[0]][1])
                 block[c] = g.call_function(target, args, kwargs)  # type: ignore[arg-type]
+        for bmm, (i, path) in self.absorbed.items():
+            self.absorbed_block(bmm, i, path, block, rows)
         op_node = self.op_node
         out = g.call_function(aten.slice.Tensor, (buffer, 0, *rows))
         v = op_node.meta["val"]
@@ -866,10 +1008,50 @@ class _Blocks:
         args = tuple(self.arg(a, v, block, rows) for a in op_node.args)
         g.call_function(out_op, args, {**kwargs, out_name: out})
 
+    def absorbed_block(
+        self,
+        bmm: fx.Node,
+        i: int,
+        path: list[fx.Node],
+        block: dict[fx.Node, fx.Node],
+        rows: tuple[int, int],
+    ) -> None:
+        """Batched matmul ``bmm``'s batches for block ``rows``, into its buffer: operand ``i``
+        is the chain value ``path[0]`` seen through ``path[1:]``, the other a leaf."""
+        g, n = self.graph, bmm.meta["val"].shape[0]
+        first, last = rows[0] * n // self.t.rows, rows[1] * n // self.t.rows
+        # The views in the value's memory order are one view of the block's rows; then the
+        # transposes.
+        shaped = next((m for m in reversed(path) if not _batch_dims(m)), path[0])
+        made = g.call_function(
+            aten.view.default, (block[path[0]], [last - first, *shaped.meta["val"].shape[1:]])
+        )
+        for m in path[path.index(shaped) + 1 :]:
+            made = g.call_function(aten.transpose.int, (made, *m.args[1:3]))
+        other = bmm.args[1 - i]
+        assert isinstance(other, fx.Node)
+        operands = [made, self.leaf_batches(other, rows)]
+        if i:
+            operands.reverse()
+        out = g.call_function(aten.slice.Tensor, (self.products[bmm], 0, first, last))
+        g.call_function(aten.bmm.out, tuple(operands), {"out": out})
+
     def build(self) -> fx.Graph:
         """The graph: the result's buffer (or the leaf the op writes into), each block, the
-        result in the op's shape."""
+        result in the op's shape (and each absorbed matmul's whole result after it)."""
         g, t, v = self.graph, self.t, self.op_node.meta["val"]
+        for bmm in self.absorbed:
+            bv = bmm.meta["val"]
+            self.products[bmm] = g.call_function(
+                aten.empty.memory_format,
+                (list(bv.shape),),
+                {
+                    "dtype": bv.dtype,
+                    "layout": torch.strided,
+                    "device": bv.device,
+                    "pin_memory": False,
+                },
+            )
         form = _functional(self.op_node)
         dest = form[1] if form is not None else None
         if dest is not None and dest in self.ph:
@@ -898,7 +1080,7 @@ class _Blocks:
         for i, rows in enumerate(bounds):
             ahead = bounds[i + 1] if self.ahead and i + 1 < len(bounds) else None
             self.block(buffer, rows, ahead)
-        g.output(result)
+        g.output((result, *self.products.values()))
         return g
 
 
@@ -908,11 +1090,17 @@ def _whole_graph(gm: fx.GraphModule, t: RowTiling) -> fx.Graph:
     nodes = {n.name: n for n in gm.graph.nodes}
     whole = fx.Graph()
     env = {nodes[name]: whole.placeholder(f"leaf{i}") for i, name in enumerate(t.leaves)}
-    for name in (*t.chain, t.node):
-        c = nodes[name]
+    absorbed = [nodes[name] for name in t.absorbed]
+    made = [nodes[name] for name in (*t.chain, t.node)]
+    for bmm in absorbed:  # with the views between it and the chain value
+        found = _absorbed_path(bmm, set(made))
+        assert found is not None, f"{bmm.name} reads no chain value"
+        made += [*found[1][1:], bmm]
+    order = {m: i for i, m in enumerate(gm.graph.nodes)}
+    for c in sorted(made, key=order.__getitem__):
         args, kwargs = fx.node.map_arg((c.args, c.kwargs), env.__getitem__)
         env[c] = whole.call_function(c.target, args, kwargs)  # type: ignore[arg-type]
-    whole.output(env[nodes[t.node]])
+    whole.output((env[nodes[t.node]], *(env[bmm] for bmm in absorbed)))
     return whole
 
 
@@ -938,20 +1126,26 @@ def tiles_exactly(whole: fx.Graph, tiled: fx.Graph, leaves: Sequence[torch.Tenso
             torch.manual_seed(0)  # the same leaf values for both (the op may write into one)
             inputs = materialize(list(leaves), device, {})
             module = fx.GraphModule(torch.nn.Module(), graph)
-            results.append(module(*inputs))
-        same = bool(
-            results[0].shape == results[1].shape
-            and results[0].stride() == results[1].stride()
-            and torch.equal(results[0], results[1])
+            out = module(*inputs)
+            results.append((out,) if isinstance(out, torch.Tensor) else tuple(out))
+        same = len(results[0]) == len(results[1]) and all(
+            a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+            for a, b in zip(results[0], results[1], strict=True)
         )
     _exact_cache[key] = same
     return same
 
 
 def _removed(t: RowTiling, nodes: dict[str, fx.Node]) -> set[str]:
-    """Names of the nodes ``t``'s rewrite removes: its chain but what it keeps, and each
-    reloaded leaf's whole reload (with its views and ``wait``)."""
+    """Names of the nodes ``t``'s rewrite removes: its chain but what it keeps, each
+    reloaded leaf's whole reload (with its views and ``wait``), and the absorbed matmuls with
+    the views they read the chain value through (the blocks make them)."""
     gone = set(t.chain) - set(t.kept)
+    chain = {nodes[c] for c in t.chain}
+    for name in t.absorbed:
+        found = _absorbed_path(nodes[name], chain)
+        assert found is not None, f"{name} reads no chain value"
+        gone.update(m.name for m in (*found[1][1:], nodes[name]))
     gone.update(m.name for name in t.reloaded for m in _reloaded_by(nodes[name])[0])
     gone.update(
         m.name for name in t.reloaded_batches for m in _reloaded_by(nodes[name], batched=True)[0]
@@ -959,9 +1153,11 @@ def _removed(t: RowTiling, nodes: dict[str, fx.Node]) -> set[str]:
     return gone
 
 
-def _inline(new: fx.Graph, tiled: fx.Graph, leaves: Sequence[fx.Node], fake_mode: Any) -> fx.Node:
-    """Copy ``tiled`` into ``new`` at its end, its placeholders being ``leaves``; the node of
-    its result. Each new node gets its fake value (a view of the buffer it writes into)."""
+def _inline(
+    new: fx.Graph, tiled: fx.Graph, leaves: Sequence[fx.Node], fake_mode: Any
+) -> tuple[fx.Node, ...]:
+    """Copy ``tiled`` into ``new`` at its end, its placeholders being ``leaves``; the nodes of
+    its results. Each new node gets its fake value (a view of the buffer it writes into)."""
     local: dict[fx.Node, fx.Node] = dict(
         zip(tiled.find_nodes(op="placeholder"), leaves, strict=True)
     )
@@ -970,7 +1166,7 @@ def _inline(new: fx.Graph, tiled: fx.Graph, leaves: Sequence[fx.Node], fake_mode
         if m.op == "placeholder":
             continue
         if m.op == "output":
-            result = local[m.args[0]]  # type: ignore[index]
+            result = tuple(local[r] for r in m.args[0])  # type: ignore[union-attr]
             continue
         args, kwargs = fx.node.map_arg((m.args, m.kwargs), local.__getitem__)
         made = new.create_node(
@@ -1046,13 +1242,27 @@ def row_tile_pass(
     fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes])
     assert fake_mode is not None, "built graphs carry fake tensors"
     skipped = {c for t, _, _ in graphs.values() for c in _removed(t, nodes)}
+    # The views of an absorbed matmul's product before the op now follow the blocks that make
+    # it (its other readers are after the op: _absorbs).
+    order = {m: i for i, m in enumerate(gm.graph.nodes)}
+    deferred: dict[str, list[fx.Node]] = {}
+    for t, _, _ in graphs.values():
+        views: dict[fx.Node, None] = {}
+        todo = [nodes[name] for name in t.absorbed]
+        while todo:
+            for u in todo.pop().users:
+                if order[u] < order[nodes[t.node]] and u not in views:
+                    views[u] = None
+                    todo.append(u)
+        deferred[t.node] = sorted(views, key=order.__getitem__)
+    held = {v.name for views in deferred.values() for v in views}
 
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     replaced: set[Any] = set()
     done: list[RowTiling] = []
     for n in gm.graph.nodes:
-        if n.name in skipped:
+        if n.name in skipped or n.name in held:
             continue
         entry = graphs.get(n.name)
         if entry is None:
@@ -1061,9 +1271,15 @@ def row_tile_pass(
                 refresh_view(env[n], n, fake_mode)
             continue
         t, tiled, inputs = entry
-        result = _inline(new, tiled, [env[m] for m in inputs], fake_mode)
-        replaced.update(storage_refs(n.meta.get("val")))
-        env[n] = result
+        result, *products = _inline(new, tiled, [env[m] for m in inputs], fake_mode)
+        for m, made in zip(
+            (n, *(nodes[name] for name in t.absorbed)), (result, *products), strict=True
+        ):
+            replaced.update(storage_refs(m.meta.get("val")))
+            env[m] = made
+        for v in deferred[n.name]:
+            env[v] = new.node_copy(v, lambda a: env[a])
+            refresh_view(env[v], v, fake_mode)
         done.append(dataclasses.replace(t, new=result.name))
     # A value kept for readers that were themselves tiled away has none left.
     for n in reversed(list(gm.graph.nodes)):
