@@ -630,6 +630,21 @@ def _absorbed_path(bmm: fx.Node, chain: Collection[fx.Node]) -> tuple[int, list[
     return None
 
 
+def _absorbed_paths(
+    t: RowTiling, nodes: dict[str, fx.Node]
+) -> dict[fx.Node, tuple[int, list[fx.Node]]]:
+    """``t``'s absorbed matmuls -> :func:`_absorbed_path` of each, in ``t.absorbed`` order."""
+    paths: dict[fx.Node, tuple[int, list[fx.Node]]] = {}
+    if not t.absorbed:
+        return paths
+    chain = {nodes[c] for c in t.chain}
+    for name in t.absorbed:
+        found = _absorbed_path(nodes[name], chain)
+        assert found is not None, f"{name} reads no chain value"
+        paths[nodes[name]] = found
+    return paths
+
+
 def _same_view(n: fx.Node) -> bool:
     """A view of its input in the same memory order (``_VIEWS``, an ``expand`` to its own
     shape)."""
@@ -819,12 +834,7 @@ class _Blocks:
             views = [m for m in path if m.target is not _WAIT and m is not self.sources[leaf]]
             self.by_batches[leaf] = views[::-1]
         #: Batched matmuls the blocks make too -> (the chain value's operand, the path to it).
-        chain_set = set(self.chain)
-        self.absorbed: dict[fx.Node, tuple[int, list[fx.Node]]] = {}
-        for name in t.absorbed:
-            made = _absorbed_path(nodes[name], chain_set)
-            assert made is not None, f"{name} reads no chain value"
-            self.absorbed[nodes[name]] = made
+        self.absorbed = _absorbed_paths(t, nodes)
         self.products: dict[fx.Node, fx.Node] = {}  # their whole results (buffers)
         #: The nodes the placeholders stand for, in order.
         self.inputs: list[fx.Node] = [
@@ -856,10 +866,10 @@ class _Blocks:
             return self.loaded[(leaf, rows)]
         return self.graph.call_function(aten.slice.Tensor, (self.rows_view(leaf), 0, *rows))
 
-    def batches(self, leaf: fx.Node, rows: tuple[int, int]) -> tuple[int, int]:
-        """The batches (first dim) of batched matmul operand ``leaf`` that block ``rows`` of the
-        result reads (blocks hold whole batches)."""
-        n = leaf.meta["val"].shape[0]
+    def batches(self, value: fx.Node, rows: tuple[int, int]) -> tuple[int, int]:
+        """The batches (first dim) of a batched matmul's operand or product ``value`` that block
+        ``rows`` of the result reads or makes (blocks hold whole batches)."""
+        n = value.meta["val"].shape[0]
         return rows[0] * n // self.t.rows, rows[1] * n // self.t.rows
 
     def leaf_batches(self, leaf: fx.Node, rows: tuple[int, int]) -> fx.Node:
@@ -1018,8 +1028,8 @@ class _Blocks:
     ) -> None:
         """Batched matmul ``bmm``'s batches for block ``rows``, into its buffer: operand ``i``
         is the chain value ``path[0]`` seen through ``path[1:]``, the other a leaf."""
-        g, n = self.graph, bmm.meta["val"].shape[0]
-        first, last = rows[0] * n // self.t.rows, rows[1] * n // self.t.rows
+        g = self.graph
+        first, last = self.batches(bmm, rows)
         # The views in the value's memory order are one view of the block's rows; then the
         # transposes.
         shaped = next((m for m in reversed(path) if not _batch_dims(m)), path[0])
@@ -1090,14 +1100,13 @@ def _whole_graph(gm: fx.GraphModule, t: RowTiling) -> fx.Graph:
     nodes = {n.name: n for n in gm.graph.nodes}
     whole = fx.Graph()
     env = {nodes[name]: whole.placeholder(f"leaf{i}") for i, name in enumerate(t.leaves)}
-    absorbed = [nodes[name] for name in t.absorbed]
+    absorbed = _absorbed_paths(t, nodes)
     made = [nodes[name] for name in (*t.chain, t.node)]
-    for bmm in absorbed:  # with the views between it and the chain value
-        found = _absorbed_path(bmm, set(made))
-        assert found is not None, f"{bmm.name} reads no chain value"
-        made += [*found[1][1:], bmm]
-    order = {m: i for i, m in enumerate(gm.graph.nodes)}
-    for c in sorted(made, key=order.__getitem__):
+    if absorbed:  # with the views between each and the chain value, in graph order
+        made += [m for bmm, (_, path) in absorbed.items() for m in (*path[1:], bmm)]
+        order = {m: i for i, m in enumerate(gm.graph.nodes)}
+        made.sort(key=order.__getitem__)
+    for c in made:
         args, kwargs = fx.node.map_arg((c.args, c.kwargs), env.__getitem__)
         env[c] = whole.call_function(c.target, args, kwargs)  # type: ignore[arg-type]
     whole.output((env[nodes[t.node]], *(env[bmm] for bmm in absorbed)))
@@ -1141,11 +1150,8 @@ def _removed(t: RowTiling, nodes: dict[str, fx.Node]) -> set[str]:
     reloaded leaf's whole reload (with its views and ``wait``), and the absorbed matmuls with
     the views they read the chain value through (the blocks make them)."""
     gone = set(t.chain) - set(t.kept)
-    chain = {nodes[c] for c in t.chain}
-    for name in t.absorbed:
-        found = _absorbed_path(nodes[name], chain)
-        assert found is not None, f"{name} reads no chain value"
-        gone.update(m.name for m in (*found[1][1:], nodes[name]))
+    for bmm, (_, path) in _absorbed_paths(t, nodes).items():
+        gone.update(m.name for m in (*path[1:], bmm))
     gone.update(m.name for name in t.reloaded for m in _reloaded_by(nodes[name])[0])
     gone.update(
         m.name for name in t.reloaded_batches for m in _reloaded_by(nodes[name], batched=True)[0]
