@@ -1,6 +1,6 @@
 """Does ``mul(mul(x, mask), scale)`` reproduce ``native_dropout(x, p)[0]`` bit for bit?
 
-The dropout pass (memcompile/passes/dropout.py) rebuilds a dropout's output from its saved mask
+The dropout pass (memcompile/rewrites/dropout.py) rebuilds a dropout's output from its saved mask
 so the backward can recompute it. This checks the arithmetic on every device available here
 (CPU, and CUDA when present), for float32/float64/float16/bfloat16 and many ``p``, against
 ``native_dropout`` itself (same seed), comparing bit patterns (NaN and -0.0 included):
@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 try:
-    from memcompile.passes.dropout import dropout_scale
+    from memcompile.rewrites.dropout import dropout_scale
 except ImportError:  # run without the package (e.g. a bare GPU machine): candidates only
     dropout_scale = None  # type: ignore[assignment]
 

@@ -35,7 +35,7 @@ long enough on a GPU for the overlap to matter. ``--kinds`` runs a subset of the
 ``--out`` (``dynamic_prefetch_cuda.*`` with ``--device cuda``).
 
 Every run uses ``device_profile=--profile`` (``h100`` by default), which prices the in-graph
-op's placement (passes/pilot_prefetch.py) and the **simulated stall** (``sim_stall_us``: a GPU
+op's placement (rewrites/pilot_prefetch.py) and the **simulated stall** (``sim_stall_us``: a GPU
 estimate from the profile, not a measurement; prefetch.py's module doc): the time a GPU's
 compute stream would wait for the forward's parameter copies, split into waits for prefetched
 copies issued too late to hide ("late") and on-demand copies of misses.
@@ -312,7 +312,7 @@ def main() -> None:
         lines += [
             "",
             f"Where each forward graph predicts (`pilot` run; times: {args.profile} estimate, "
-            "example sizes; passes/pilot_prefetch.py):",
+            "example sizes; rewrites/pilot_prefetch.py):",
             "",
             "| fragment | before node | compute nodes before | observed | expected copy | "
             "copy (us) | graph (us) | overlap (us) | stall (us) |",

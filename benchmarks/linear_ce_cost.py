@@ -5,8 +5,9 @@
 For each head size (rows ``N``, features ``d``, classes ``V``; the bench GPT's head first), this
 runs a forward and backward of ``cross_entropy(h @ W.t() + b, target)`` as AOT's graph has it
 (aten's ops: the logits, their log-softmax, the NLL, then the three gradients) and as the two ops
-of ``passes/linearce.py`` with the block count its probe picks (on a CPU also the two that keep the
-log-softmax in host-tier memory instead of making the logits again), on values like a trained head's
+of ``rewrites/linearce.py`` with the block count its probe picks (on a CPU also the two that keep
+the log-softmax in host-tier memory instead of making the logits again), on values like a trained
+head's
 (weights ~N(0, 0.05²): random logits of a wide spread make the softmax's gradient denormal, which
 slows every matmul that reads it ~10x on a CPU). It reports the median time of ``--reps`` runs
 after two warm-ups, and the peak memory each holds above its inputs (the CPU profiler, or CUDA's
@@ -33,7 +34,7 @@ from machine import write_results
 
 import memcompile
 import memcompile.runtime.linearce as kernels
-from memcompile.passes.linearce import exact_chunks
+from memcompile.rewrites.linearce import exact_chunks
 
 RESULTS = Path(__file__).parent / "results"
 VARIANTS = {"blocks": "by blocks, logits made again", "host": "by blocks, log-softmax on the host"}
@@ -160,7 +161,7 @@ def main() -> None:
         notes=[
             f"device: {args.device}, 1 thread; median of {args.reps} runs after 2 warm-ups",
             "peak: memory held above the inputs during one forward and backward (outputs included)",
-            "blocks: the count the probe found bitwise equal (passes/linearce.exact_chunks); "
+            "blocks: the count the probe found bitwise equal (rewrites/linearce.exact_chunks); "
             "none listed: no count was",
             "logits made again: linear_ce_forward/backward (two more matmuls of the head's "
             "size); log-softmax on the host: linear_ce_forward_host/backward_host (three N x V "

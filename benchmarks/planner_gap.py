@@ -48,8 +48,8 @@ def sweep(
     """One record per (seed, mode, fraction), and what was skipped."""
     import test_milp as T
 
-    from memcompile.passes.milp import min_peak, solve_saved_set
-    from memcompile.passes.planner import search_saved_set
+    from memcompile.planning.milp import min_peak, solve_saved_set
+    from memcompile.planning.planner import search_saved_set
 
     records: list[dict[str, Any]] = []
     skipped: dict[str, Any] = {"over_60_nodes": [], "unsupported": []}

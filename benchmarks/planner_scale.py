@@ -5,7 +5,7 @@
 
 Builds the joint graph of a deep MLP (``--depth`` blocks of ``Linear(32, 32)`` + tanh/relu,
 batch 512: ~16 joint nodes per block, activations dominate the peak) with AOTAutograd, without
-Dynamo, then times :func:`memcompile.passes.planner.plan_fragment` with a target at ``--fraction``
+Dynamo, then times :func:`memcompile.planning.planner.plan_fragment` with a target at ``--fraction``
 of eager's tracked peak, recompute allowed (the planner's default: memory-aware reorder on),
 and, for comparison, the same without the reorder and with swaps to the host allowed too.
 Building the graph (~20-40 s of tracing) is not timed. Results go to
@@ -59,8 +59,8 @@ def build_model(depth: int, batch: int = BATCH, width: int = WIDTH) -> Any:
     from functorch.compile import aot_module
     from torch import fx
 
-    from memcompile.passes.costmodel import device_profile
-    from memcompile.passes.joint import JointModel
+    from memcompile.analysis.costmodel import device_profile
+    from memcompile.analysis.joint_model import JointModel
 
     found: dict[str, Any] = {}
 
@@ -95,8 +95,8 @@ def build_model(depth: int, batch: int = BATCH, width: int = WIDTH) -> Any:
 def _plan(model: Any, target: int, reorder: bool, swap_tier: str | None) -> tuple[float, Any]:
     """Plan on a joint model of its own (built untimed): the planner remembers each model's
     greedy runs and scheduled evaluations, which a later variant would find made."""
-    from memcompile.passes.joint import JointModel
-    from memcompile.passes.planner import plan_fragment
+    from memcompile.analysis.joint_model import JointModel
+    from memcompile.planning.planner import plan_fragment
 
     model = JointModel(
         model.joint,

@@ -157,7 +157,7 @@ class MemConfig:
     on_infeasible: Literal["error", "best_effort"] = "error"
     trace_path: str | None = None
     #: Give each read of a parameter that a fragment reads several times its own gradient edge
-    #: (``passes/input_uses.py``), so its gradient adds up in eager's order also when the
+    #: (``rewrites/input_uses.py``), so its gradient adds up in eager's order also when the
     #: fragment runs several times a step or another fragment reads the weight too. Off by
     #: default: the fragment's backward then returns one gradient per read at once (an unrolled
     #: recurrence: one per time step); memcompile warns where the summed order differs.

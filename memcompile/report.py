@@ -7,7 +7,8 @@
     print(r)                    # a table
 
 The report never recompiles or re-profiles anything: it reads ``MemCompiler.fragments`` and the
-last observed step, and predicts the step peak with :func:`memcompile.passes.step.simulate_step`.
+last observed step, and predicts the step peak with
+:func:`memcompile.analysis.step_model.simulate_step`.
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch._dynamo.eval_frame import innermost_backend
 
+from memcompile.analysis.fragment_profile import FragmentProfile
 from memcompile.backends.compiler import MemCompiler
 from memcompile.backends.dynamo_hooks import dynamo_context
 from memcompile.backends.entry import COMPILER_ATTR
 from memcompile.backends.fallbacks import Fallback, FunctionSpan, function_span
-from memcompile.backends.replan import Replan
 from memcompile.config import MemConfig
 from memcompile.errors import format_bytes
-from memcompile.passes.fragment import FragmentProfile
-from memcompile.passes.plan import FragmentPlan, MemoryPlan
+from memcompile.planning.plan import FragmentPlan, MemoryPlan
+from memcompile.planning.replan import Replan
 
 if TYPE_CHECKING:  # the pilot imports LightGBM: only when a model uses it
     from memcompile.dynamic.prefetch import PilotReport
@@ -41,7 +42,7 @@ _SHORT = {"forward": "fw", "backward": "bw", "inference": "inf"}
 
 @dataclass(frozen=True)
 class FragmentReport:
-    """One fragment as the report shows it (see ``memcompile.backends.fragments.FragmentRecord``).
+    """One fragment as the report shows it (see ``memcompile.records.FragmentRecord``).
 
     ``predicted_peak`` is the predicted absolute device peak while this fragment's graphs run in
     the observed step (``None`` if it did not run in that step).
@@ -111,7 +112,7 @@ class MemReport:
         recompile_limit_raised: ``(old, new)`` when memcompile raised Dynamo's recompile limit
             for this dynamic model (frames over the limit still run eagerly: ``fallbacks``).
         replans: re-planning rounds of steps predicted over budget, in order (see
-            ``memcompile.backends.replan``); the last round of a step that still does not fit
+            ``memcompile.planning.replan``); the last round of a step that still does not fit
             has ``fits == False``.
         summed_grads: ``"F{i}: source"`` of each input whose several contributions a
             fragment's backward graph sums (a parameter read several times; an input an op
@@ -224,7 +225,7 @@ class MemReport:
             lines.append(f"  parameters on the host: {format_bytes(self.host_param_bytes)}")
         for f in self.fragments:
             if f.plan is not None and f.plan.linear_ce:
-                # It costs time (passes/linearce.py): the user is told where it was needed.
+                # It costs time (rewrites/linearce.py): the user is told where it was needed.
                 hosted = [h.endswith("on the host") for h in f.plan.linear_ce]
                 if all(hosted):
                     cost = "its log-softmax copied to the host and back"
@@ -306,7 +307,7 @@ def _pilot_line(p: PilotReport) -> str:
 
 
 def _placement_line(p: PilotReport) -> str:
-    # Where the predictions were made (passes/pilot_prefetch.py) and the simulated stall.
+    # Where the predictions were made (rewrites/pilot_prefetch.py) and the simulated stall.
     inside = [pl for pl in p.placements if pl.in_graph]
     if p.sim_stall_us is None:
         return ""

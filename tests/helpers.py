@@ -20,12 +20,12 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch import partitioners as P
 
 from memcompile import zoo
+from memcompile.analysis.costmodel import device_profile
+from memcompile.analysis.fragment_profile import profile_fragment
+from memcompile.analysis.joint_model import JointModel
+from memcompile.analysis.workspace import probe_workspaces
 from memcompile.backends.inner import compile_inner
-from memcompile.passes.costmodel import device_profile
-from memcompile.passes.fragment import profile_fragment
-from memcompile.passes.joint import JointModel
-from memcompile.passes.plan import FragmentPlan, TensorDecision
-from memcompile.passes.workspace import probe_workspaces
+from memcompile.planning.plan import FragmentPlan, TensorDecision
 from memcompile.zoo import Workload
 
 

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from memcompile.analysis.graph import StorageIds, profile_graph
 from memcompile.backends.inner import compile_inner
-from memcompile.passes.analysis import StorageIds, profile_graph
 from memcompile.runtime.measure import measure
 
 aten = torch.ops.aten
@@ -200,7 +200,7 @@ def test_attention_without_dropout_does_not_draw_random_numbers() -> None:
     # The attention kernels carry nondeterministic_seeded for their optional dropout: with
     # dropout_p == 0 they are deterministic, so the planner may recompute them (what
     # checkpointing does); with dropout, or a real dropout op, never.
-    from memcompile.passes.schedule import draws_random, has_effect
+    from memcompile.analysis.graph import draws_random, has_effect
 
     q = torch.randn(1, 2, 8, 4)
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from memcompile.cli import main
-from memcompile.passes.plan import MemoryPlan
+from memcompile.planning.plan import MemoryPlan
 
 import cli_targets
 

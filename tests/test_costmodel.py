@@ -1,4 +1,4 @@
-"""Device profiles (passes/costmodel.py): a GPU gets its own profile by its name, an unknown one
+"""Device profiles (analysis/costmodel.py): a GPU gets its own profile by its name, an unknown one
 the H100's with a warning."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from memcompile.passes import costmodel
-from memcompile.passes.costmodel import device_profile, resolve_profile_name
+from memcompile.analysis import costmodel
+from memcompile.analysis.costmodel import device_profile, resolve_profile_name
 
 
 @pytest.mark.parametrize(

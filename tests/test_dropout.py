@@ -1,4 +1,4 @@
-"""Recomputable dropout (passes/dropout.py): rebuilt outputs are bit-identical, plans under a
+"""Recomputable dropout (rewrites/dropout.py): rebuilt outputs are bit-identical, plans under a
 budget recompute them, and the memory models still match the allocator."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from torch import nn
 
 import memcompile
 from memcompile import MemoryBudgetWarning, zoo
-from memcompile.passes.context import PassContext
-from memcompile.passes.dropout import SCALED_PREFIX, dropout_pass, dropout_scale
-from memcompile.passes.plan import FragmentPlan
+from memcompile.planning.plan import FragmentPlan
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.dropout import SCALED_PREFIX, dropout_pass, dropout_scale
 
 from helpers import capture_joint, predicted_peak, train_under_budget
 
@@ -205,7 +205,7 @@ def test_draw_then_replay_is_native_dropouts_mask_and_stream(make) -> None:
 
 
 def test_replay_pass_draws_and_replays_every_cpu_dropout() -> None:
-    from memcompile.passes.dropout import MASK_PREFIX, STATE_PREFIX
+    from memcompile.rewrites.dropout import MASK_PREFIX, STATE_PREFIX
 
     joint = capture_joint("gpt")["joint"]
     out = dropout_pass(joint, PassContext(fragment="F0", graph="joint"), replay=True)
@@ -220,14 +220,14 @@ def test_replay_pass_draws_and_replays_every_cpu_dropout() -> None:
     assert sorted(r.mask for r in rewrites) == sorted(m.name for m in masks)
     assert sorted(r.state for r in rewrites) == sorted(d.name for d in draws)
     # The draw is random (never recomputed, its order kept); the replay is not.
-    from memcompile.passes.schedule import draws_random
+    from memcompile.analysis.graph import draws_random
 
     assert all(draws_random(n) for n in draws) and not any(draws_random(m) for m in masks)
 
 
 def test_replayed_masks_stay_bit_identical_and_are_recomputed(monkeypatch) -> None:
     from memcompile.backends import compiler as compiler_module
-    from memcompile.passes.dropout import MASK_PREFIX
+    from memcompile.rewrites.dropout import MASK_PREFIX
 
     monkeypatch.setattr(compiler_module, "DROPOUT_REWRITE", "replay")
     x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
@@ -252,14 +252,14 @@ def test_gpt_with_replayed_masks_fits_and_is_predicted(monkeypatch) -> None:
     # The tiny GPT at 0.71x its unplanned peak, with masks replayed (forced): it fits,
     # bit-identical over 3 Adam steps (train_under_budget), masks are replayed in the backward,
     # and the allocator agrees with the prediction.
-    from memcompile.passes.dropout import MASK_PREFIX
+    from memcompile.rewrites.dropout import MASK_PREFIX
 
     plan = _tiny_gpt_with_rewrite(monkeypatch, "replay", 0.71)
     assert any(n.startswith(MASK_PREFIX) for n in plan.backward_order), plan.backward_order
 
 
 def test_saved_after_names_a_plain_saved_set_in_the_rewritten_graph() -> None:
-    from memcompile.passes.dropout import saved_after
+    from memcompile.rewrites.dropout import saved_after
 
     joint = capture_joint("gpt")["joint"]
     ctx = PassContext(fragment="F0", graph="joint")

@@ -9,6 +9,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 
 import memcompile
 from memcompile import zoo
+from memcompile.analysis.graph import target_name
 from memcompile.dynamic.idioms import (
     IDIOMS,
     graph_idioms,
@@ -17,7 +18,6 @@ from memcompile.dynamic.idioms import (
     sum_idioms,
     table,
 )
-from memcompile.passes.analysis import target_name
 from memcompile.report import find_compiler
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")

@@ -28,7 +28,7 @@ from predictors import AlwaysWrong
 
 # The Pilot trains inline after two steps, so it predicts with LightGBM within a short test.
 _FAST_PILOT = {"warmup_steps": 2, "retrain_every": 1, "background": False}
-# The in-graph prediction op (passes/pilot_prefetch.py), as the profiles name targets.
+# The in-graph prediction op (rewrites/pilot_prefetch.py), as the profiles name targets.
 PILOT_OP = "memcompile.pilot_prefetch.default"
 
 

@@ -13,19 +13,17 @@ import torch
 
 import memcompile
 from memcompile import zoo
-from memcompile.backends.fragments import FragmentIdentity, FragmentRecord
 from memcompile.config import MemConfig
 from memcompile.dynamic.idioms import IDIOMS
 from memcompile.dynamic.trace import (
-    MAX_OUTPUT_ELEMENTS,
-    MAX_OUTPUTS,
     BlockEvent,
     TraceRecorder,
     block_owner,
     read_trace,
-    small_int_outputs,
 )
+from memcompile.records import FragmentIdentity, FragmentRecord
 from memcompile.report import find_compiler
+from memcompile.runtime.small_ints import MAX_OUTPUT_ELEMENTS, MAX_OUTPUTS, small_int_outputs
 from memcompile.zoo.moe import moe_workload
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")

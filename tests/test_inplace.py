@@ -1,4 +1,4 @@
-"""Elementwise backward ops in place (passes/inplace.py): the out= kernels equal the out-of-place
+"""Elementwise backward ops in place (rewrites/inplace.py): the out= kernels equal the out-of-place
 ops bit for bit in the destination's memory, the pass rewrites only what dies at the op, and
 training stays bit-identical with the predicted peak equal to the allocator's."""
 
@@ -11,9 +11,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memcompile
 import memcompile.backends.compiler as compiler_mod
-from memcompile.passes.context import PassContext
-from memcompile.passes.inplace import FORWARD_OPS, OPS, find_in_place, in_place_pass
-from memcompile.passes.workspace import probe_workspaces
+from memcompile.analysis.workspace import probe_workspaces
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.inplace import FORWARD_OPS, OPS, find_in_place, in_place_pass
 
 from helpers import capture_joint, train_under_budget
 

@@ -1,5 +1,5 @@
 """Fragment inputs read several times get their gradients added in eager's order
-(passes/input_uses.py): bit-identical gradients across graph breaks."""
+(rewrites/input_uses.py): bit-identical gradients across graph breaks."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from torch import fx, nn
 
 import memcompile
 from memcompile import MemoryBudgetWarning
-from memcompile.passes.context import PassContext
-from memcompile.passes.input_uses import InputSplit, split_inputs_pass
 from memcompile.report import find_compiler
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.input_uses import InputSplit, split_inputs_pass
 from memcompile.runtime.store import is_host_placed
 
 # 1 + 2**-24 rounds to 1 (a tie, to even); 1 + 2**-23 is exact: which two add first shows.

@@ -1,4 +1,4 @@
-"""Linear cross-entropy by blocks (passes/linearce.py, runtime/linearce.py): the kernels give
+"""Linear cross-entropy by blocks (rewrites/linearce.py, runtime/linearce.py): the kernels give
 aten's loss and gradients bit for bit, the probe refuses blocks that differ, the rewrite finds a
 GPT's head and leaves other heads alone, training stays bit-identical, and a budget uses it only
 where the plan does not fit without it, then measured as predicted and lower."""
@@ -19,12 +19,12 @@ from torch._functorch import partitioners as P
 
 import memcompile
 import memcompile.backends.compiler as compiler_mod
-import memcompile.passes.linearce as linearce
+import memcompile.rewrites.linearce as linearce
 import memcompile.runtime.linearce as kernels
 from memcompile import zoo
-from memcompile.passes.context import PassContext
-from memcompile.passes.plan import FragmentPlan, MemoryPlan
-from memcompile.passes.workspace import PROBE_META
+from memcompile.analysis.workspace import PROBE_META
+from memcompile.planning.plan import FragmentPlan, MemoryPlan
+from memcompile.rewrites.context import PassContext
 
 from helpers import assert_same_state, capture_module, train_under_budget
 

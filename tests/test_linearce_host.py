@@ -14,12 +14,12 @@ from test_linearce import CTX, _compile_and_train, _head_inputs, _smallest, _who
 from torch.utils.flop_counter import FlopCounterMode
 
 import memcompile
-import memcompile.passes.linearce as linearce
+import memcompile.rewrites.linearce as linearce
 import memcompile.runtime.linearce as kernels
 from memcompile import zoo
-from memcompile.passes.analysis import StorageIds, is_host_value, profile_graph
-from memcompile.passes.costmodel import device_profile
-from memcompile.passes.workspace import probe_workspaces
+from memcompile.analysis.costmodel import device_profile
+from memcompile.analysis.graph import StorageIds, is_host_value, profile_graph
+from memcompile.analysis.workspace import probe_workspaces
 from memcompile.runtime.store import is_host_placed
 
 from helpers import capture_module

@@ -1,4 +1,4 @@
-"""The array liveness replay (``memcompile/passes/liveness.py``) against the node-by-node loop it
+"""The array liveness replay (``memcompile/analysis/liveness.py``) against the node-by-node loop it
 replaced, kept here as the oracle: on hypothesis-generated graphs (views, multi-output nodes,
 persistent storages, arbitrary orders, storages live on entry, kept or swapped in late) and on
 every replay of a planner search on zoo models."""
@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memcompile.passes.joint import _FW, JointModel
-from memcompile.passes.liveness import Liveness
-from memcompile.passes.planner import search_saved_set
+from memcompile.analysis.joint_model import _FW, JointModel
+from memcompile.analysis.liveness import Liveness
+from memcompile.planning.planner import search_saved_set
 
 from helpers import capture_joint
 

@@ -1,4 +1,4 @@
-"""The loss head in place (passes/losshead.py, runtime/losshead.py): the kernels equal aten's bit
+"""The loss head in place (rewrites/losshead.py, runtime/losshead.py): the kernels equal aten's bit
 for bit, the rewrite finds GPT's cross-entropy, training stays bit-identical, and the measured
 peak drops by the buffers it no longer allocates."""
 
@@ -15,10 +15,10 @@ from torch import nn
 import memcompile
 import memcompile.backends.compiler as compiler_mod
 from memcompile import zoo
-from memcompile.passes.context import PassContext
-from memcompile.passes.costmodel import device_profile
-from memcompile.passes.losshead import loss_head_pass, min_block_bytes
+from memcompile.analysis.costmodel import device_profile
 from memcompile.report import find_compiler
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.losshead import loss_head_pass, min_block_bytes
 
 from helpers import capture_module, train_under_budget
 

@@ -1,4 +1,4 @@
-"""The exact MILP planner (``passes/milp.py``) and the greedy planner's optimality gap against it.
+"""The exact MILP planner (``planning/milp.py``) and the greedy planner's optimality gap against it.
 
 Graphs: ``RandomNet`` programs of ``test_planner_random`` (seeded, 2-5 ops, <= 60 joint nodes),
 captured through Dynamo + AOTAutograd with measured workspaces; budgets between the smallest
@@ -18,9 +18,9 @@ import torch
 from test_planner_random import OPS, RandomNet
 from torch import nn
 
-from memcompile.passes.joint import JointModel
-from memcompile.passes.milp import MilpResult, linear_peak, min_peak, solve_saved_set
-from memcompile.passes.planner import search_saved_set
+from memcompile.analysis.joint_model import JointModel
+from memcompile.planning.milp import MilpResult, linear_peak, min_peak, solve_saved_set
+from memcompile.planning.planner import search_saved_set
 
 from helpers import capture_module
 

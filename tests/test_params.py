@@ -15,11 +15,11 @@ from torch import nn
 
 import memcompile
 from memcompile import MemoryBudgetError, zoo
-from memcompile.passes.context import PassContext
-from memcompile.passes.costmodel import device_profile
-from memcompile.passes.joint import JointModel
-from memcompile.passes.params import param_fetch_pass
-from memcompile.passes.planner import plan_fragment
+from memcompile.analysis.costmodel import device_profile
+from memcompile.analysis.joint_model import JointModel
+from memcompile.planning.planner import plan_fragment
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.params import param_fetch_pass
 from memcompile.runtime.measure import resident_bytes
 from memcompile.runtime.store import TieredStore, is_host_placed, place_on_host, register_store
 

@@ -1,4 +1,4 @@
-"""The pilot's in-graph prefetch op (passes/pilot_prefetch.py): placed at the latest point where
+"""The pilot's in-graph prefetch op (rewrites/pilot_prefetch.py): placed at the latest point where
 the expected copy still finishes before the graph ends, never before the values the predictor
 reads, the stall recorded when the two conflict; the op runs its hook with those values."""
 
@@ -12,10 +12,10 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from memcompile.analysis.costmodel import DeviceProfile
 from memcompile.backends.inner import compile_inner
-from memcompile.passes.context import PassContext
-from memcompile.passes.costmodel import DeviceProfile
-from memcompile.passes.pilot_prefetch import (
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.pilot_prefetch import (
     PILOT_PREFETCH,
     device_observed,
     observed_outputs,

@@ -12,13 +12,13 @@ import torch
 import memcompile
 import memcompile.backends.compiler as compiler_mod
 from memcompile import MemoryBudgetError, MemoryBudgetWarning, zoo
-from memcompile.passes import planner
-from memcompile.passes.context import PassContext
-from memcompile.passes.joint import JointModel
-from memcompile.passes.partition import partition_pass, reorder_pass
-from memcompile.passes.plan import FragmentPlan, MemoryPlan
-from memcompile.passes.planner import plan_fragment
-from memcompile.passes.workspace import probe_workspaces
+from memcompile.analysis.joint_model import JointModel
+from memcompile.analysis.workspace import probe_workspaces
+from memcompile.planning import planner
+from memcompile.planning.plan import FragmentPlan, MemoryPlan
+from memcompile.planning.planner import plan_fragment
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.partition import partition_pass, reorder_pass
 
 from helpers import (
     built_phase_peaks,

@@ -14,9 +14,9 @@ from torch import fx, nn
 import memcompile
 from memcompile import MemoryBudgetWarning
 from memcompile.backends import compiler
-from memcompile.passes.context import PassContext
-from memcompile.passes.dropout import SCALED_PREFIX, dropout_pass
-from memcompile.passes.plan import FragmentPlan
+from memcompile.planning.plan import FragmentPlan
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.dropout import SCALED_PREFIX, dropout_pass
 from memcompile.runtime.measure import MeasurementWarning
 
 WIDTH = 48
@@ -58,7 +58,7 @@ class RandomNet(nn.Module):
                 out = u * v
             elif op == "dropout":
                 # Several p (``b`` picks one): dropout outputs are rebuilt from the mask and
-                # recomputed under tight budgets (passes/dropout.py). Every p here gives the
+                # recomputed under tight budgets (rewrites/dropout.py). Every p here gives the
                 # same bits in eager CPU dropout and native_dropout (not true of every p).
                 out = nn.functional.dropout(u, DROPOUT_PS[b % len(DROPOUT_PS)], self.training)
             elif op == "softmax":
@@ -212,7 +212,7 @@ def test_reordering_keeps_random_ops_in_program_order() -> None:
 @given(program=programs, fraction=st.floats(0.1, 0.6), batch=st.sampled_from([16, 64]))
 def test_random_network_with_rows_tiled(program, fraction: float, batch: int) -> None:
     # Tight budgets, where plans miss their targets and the built graphs are tiled by rows
-    # (passes/tiling.py) wherever that lowers the peak (about 1 example in 8 here; the next
+    # (rewrites/tiling.py) wherever that lowers the peak (about 1 example in 8 here; the next
     # test is one): bit-identical, predicted = measured.
     _check_case(program, fraction, batch)
 
@@ -227,7 +227,7 @@ def test_random_network_with_rows_tiled(program, fraction: float, batch: int) ->
 )
 def test_random_network_with_a_classifier_head(program, fraction, batch, classes) -> None:
     # A cross-entropy head over many classes: at tight budgets the plans that do not fit
-    # without it make the head by blocks (passes/linearce.py): bit-identical, predicted =
+    # without it make the head by blocks (rewrites/linearce.py): bit-identical, predicted =
     # measured. (The next test is one such case.)
     _check_case(program, fraction, batch, head=classes)
 

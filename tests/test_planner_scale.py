@@ -15,7 +15,7 @@ from types import ModuleType
 
 import pytest
 
-from memcompile.passes.planner import plan_fragment, search_saved_set
+from memcompile.planning.planner import plan_fragment, search_saved_set
 
 
 def _benchmark() -> ModuleType:

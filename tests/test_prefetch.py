@@ -8,12 +8,12 @@ from torch import fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import memcompile
-from memcompile.passes.analysis import profile_graph
-from memcompile.passes.context import PassContext
-from memcompile.passes.costmodel import DeviceProfile
-from memcompile.passes.plan import FragmentPlan, MemoryPlan, TensorDecision
-from memcompile.passes.prefetch import plan_prefetch, prefetch_pass
-from memcompile.passes.timeline import simulate
+from memcompile.analysis.costmodel import DeviceProfile
+from memcompile.analysis.graph import profile_graph
+from memcompile.analysis.timeline import simulate
+from memcompile.planning.plan import FragmentPlan, MemoryPlan, TensorDecision
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.early_reloads import plan_prefetch, prefetch_pass
 from memcompile.runtime.store import TieredStore, register_store
 
 from helpers import predicted_peak, train_under_budget
@@ -113,7 +113,7 @@ def test_prefetch_never_raises_the_peak() -> None:
 
 
 def test_a_reload_of_a_block_of_rows_is_never_issued_above_its_slice() -> None:
-    # A tiled op reloads a block of rows of the host copy (passes/tiling.py): the reload may
+    # A tiled op reloads a block of rows of the host copy (rewrites/tiling.py): the reload may
     # move up to the slice it reads, however slow the link and large the slack.
     slow = DeviceProfile(**{**PROFILE.__dict__, "host_bandwidth": 2**20})
     key = register_store(TieredStore())

@@ -1,4 +1,4 @@
-"""Backward values made again for (or moved to) their late readers (passes/rematerialize.py):
+"""Backward values made again for (or moved to) their late readers (rewrites/rematerialize.py):
 the decision finds them at the peak, the rewrite keeps every value bit-identical, a value whose
 inputs are written in between is left alone, and a budget only the split meets now fits
 exactly."""
@@ -17,16 +17,16 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import memcompile
 import memcompile.backends.compiler as compiler_module
 from memcompile import MemoryBudgetError, zoo
-from memcompile.passes.analysis import GraphProfile, profile_graph
-from memcompile.passes.context import PassContext
-from memcompile.passes.plan import MemoryPlan
-from memcompile.passes.rematerialize import (
+from memcompile.analysis.graph import GraphProfile, profile_graph
+from memcompile.planning.plan import MemoryPlan
+from memcompile.report import report
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.rematerialize import (
     Rematerialize,
     _trial_copy,
     plan_rematerialize,
     rematerialize_pass,
 )
-from memcompile.report import report
 
 from helpers import train_under_budget
 

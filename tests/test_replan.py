@@ -1,4 +1,4 @@
-"""Steps predicted over budget are re-planned with the whole step known (backends/replan.py):
+"""Steps predicted over budget are re-planned with the whole step known (planning/replan.py):
 fragments planned one at a time are planned again with what the rest of the step holds."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import torch
 
 import memcompile
 from memcompile import MemoryBudgetWarning, zoo
+from memcompile.analysis.fragment_profile import FragmentProfile
+from memcompile.analysis.graph import GraphProfile
+from memcompile.analysis.step_model import StepPrediction, simulate_step
 from memcompile.backends.compiler import MemCompiler
-from memcompile.backends.replan import MAX_REPLANS, decide_replan
-from memcompile.passes.analysis import GraphProfile
-from memcompile.passes.fragment import FragmentProfile
-from memcompile.passes.step import StepPrediction, simulate_step
+from memcompile.planning.replan import MAX_REPLANS, decide_replan
 from memcompile.report import find_compiler
 from memcompile.runtime.measure import storage_sizes
 

@@ -1,4 +1,4 @@
-"""The memory-aware list scheduler (``memcompile/passes/schedule.py``) on small hand-built graphs.
+"""The memory-aware list scheduler (``memcompile/analysis/schedule.py``) on small hand-built graphs.
 
 A stub stands in for the joint model: the scheduler only reads each node's inputs, storages
 and their sizes, so the graphs below spell out exactly the situation each test is about.
@@ -15,7 +15,7 @@ import torch
 
 import memcompile
 from memcompile import MemoryBudgetError, zoo
-from memcompile.passes.schedule import schedule, sink
+from memcompile.analysis.schedule import schedule, sink
 
 MiB = 2**20
 

@@ -15,9 +15,9 @@ from torch import nn
 
 import memcompile
 from memcompile import zoo
-from memcompile.passes.analysis import GraphProfile, NodeProfile
-from memcompile.passes.fragment import FragmentProfile, ParamGrad
-from memcompile.passes.step import CacheUse, OutputLife, cache_peak, simulate_step
+from memcompile.analysis.fragment_profile import FragmentProfile, ParamGrad
+from memcompile.analysis.graph import GraphProfile, NodeProfile
+from memcompile.analysis.step_model import CacheUse, OutputLife, cache_peak, simulate_step
 from memcompile.report import find_compiler
 from memcompile.runtime.measure import measure, storage_sizes
 from memcompile.runtime.store import is_host_placed

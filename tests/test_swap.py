@@ -10,10 +10,10 @@ import torch
 
 import memcompile
 from memcompile import zoo
-from memcompile.passes.context import PassContext
-from memcompile.passes.partition import partition_pass
-from memcompile.passes.swap import swap_pass
 from memcompile.report import find_compiler
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.partition import partition_pass
+from memcompile.rewrites.swap import swap_pass
 from memcompile.runtime import store as store_module
 from memcompile.runtime.store import OffloadError, TieredStore, register_store
 

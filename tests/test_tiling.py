@@ -1,4 +1,4 @@
-"""Row tiling (passes/tiling.py): an elementwise result made a block of rows at a time equals the
+"""Row tiling (rewrites/tiling.py): an elementwise result made a block of rows at a time equals the
 whole op bit for bit, the chain's operands are never held whole, a value other readers need
 stays for them, the probe's verdict is obeyed, and training under a budget only tiling reaches
 stays bit-identical with the predicted peak equal to the allocator's."""
@@ -15,10 +15,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import memcompile
 import memcompile.backends.compiler as compiler_mod
 from memcompile import zoo
-from memcompile.passes import tiling
-from memcompile.passes.context import PassContext
-from memcompile.passes.plan import MemoryPlan
-from memcompile.passes.tiling import _views_as, find_row_tilings, row_tile_pass, tiles_exactly
+from memcompile.planning.plan import MemoryPlan
+from memcompile.rewrites import tiling
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.tiling import _views_as, find_row_tilings, row_tile_pass, tiles_exactly
 from memcompile.runtime.store import TieredStore, register_store
 
 from helpers import train_under_budget

@@ -1,4 +1,4 @@
-"""Kernel workspace probes (``memcompile/passes/workspace.py``): what they materialize."""
+"""Kernel workspace probes (``memcompile/analysis/workspace.py``): what they materialize."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memcompile.passes import workspace
-from memcompile.passes.workspace import probe_workspaces
+from memcompile.analysis import workspace
+from memcompile.analysis.workspace import probe_workspaces
 
 aten = torch.ops.aten
 

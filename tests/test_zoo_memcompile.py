@@ -61,7 +61,7 @@ def test_predicted_step_peak_within_3_percent(name: str) -> None:
 def test_no_budget_never_raises_the_measured_peak(name: str) -> None:
     # Without a budget memcompile only reorders (it costs no time), so its step may not peak
     # above the same graphs under PyTorch's own partitioner (aot_eager). Caught: parameters
-    # split per read (passes/input_uses.py) made the GRU's backward return one recurrent-weight
+    # split per read (rewrites/input_uses.py) made the GRU's backward return one recurrent-weight
     # gradient per time step, 2.2x aot_eager's peak. Allowed: 1 %, as the activation split costs
     # TreeLSTM 192 B (0.11 %). Eager itself can be lower: TreeLSTM's graphs peak 7.9 % above it
     # under aot_eager and memcompile alike.

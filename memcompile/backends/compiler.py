@@ -2,11 +2,11 @@
 
 For each fragment Dynamo hands it:
 
-    record identity (structural hash, sources, reason)          fragments.fragment_identity
-    one placeholder per read of a multiply-read input           passes.input_uses
+    record identity (structural hash, sources, reason)          identity.fragment_identity
+    one placeholder per read of a multiply-read input           rewrites.input_uses
     aot_autograd(partition_fn, fw/bw/inference compilers)
         partition_fn      torch's partitioner; keeps the backward graph for the forward compiler
-        fw compiler       profile forward + backward together        passes.fragment
+        fw compiler       profile forward + backward together        analysis.fragment_profile
                           compile with the inner compiler             backends.inner
         bw compiler       (lazy, first backward) inner compiler
     wrap each compiled callable: count calls, track the step sequence, mark profiler ranges
@@ -40,6 +40,17 @@ from torch._logging._internal import trace_structured_artifact
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
+from memcompile.analysis.costmodel import DeviceProfile, device_profile, resolve_profile_name
+from memcompile.analysis.fragment_profile import (
+    FragmentProfile,
+    accumulate_clone_bytes,
+    backward_profiler,
+    profile_fragment,
+)
+from memcompile.analysis.graph import GraphProfile, bound_sizes
+from memcompile.analysis.joint_model import JointModel
+from memcompile.analysis.step_model import CacheUse, OutputLife, StepPrediction, simulate_step
+from memcompile.analysis.workspace import clone_workspace, probe_workspaces
 from memcompile.backends.dynamo_hooks import (
     calling_compiled_module,
     calling_dynamo_context,
@@ -53,64 +64,54 @@ from memcompile.backends.fallbacks import (
     dispatch_mode_fallback,
     monitor,
 )
-from memcompile.backends.fragments import (
-    FragmentIdentity,
-    FragmentRecord,
-    FragmentStats,
-    fragment_identity,
-    parameter_name,
-)
+from memcompile.backends.identity import fragment_identity, parameter_name
 from memcompile.backends.inner import BoxedCallable, compile_inner, decompositions
 from memcompile.backends.progress import slow_compile_notice
-from memcompile.backends.replan import MAX_REPLANS, MAX_ROUNDS, Replan, decide_replan
 from memcompile.backends.sharded import RankCheck, ShardedParams, sharded_params
 from memcompile.config import MemConfig
-from memcompile.dynamic.trace import small_int_outputs
 from memcompile.errors import (
     GradientOrderWarning,
     MemoryBudgetError,
     MemoryBudgetWarning,
     format_bytes,
 )
-from memcompile.passes.analysis import GraphProfile, bound_sizes
-from memcompile.passes.context import PassContext
-from memcompile.passes.costmodel import DeviceProfile, device_profile, resolve_profile_name
-from memcompile.passes.dropout import dropout_pass, saved_after
-from memcompile.passes.fragment import (
-    FragmentProfile,
-    accumulate_clone_bytes,
-    backward_profiler,
-    profile_fragment,
+from memcompile.planning.plan import FragmentPlan
+from memcompile.planning.planner import plan_fragment
+from memcompile.planning.replan import MAX_REPLANS, MAX_ROUNDS, Replan, decide_replan
+from memcompile.records import (
+    FragmentIdentity,
+    FragmentRecord,
+    FragmentStats,
+    SizeKey,
+    StepEvent,
 )
-from memcompile.passes.inplace import in_place_pass
-from memcompile.passes.input_uses import InputSplit, split_inputs_pass
-from memcompile.passes.joint import JointModel
-from memcompile.passes.linearce import find_linear_ce, linear_ce_pass
-from memcompile.passes.losshead import loss_head_pass, min_block_bytes
-from memcompile.passes.params import param_fetch_pass
-from memcompile.passes.partition import partition_pass
-from memcompile.passes.pilot_prefetch import (
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.dropout import dropout_pass, saved_after
+from memcompile.rewrites.early_reloads import plan_prefetch, prefetch_pass
+from memcompile.rewrites.inplace import in_place_pass
+from memcompile.rewrites.input_uses import InputSplit, split_inputs_pass
+from memcompile.rewrites.linearce import find_linear_ce, linear_ce_pass
+from memcompile.rewrites.losshead import loss_head_pass, min_block_bytes
+from memcompile.rewrites.params import param_fetch_pass
+from memcompile.rewrites.partition import partition_pass
+from memcompile.rewrites.pilot_prefetch import (
     device_observed,
     observed_outputs,
     pilot_prefetch_pass,
     plan_pilot_prefetch,
 )
-from memcompile.passes.plan import FragmentPlan
-from memcompile.passes.planner import plan_fragment
-from memcompile.passes.prefetch import plan_prefetch, prefetch_pass
-from memcompile.passes.rematerialize import plan_rematerialize, rematerialize_pass
-from memcompile.passes.step import CacheUse, OutputLife, StepPrediction, simulate_step
-from memcompile.passes.swap import swap_pass
-from memcompile.passes.tiling import (
+from memcompile.rewrites.rematerialize import plan_rematerialize, rematerialize_pass
+from memcompile.rewrites.swap import swap_pass
+from memcompile.rewrites.tiling import (
     MAX_KEPT_MATMULS,
     RowTiling,
     find_row_tilings,
     row_tile_pass,
 )
-from memcompile.passes.workspace import clone_workspace, probe_workspaces
 from memcompile.runtime.measure import storage_sizes
 from memcompile.runtime.peakwatch import PeakWatch
 from memcompile.runtime.pinned import install_hooks as install_pinned_hooks
+from memcompile.runtime.small_ints import small_int_outputs
 from memcompile.runtime.store import (
     HOSTABLE_DEVICES,
     TieredStore,
@@ -127,20 +128,14 @@ log = logging.getLogger(__name__)
 
 __all__ = ["BlockObserver", "MemCompiler", "StepEvent"]
 
-#: One fragment call in a training step: (fragment index, "forward" | "backward" | "inference",
-#: block key). The block key tells apart calls of one graph with different parameters (one
-#: compiled graph serves every expert): the address of the first parameter, 0 if none.
-StepEvent = tuple[int, str, int]
-#: The values of a fragment's size symbols at one call (empty: static sizes).
-SizeKey = tuple[int, ...]
 #: Storages (address -> bytes) of the activation inputs a forward call's backward reads: those
 #: it saves whole and those it reads through views (autograd keeps the storage alive either way).
 ViewStorages = Mapping[int, int]
 
 
 class CallStorages(NamedTuple):
-    """Storages of one call that the step's replay counts by address (``passes/step.py``), so
-    that what several calls share is counted once.
+    """Storages of one call that the step's replay counts by address
+    (``analysis/step_model.py``), so that what several calls share is counted once.
 
     Attributes:
         kept: :data:`ViewStorages` of the inputs its backward reads (a forward call).
@@ -194,48 +189,48 @@ class BlockObserver(Protocol):
 
     # Optional: ``on_block_end(step, index, kind, block, outputs, small_ints=...)`` runs after a
     # forward or inference call returned, with its outputs and their small integer values
-    # (dynamic/trace.py's ``small_int_outputs``, computed once per call and shared with the
-    # prefetcher); called only on observers that define it, see ``MemCompiler._on_call_end``.
+    # (runtime/small_ints.py's ``small_int_outputs``, computed once per call and shared with
+    # the prefetcher); called only on observers that define it, see ``MemCompiler._on_call_end``.
 
 
-#: When a budgeted plan uses the dropout rewrite (passes/dropout.py): ``"auto"`` when the plan
+#: When a budgeted plan uses the dropout rewrite (rewrites/dropout.py): ``"auto"`` when the plan
 #: without it misses the budget and the one with it fits or peaks lower, first with saved masks,
 #: then (CPU) with masks replayed from the generator's state; ``"always"`` (saved masks),
 #: ``"replay"`` and ``"never"`` are for tests and benchmarks (not a user option: "auto" is the
 #: contract).
 DROPOUT_REWRITE: Literal["auto", "always", "replay", "never"] = "auto"
 
-#: Planned fragments compute cross-entropy heads in place (passes/losshead.py); ``False`` is for
+#: Planned fragments compute cross-entropy heads in place (rewrites/losshead.py); ``False`` is for
 #: tests and benchmarks that compare against the aten ops.
 LOSS_HEAD_IN_PLACE = True
 
-#: Planned fragments compute dying gradients' elementwise ops in place (passes/inplace.py), with
+#: Planned fragments compute dying gradients' elementwise ops in place (rewrites/inplace.py), with
 #: the eager inner compiler (Inductor reuses such buffers itself); ``False`` is for tests and
 #: benchmarks that compare against the out-of-place ops.
 ELEMENTWISE_IN_PLACE = True
 
 #: A plan over its budget writes elementwise results into values of the built graphs' own that
-#: die there (passes/inplace.py, ``built=True``) where that lowers the exact profile; ``False``
+#: die there (rewrites/inplace.py, ``built=True``) where that lowers the exact profile; ``False``
 #: is for tests and benchmarks that compare.
 BUILT_IN_PLACE = True
 
 #: A plan still over its budget makes elementwise results a block of rows at a time from
-#: operands that then exist a block at a time (passes/tiling.py) where that lowers the exact
+#: operands that then exist a block at a time (rewrites/tiling.py) where that lowers the exact
 #: profile and each distinct chain probes bit-identical; ``False`` is for tests and benchmarks
 #: that compare.
 ROW_TILING = True
 
 #: A plan over its budget makes backward values again for their late readers where that lowers
-#: the backward's exact profile (passes/rematerialize.py); ``False`` is for tests and benchmarks
+#: the backward's exact profile (rewrites/rematerialize.py); ``False`` is for tests and benchmarks
 #: that compare.
 REMATERIALIZE = True
 
 #: A fragment no plan fits makes its cross-entropy heads by blocks, the logits never whole
-#: (passes/linearce.py), where the blocks probe bit-identical; it costs two more matmuls of the
+#: (rewrites/linearce.py), where the blocks probe bit-identical; it costs two more matmuls of the
 #: head's size, so only then. ``False`` is for tests and benchmarks that compare.
 LINEAR_CE_BLOCKS = True
 
-#: The pilot predicts and prefetches inside each forward graph (passes/pilot_prefetch.py);
+#: The pilot predicts and prefetches inside each forward graph (rewrites/pilot_prefetch.py);
 #: ``False`` leaves the prediction at the fragment's tail, for tests and benchmarks that compare.
 PILOT_IN_GRAPH = True
 
@@ -364,7 +359,7 @@ class _FragmentBuild:
         # Inputs the graphs fetch from the host tier (host-placed parameters and their aliases).
         self.hosted_inputs: tuple[int, ...] = ()
         #: Position of each input that is an alias of another input -> that input's position
-        #: (one placeholder per read, passes/input_uses.py). An alias of a host-placed
+        #: (one placeholder per read, rewrites/input_uses.py). An alias of a host-placed
         #: parameter is fetched like it; only the parameter itself moves to the host tier.
         self.alias_sources: dict[int, int] = {}
         #: Positions of inputs whose several contributions the backward graph sums (parameters
@@ -377,7 +372,7 @@ class _FragmentBuild:
         # Bytes this fragment's plan leaves to the pilot's prefetch cache (dynamic/prefetch.py).
         self.prefetch_reserve = 0
         self._bw_gm: fx.GraphModule | None = None
-        #: A re-plan (backends/replan.py): what the rest of the step holds at this fragment's
+        #: A re-plan (planning/replan.py): what the rest of the step holds at this fragment's
         #: worst call, from the step's prediction; ``None``: planned as a new fragment.
         self.replan_resident: int | None = None
         #: A re-plan's cap on the bytes the plan holds from forward to backward (saved sets held
@@ -567,7 +562,7 @@ class _FragmentBuild:
         )
         if wants and candidates:
             # Parameters to the host tier: their bytes leave the resident set, and each reader
-            # fetches its own copy (passes/params.py); "auto" only when nothing else fits.
+            # fetches its own copy (rewrites/params.py); "auto" only when nothing else fits.
             fetched = self._fetch_params(joint, num_fwd_outputs, candidates)
             model2, plan2 = self._plan(fetched, num_fwd_outputs, static, host=candidates)
             if not plan2.feasible and blocked is not None:
@@ -762,7 +757,7 @@ class _FragmentBuild:
             holders = model.swap_holders(saved, by_storage)
             swaps = {holders[s]: tier for s, tier in by_storage.items()}
             fw, bw = swap_pass(fw, bw, ctx, swaps=swaps, store=compiler.store_key)
-        # Not in a re-plan (backends/replan.py): its caps share the budget between fragments
+        # Not in a re-plan (planning/replan.py): its caps share the budget between fragments
         # by the joint model's figures, which do not price the splits.
         if not plan.feasible and self.replan_resident is None:
             split = (
@@ -874,7 +869,7 @@ class _FragmentBuild:
         hosted: Sequence[int],
         planned: FragmentPlan,
     ) -> list[tuple[fx.GraphModule, fx.GraphModule, JointModel, FragmentPlan]]:
-        """The plan of ``joint`` (its loss heads made by blocks, ``passes/linearce.py``) built
+        """The plan of ``joint`` (its loss heads made by blocks, ``rewrites/linearce.py``) built
         with the rewrites, and while none fits its alternatives (:meth:`_alternatives`);
         ``planned``: the plan without blocks, for the log."""
         model, plan = self._plan(
@@ -1709,7 +1704,7 @@ class MemCompiler:
         # Whether a step over the budget was warned about, for steps that compiled (planning
         # runs kernels on the device) and for those that did not: once each.
         self._peak_warned: set[bool] = set()
-        #: Re-planning rounds of steps predicted over budget (backends/replan.py), in order.
+        #: Re-planning rounds of steps predicted over budget (planning/replan.py), in order.
         self.replans: list[Replan] = []
         # Dynamo code object of each fragment (weakly): what reset_code drops to re-plan it.
         self._codes: dict[int, weakref.ref[CodeType]] = {}
@@ -1954,7 +1949,7 @@ class MemCompiler:
         # A re-planned fragment keeps its index (and call counts): it replaces its record.
         index = old.index if old is not None else self._next_index()
         # The graphs are planned and built with one placeholder per read of an input that
-        # several ops read (its gradient then adds up in eager's order; passes/input_uses.py).
+        # several ops read (its gradient then adds up in eager's order; rewrites/input_uses.py).
         gm = split_inputs_pass(
             gm,
             PassContext(fragment=f"F{index}", graph="dynamo"),
@@ -2765,7 +2760,7 @@ class MemCompiler:
     def _check_grad_order(self) -> None:
         # An input whose several contributions a fragment's backward graph sums (a parameter
         # read several times, not split; an input an op reads through several autograd edges,
-        # torch.rms_norm: passes/input_uses.py): eager adds them one at a time to what earlier
+        # torch.rms_norm: rewrites/input_uses.py): eager adds them one at a time to what earlier
         # backward calls gave the same gradient, so where an earlier call of the step added to
         # it first the association (and the last bits) differ. Inputs by storage: parameters
         # by their call's parameter set, activations by the addresses their forward call saw

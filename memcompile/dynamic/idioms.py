@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from memcompile.passes.analysis import GraphProfile
+from memcompile.analysis.graph import GraphProfile
 
 log = logging.getLogger(__name__)
 

@@ -25,16 +25,16 @@ the blocks that followed this position in the previous step (categorical), and w
 small integer outputs say (below). Targets: the block ``j`` calls ahead, one multiclass booster
 per ``j`` (direct, not recursive: errors do not compound).
 
-Observed outputs (trace.py's ``small_int_outputs``, given to ``observe(outputs=...)`` or to
-:meth:`observe_outputs` after the block returned; predictions made after them are made at the
-block's end): the output rule (rules.py) learns online which output of which block lists the
-next blocks, one per nonzero entry in entry order (an MoE router's per-expert counts: the
-experts that run next), validates it on every emission, and once trusted predicts the blocks it
-covers exactly (source ``"rule"``): within a layer, and the next router. Its predictions are
-features too (``rule_j``, ``rule_left``), with the values of the output behind the current plan
-(``plan_out_*``: the router's counts) and of the step's first output (``step_out_*``: e.g. the
-input token ids). LightGBM is trained, per horizon, on the rows the rule did not cover (all rows
-while fewer than 16 are left): the cross-layer predictions, where the next router has not run.
+Observed outputs (runtime/small_ints.py's ``small_int_outputs``, given to ``observe(outputs=...)``
+or to :meth:`observe_outputs` after the block returned; predictions made after them are made at the
+block's end): the output rule (rules.py) learns online which output of which block lists the next
+blocks, one per nonzero entry in entry order (an MoE router's per-expert counts: the experts that
+run next), validates it on every emission, and once trusted predicts the blocks it covers exactly
+(source ``"rule"``): within a layer, and the next router. Its predictions are features too
+(``rule_j``, ``rule_left``), with the values of the output behind the current plan (``plan_out_*``:
+the router's counts) and of the step's first output (``step_out_*``: e.g. the input token ids).
+LightGBM is trained, per horizon, on the rows the rule did not cover (all rows while fewer than 16
+are left): the cross-layer predictions, where the next router has not run.
 
 Online: nothing is trained before ``warmup_steps`` steps; then every ``retrain_every`` steps a
 background thread trains on the last ``window`` rows (``num_threads=1``, ``deterministic=True``,
@@ -391,8 +391,9 @@ class Pilot:
     ) -> None:
         """The next forward (or inference) block ran: learn from it and prepare the features.
 
-        ``outputs``: the block's small integer outputs (trace.py's ``small_int_outputs``), when
-        known already; else pass them to :meth:`observe_outputs` once the block returned.
+        ``outputs``: the block's small integer outputs (runtime/small_ints.py's
+        ``small_int_outputs``), when known already; else pass them to :meth:`observe_outputs`
+        once the block returned.
         """
         b = self._ids.get(block)
         if b is None:

@@ -9,7 +9,7 @@ The compiler (``backends/compiler.py``) calls the :class:`Prefetcher` around eve
                   First backward call of a step: free every copy left (the optimizer step will
                   change the parameters), stop counting.
     in_graph()    inside the forward graph (``memcompile::pilot_prefetch``, placed by
-                  passes/pilot_prefetch.py where the copy overlaps the rest of the graph, after
+                  rewrites/pilot_prefetch.py where the copy overlaps the rest of the graph, after
                   the values the predictor reads): show the predictor those values (a router's
                   counts), predict the next ``prefetch_depth`` blocks; free the copies of
                   blocks no longer predicted (a misprediction; the running block's own copies,
@@ -88,7 +88,7 @@ issued by the in-graph op overlaps the rest of the graph. The report then gives,
 simulated stall, what the GPU measured: the compute stream's waits for late copies
 (``gpu_wait_us``) and its on-demand copies (``gpu_miss_us``). CUDA small integer outputs (a
 router's counts) are read at their graph's tail, never inside it (the host would wait for the
-device there; passes/pilot_prefetch.py places such a graph's prediction at its tail). Issuing
+device there; rewrites/pilot_prefetch.py places such a graph's prediction at its tail). Issuing
 a copy costs the host tens of microseconds of CUDA calls, which a step the host cannot keep
 ahead of pays in full: ``pilot="auto"`` therefore stays off on CUDA (the report says why), and
 an explicit ``"markov"``/``"lightgbm"`` runs (benchmarks/results/dynamic_prefetch_cuda.md).
@@ -110,14 +110,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from memcompile.backends.fragments import FragmentRecord, RecordIndex
+from memcompile.analysis.costmodel import DeviceProfile
 from memcompile.dynamic.idioms import IdiomVector, graph_idioms
 from memcompile.dynamic.markov import UNKNOWN, MarkovPredictor
-from memcompile.dynamic.trace import MAX_SIZES, _BlockNamer, small_int_outputs
-from memcompile.passes.costmodel import DeviceProfile
-from memcompile.passes.pilot_prefetch import PilotPrefetchPlan
+from memcompile.dynamic.trace import MAX_SIZES, _BlockNamer
+from memcompile.records import FragmentRecord, RecordIndex
+from memcompile.rewrites.pilot_prefetch import PilotPrefetchPlan
 from memcompile.runtime.cache import PrefetchCache
 from memcompile.runtime.ops import register_hook
+from memcompile.runtime.small_ints import small_int_outputs
 from memcompile.runtime.store import is_host_placed
 
 if TYPE_CHECKING:  # pilot.py imports LightGBM: only when the Pilot is used
@@ -266,7 +267,7 @@ class PilotReport:
         gpu_late_bytes: bytes of those late copies.
         gpu_miss_us: CUDA, measured: microseconds of on-demand copies (misses) on the compute
             stream, which it waits for.
-        placements: where each forward graph predicts (passes/pilot_prefetch.py), by fragment.
+        placements: where each forward graph predicts (rewrites/pilot_prefetch.py), by fragment.
     """
 
     mode: str
@@ -490,7 +491,7 @@ class Prefetcher:
         self._pending = None
         self.in_graph_predictions += 1
         # The graph's observed values are the outputs the tail would read, in the same order
-        # (passes/pilot_prefetch.py): kept for the compiler's block observers (read once).
+        # (rewrites/pilot_prefetch.py): kept for the compiler's block observers (read once).
         self.in_graph_small_ints = small_int_outputs(list(observed))
         self._wanted = wanted = self._predict(self.in_graph_small_ints)
         plan = self._placement

@@ -2,8 +2,8 @@
 
 An MoE router emits per-expert token counts, and the orchestration then calls exactly the
 experts with a nonzero count, in expert order. So once a block's small integer output ``v`` is
-seen (trace.py's ``small_int_outputs``), the next blocks may be determined by it. The rule
-encodes that shape and nothing model-specific:
+seen (runtime/small_ints.py's ``small_int_outputs``), the next blocks may be determined by it.
+The rule encodes that shape and nothing model-specific:
 
     after block B emits v in output slot o, the next blocks are X[p] for each p with v[p] > 0,
     in increasing p, then one "exit" block E

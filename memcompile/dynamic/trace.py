@@ -62,8 +62,9 @@ from typing import Any
 
 import torch
 
-from memcompile.backends.fragments import FragmentRecord, RecordIndex
 from memcompile.dynamic.idioms import IDIOMS, IdiomVector, graph_idioms
+from memcompile.records import FragmentRecord, RecordIndex
+from memcompile.runtime.small_ints import small_int_outputs
 
 log = logging.getLogger(__name__)
 
@@ -73,20 +74,10 @@ __all__ = [
     "TraceRecorder",
     "block_owner",
     "read_trace",
-    "small_int_outputs",
 ]
 
 #: Non-parameter tensor inputs whose sizes an event keeps.
 MAX_SIZES = 4
-#: Small integer outputs whose values an event keeps, and the most elements one may have.
-MAX_OUTPUTS = 4
-MAX_OUTPUT_ELEMENTS = 32
-#: Devices whose small integer outputs :func:`small_int_outputs` reads.
-READ_DEVICES = ("cpu", "cuda")
-
-_INT_DTYPES = frozenset(
-    (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)  # not bool: masks
-)
 
 _PHASES = ("forward", "backward", "inference")
 
@@ -179,31 +170,6 @@ def _outputs_from(v: Any, where: str) -> tuple[tuple[int, ...], ...]:
     ):
         raise ValueError(f"{where}: outputs must be a list of lists of ints")
     return tuple(tuple(o) for o in v)
-
-
-def small_int_outputs(outputs: Any) -> tuple[tuple[int, ...], ...]:
-    """The values of the small integer tensors among a call's outputs, in output order.
-
-    Kept: CPU and CUDA tensors of an integer dtype (not bool) with 1 to
-    :data:`MAX_OUTPUT_ELEMENTS` elements, flattened; at most :data:`MAX_OUTPUTS` of them.
-    Outputs may be a tensor or (nested) lists and tuples; anything else is skipped. Reading a
-    CUDA tensor waits for the device (see the module docstring): call this at a fragment's end,
-    not inside a graph.
-    """
-    found: list[tuple[int, ...]] = []
-    stack = [outputs]
-    while stack and len(found) < MAX_OUTPUTS:
-        o = stack.pop()
-        if isinstance(o, (list, tuple)):
-            stack.extend(reversed(o))
-        elif (
-            isinstance(o, torch.Tensor)
-            and o.dtype in _INT_DTYPES
-            and o.device.type in READ_DEVICES
-            and 0 < o.numel() <= MAX_OUTPUT_ELEMENTS
-        ):
-            found.append(tuple(int(x) for x in o.detach().reshape(-1).tolist()))
-    return tuple(found)
 
 
 def read_trace(path: str | os.PathLike[str]) -> list[StepTrace]:

@@ -1,1 +1,2 @@
-"""Runtime pieces: measurement of device peaks (and, later, swap ops and tiered stores)."""
+"""What runs with the graphs: memcompile's custom ops, the host and disk store, the pilot's
+prefetch cache, pinned host copies, measured peaks, and the loss head's kernels."""

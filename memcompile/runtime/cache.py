@@ -2,7 +2,7 @@
 
 The pilot (``dynamic/prefetch.py``) predicts the next blocks of a dynamic network and copies the
 host-placed parameters they read into this cache; the graphs' fetch (``memcompile::reload`` of a
-host-placed parameter, ``passes/params.py``) goes through :meth:`TieredStore.get`, which asks
+host-placed parameter, ``rewrites/params.py``) goes through :meth:`TieredStore.get`, which asks
 the cache first:
 
     cache = PrefetchCache()

@@ -33,7 +33,7 @@ others come back empty, and the pass by rows is skipped when ``grad_h`` is not w
   products and sums, which is the kernels' business: a BLAS may take another path for fewer
   rows (MKL does below ~256), and a sum vectorized over columns treats a block's columns in
   other lanes unless the block starts at a multiple of the lanes (blocks start at multiples of
-  :data:`ALIGN`). So :mod:`memcompile.passes.linearce` runs both, whole and by blocks, on
+  :data:`ALIGN`). So :mod:`memcompile.rewrites.linearce` runs both, whole and by blocks, on
   random values of the graph's sizes before it rewrites, and picks a block count whose results
   are bitwise equal.
 

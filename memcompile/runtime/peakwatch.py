@@ -20,7 +20,7 @@ first step that overruns is the one told (a step overrunning the same way every 
 at the first). The optimizer step and other code between two training steps fall in the
 interval too: the budget covers them as well. So does compiling (the first step's, or a
 recompile's): planning runs kernels on the device to measure their scratch memory
-(``passes/workspace.py``); the warning says when a step compiled.
+(``analysis/workspace.py``); the warning says when a step compiled.
 """
 
 from __future__ import annotations

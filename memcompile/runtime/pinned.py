@@ -3,7 +3,7 @@
 A host-placed CUDA parameter keeps its identity (optimizers and autograd hold the same object)
 but its ``.data`` becomes a pinned CPU tensor with the same values, shape and strides: ZeRO-
 Offload's split, in which the parameter, its gradient and the optimizer step live on the host
-and the graphs fetch a device copy for each use (``passes/params.py``):
+and the graphs fetch a device copy for each use (``rewrites/params.py``):
 
     before                              after place_pinned(p)
       p.data: cuda:0, 4 MiB               p.data: cpu (pinned), 4 MiB   registered here

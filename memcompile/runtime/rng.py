@@ -1,6 +1,6 @@
 """Dropout masks replayed from the random generator's state (CPU).
 
-``passes/dropout.py`` (``replay=True``) replaces each ``native_dropout`` of the joint graph with
+``rewrites/dropout.py`` (``replay=True``) replaces each ``native_dropout`` of the joint graph with
 
     state = torch.ops.memcompile.dropout_draw(x, p)                  # random
     mask  = torch.ops.memcompile.dropout_replay(state, size, stride, p)   # deterministic

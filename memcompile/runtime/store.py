@@ -287,7 +287,7 @@ class TieredStore:
         out = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
         try:
             if out.device.type == "cuda" and self.asynchronous and is_pinned_host(h):
-                # A host-placed parameter: its fetch has no ``wait`` op (passes/params.py), so it
+                # A host-placed parameter: its fetch has no ``wait`` op (rewrites/params.py), so it
                 # copies on the compute stream, ordered before its readers; the host goes on.
                 out.copy_(h, non_blocking=True)
             elif out.device.type == "cuda" and h.is_pinned() and self.asynchronous:
@@ -304,7 +304,7 @@ class TieredStore:
         except (OSError, RuntimeError) as e:
             raise OffloadError(f"{tier} tier: reading a swapped tensor back failed: {e}") from e
         with self._lock:
-            # The bytes copied: a block of rows of a swapped tensor (passes/tiling.py) reads
+            # The bytes copied: a block of rows of a swapped tensor (rewrites/tiling.py) reads
             # a part of its storage.
             self.bytes_in[tier] += h.numel() * h.element_size()
         return out

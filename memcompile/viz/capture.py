@@ -9,7 +9,7 @@
 own order (``reorder=False``, the "before" curves and ``before_peak``), then with the requested
 options. Each compile is one step (forward, backward). A budgeted model may be planned again
 after a step (a multi-fragment step predicted over budget, outputs the caller drops:
-``backends/replan.py``), and Dynamo then compiles those fragments again in the next step: the
+``planning/replan.py``), and Dynamo then compiles those fragments again in the next step: the
 planned model runs more steps until one compiles nothing (at most :data:`SETTLE_STEPS`), so the
 snapshot and the measurement describe the plans training runs with. With ``measure`` one more
 step is measured (``memcompile.measure``). Gradients are set to ``None`` before every step, as

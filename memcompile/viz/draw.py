@@ -15,7 +15,7 @@ tensors are the edges between the two. Colours (:data:`ROLE_COLOURS`):
     prefetch   a reload the plan issues early (``FragmentPlan.prefetch``), so its copy overlaps,
                and the pilot's in-graph prediction and prefetch (``memcompile::pilot_prefetch``)
     host_parameter  a parameter kept in the host tier (``FragmentPlan.host_params``), and the
-               fetches that copy it to the device before each reader (``passes/params.py``)
+               fetches that copy it to the device before each reader (``rewrites/params.py``)
     input      a graph input (parameters, buffers, the batch, incoming gradients)
 
 The node where the fragment's step peak falls has a thick red border and ``PEAK`` in its label.
@@ -39,8 +39,8 @@ from typing import Literal
 import graphviz
 
 from memcompile.errors import format_bytes
-from memcompile.passes.params import FETCH_PREFIX
-from memcompile.passes.plan import FragmentPlan
+from memcompile.planning.plan import FragmentPlan
+from memcompile.rewrites.params import FETCH_PREFIX
 from memcompile.viz.snapshot import FragmentView, GraphView, Inspection, NodeView
 
 log = logging.getLogger(__name__)

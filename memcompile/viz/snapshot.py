@@ -5,7 +5,7 @@
     insp = load_inspection("plan.json")                  # `memcompile draw plan.json` reads it
     MemoryPlan.from_json(Path("plan.json").read_text())  # the same file is a plain MemoryPlan too
 
-A saved :class:`~memcompile.passes.plan.MemoryPlan` names tensors but has no graph, and drawing a
+A saved :class:`~memcompile.planning.plan.MemoryPlan` names tensors but has no graph, and drawing a
 plan or its timeline needs the graph's nodes, their edges and the live bytes under each node. So
 that ``draw`` and ``timeline`` work from a file without recompiling, ``plan.json`` is the
 MemoryPlan's JSON object with one more key, ``"memcompile_inspection"``, holding the views below:
@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memcompile.passes.analysis import GraphProfile
-from memcompile.passes.plan import FragmentPlan, MemoryPlan
+from memcompile.analysis.graph import GraphProfile
+from memcompile.planning.plan import FragmentPlan, MemoryPlan
 from memcompile.report import FragmentReport, MemReport
 
 log = logging.getLogger(__name__)

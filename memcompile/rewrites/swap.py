@@ -26,7 +26,7 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
-from memcompile.passes.context import PassContext
+from memcompile.rewrites.context import PassContext
 from memcompile.runtime.ops import TIERS
 
 log = logging.getLogger(__name__)

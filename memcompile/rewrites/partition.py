@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from torch import fx
 from torch._functorch import partitioners as P
 
-from memcompile.passes.context import PassContext
-from memcompile.passes.joint import JointModel
-from memcompile.passes.plan import FragmentPlan
+from memcompile.analysis.joint_model import JointModel
+from memcompile.planning.plan import FragmentPlan
+from memcompile.rewrites.context import PassContext
 
 log = logging.getLogger(__name__)
 

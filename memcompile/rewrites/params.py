@@ -44,7 +44,7 @@ from torch._functorch import partitioners as P
 from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from memcompile.passes.context import PassContext
+from memcompile.rewrites.context import PassContext
 from memcompile.runtime.ops import TIERS
 
 log = logging.getLogger(__name__)

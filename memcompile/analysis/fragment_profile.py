@@ -23,7 +23,7 @@ import torch
 from torch import fx
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
-from memcompile.passes.analysis import (
+from memcompile.analysis.graph import (
     GraphProfile,
     StorageIds,
     covers_storage,
@@ -52,8 +52,8 @@ class ParamGrad:
         position: the parameter's position among the forward inputs.
         nbytes: bytes of the gradient's storage (0 for a second input sharing it).
         host: the gradient leaves the graph in the host tier (a host-placed parameter's,
-            ``passes/params.py``): it costs the device nothing until autograd sums it with
-            another contribution (see ``passes/step.py``).
+            ``rewrites/params.py``): it costs the device nothing until autograd sums it with
+            another contribution (see ``analysis/step_model.py``).
     """
 
     position: int
@@ -79,7 +79,7 @@ class FragmentProfile:
             autograd keeps them alive until then, whether or not the caller does (in a
             multi-fragment step, a fragment's input is often the last one's output, dropped).
         param_grads: each parameter's gradient, by input position, device and host ones; a
-            step with several calls that read one parameter sums them (``passes/step.py``).
+            step with several calls that read one parameter sums them (``analysis/step_model.py``).
         saved_view_inputs: positions of activation inputs the backward reads that are views
             into a larger storage (not in ``saved_input_bytes``): autograd keeps that whole
             storage alive, which the step's replay counts once per storage (by address).
@@ -94,7 +94,7 @@ class FragmentProfile:
             activation input (not a parameter or buffer) in storage it allocates (a gradient
             that is the incoming one passed through costs nothing). Calls reading one input
             (every expert of a layer reads its expert input) add to one gradient, which the
-            autograd engine holds between their backwards (``passes/step.py``).
+            autograd engine holds between their backwards (``analysis/step_model.py``).
         backward_handed_peak: the backward's peak (as ``backward.peak_bytes``) when its
             incoming gradients die at their last use, as they do when another fragment's
             backward made them: the autograd engine hands them over and AOT's backward keeps no
@@ -451,7 +451,7 @@ def profile_fragment(
             (copied back by AOT's epilogue, then dropped).
         num_user_outputs: the user-visible outputs after those (intermediate bases included).
         forward_workspace, backward_workspace: measured kernel scratch per node name of each
-            graph (see passes/workspace.py); ``None``: not measured (the profile says so).
+            graph (see analysis/workspace.py); ``None``: not measured (the profile says so).
         clone_workspace: measures the scratch of AccumulateGrad's copy of a gradient (a fake
             tensor) into its parameter's layout; counted with the largest such copy.
         dropped_outputs: positions among the forward's outputs of user outputs the caller
@@ -554,7 +554,7 @@ def profile_fragment(
                 activation_grads.append((i, sum(ids.nbytes(s) for s in fresh)))
             continue
         # Gradients of host-placed parameters leave through memcompile::offload
-        # (passes/params.py): they are host-tier memory, never part of the device's grads.
+        # (rewrites/params.py): they are host-tier memory, never part of the device's grads.
         node = grad_nodes[i]
         host = isinstance(node, fx.Node) and node.target is _OFFLOAD
         sids = [s for s in ids.ids_of(g) if s not in counted]

@@ -29,7 +29,7 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memcompile.passes.analysis import sym_to_int, tensor_vals
+from memcompile.analysis.graph import sym_to_int, tensor_vals
 from memcompile.runtime.measure import allocation_trace
 from memcompile.runtime.ops import HOST_RESULTS
 
@@ -261,7 +261,7 @@ def probe_workspaces(gm: fx.GraphModule) -> dict[str, int] | None:
             _cache.update(_run_probes(list(jobs.items()), device))
         log.debug("probed %d distinct ops for workspace", len(jobs))
     found = {name: _cache[key] for name, key in keys.items() if _cache.get(key, 0) > 0}
-    # memcompile's own kernels state their scratch (e.g. passes/losshead.py): no probe needed.
+    # memcompile's own kernels state their scratch (e.g. rewrites/losshead.py): no probe needed.
     for node in gm.graph.nodes:
         if node.meta.get("memcompile_workspace"):
             found[node.name] = int(node.meta["memcompile_workspace"])

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from memcompile.passes.analysis import StorageIds, node_cost, sym_to_int, tensor_vals
-from memcompile.passes.costmodel import DeviceProfile
+from memcompile.analysis.costmodel import DeviceProfile
+from memcompile.analysis.graph import StorageIds, node_cost, sym_to_int, tensor_vals
 from memcompile.runtime.ops import TIERS
 
 log = logging.getLogger(__name__)

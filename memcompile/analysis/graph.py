@@ -44,6 +44,8 @@ __all__ = [
     "StorageProfile",
     "bound_sizes",
     "covers_storage",
+    "draws_random",
+    "has_effect",
     "is_host_value",
     "node_cost",
     "profile_graph",
@@ -211,7 +213,7 @@ class NodeProfile:
         storages: storage ids of the node's tensor outputs (aliases included).
         new_bytes: bytes of tracked storages this node allocates.
         workspace_bytes: scratch its kernel allocates and frees within the call (measured, see
-            passes/workspace.py).
+            analysis/workspace.py).
         freed_bytes: bytes dropped right after it.
         live_bytes: tracked bytes live while it runs (inputs still held + its new outputs +
             its workspace).
@@ -468,7 +470,7 @@ def profile_graph(
         persistent_storages: storage ids (from ``ids``) that are never tracked, e.g. the forward's
             persistent inputs when profiling the matching backward.
         ids: a shared :class:`StorageIds` to keep ids consistent across graphs.
-        workspace: scratch bytes per node name (``passes.workspace.probe_workspaces``), live
+        workspace: scratch bytes per node name (``analysis.workspace.probe_workspaces``), live
             only while that node runs; ``None``: not measured (the profile says so).
     """
     workspace_measured = workspace is not None
@@ -559,3 +561,38 @@ def profile_graph(
         " (approximate: symbolic sizes)" if approx else "",
     )
     return profile
+
+
+def draws_random(node: fx.Node) -> bool:
+    """The op draws from the random generator when it runs.
+
+    Ops tagged ``nondeterministic_seeded`` do, except those whose only randomness is a
+    ``dropout_p`` argument that is 0 here: the attention kernels
+    (``_scaled_dot_product_flash_attention[_for_cpu]``, ``_efficient_attention``, ...) carry the
+    tag for their optional dropout, and ``F.scaled_dot_product_attention`` without dropout
+    passes ``dropout_p=0.0``. Such a call is as deterministic as a matmul, so it may be
+    recomputed (what checkpointing does) and reordered.
+    """
+    target = node.target
+    if not (
+        isinstance(target, torch._ops.OpOverload)
+        and torch.Tag.nondeterministic_seeded in target.tags
+    ):
+        return False
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name != "dropout_p":
+            continue
+        if arg.kwarg_only or i >= len(node.args):
+            value = node.kwargs.get(arg.name, arg.default_value)
+        else:
+            value = node.args[i]
+        # Only a literal 0 counts: a symbolic or traced probability may be non-zero.
+        return not (isinstance(value, (int, float)) and value == 0)
+    return True
+
+
+def has_effect(node: fx.Node) -> bool:
+    """Random (draws from the generator) or impure (mutates, communicates)."""
+    if draws_random(node):
+        return True
+    return node.op == "call_function" and node.is_impure(impure_random=False)

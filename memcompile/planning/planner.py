@@ -50,7 +50,7 @@ target has already made when it ended above it).
 The cap is for fragments of a multi-fragment step whose saved sets are held while *other*
 fragments run (an MoE expert called eight times, a tree cell called per node): their own graph
 peak does not show those bytes, so a target alone never makes them give any up
-(``backends/replan.py`` sets the cap when it re-plans a step predicted over budget).
+(``planning/replan.py`` sets the cap when it re-plans a step predicted over budget).
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ from collections.abc import Collection, Hashable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from memcompile.passes.joint import JointEval, JointModel
-from memcompile.passes.plan import Action, FragmentPlan, TensorDecision
+from memcompile.analysis.joint_model import JointEval, JointModel
+from memcompile.planning.plan import Action, FragmentPlan, TensorDecision
 
 log = logging.getLogger(__name__)
 
@@ -470,7 +470,7 @@ def search_saved_set(
             (:meth:`JointModel.held_bytes`: saved storages not swapped, activation inputs the
             backward reads), ``None``: no cap. In a multi-fragment step those bytes are held
             while other fragments run, where this graph's own peak does not show them
-            (``backends/replan.py``).
+            (``planning/replan.py``).
 
     Raises:
         ValueError: ``saved_cap`` is negative.

@@ -32,18 +32,19 @@ import torch
 from torch import fx
 from torch._functorch import partitioners as P
 
-from memcompile.passes.analysis import (
+from memcompile.analysis.costmodel import DeviceProfile
+from memcompile.analysis.graph import (
     StorageIds,
     covers_storage,
+    draws_random,
+    has_effect,
     is_host_value,
     node_cost,
     tensor_vals,
 )
-from memcompile.passes.costmodel import DeviceProfile
-from memcompile.passes.liveness import Liveness, Replayed
-from memcompile.passes.schedule import draws_random, has_effect
-from memcompile.passes.schedule import schedule as schedule_nodes
-from memcompile.passes.schedule import sink as sink_order
+from memcompile.analysis.liveness import Liveness, Replayed
+from memcompile.analysis.schedule import schedule as schedule_nodes
+from memcompile.analysis.schedule import sink as sink_order
 
 log = logging.getLogger(__name__)
 
@@ -181,8 +182,8 @@ class JointModel:
         self.storages = [ids.ids_of(n.meta.get("val")) for n in nodes]
         self.nbytes = [ids.nbytes(s) for s in range(len(ids._nbytes))]
         # Parameters, buffers, user inputs and module constants: held by the caller, untracked;
-        # so are copies sent to the host (a host-placed parameter's gradient, passes/params.py,
-        # and a loss head's log-softmax, passes/linearce.py).
+        # so are copies sent to the host (a host-placed parameter's gradient, rewrites/params.py,
+        # and a loss head's log-softmax, rewrites/linearce.py).
         self.persistent: frozenset[int] = frozenset(
             s
             for i, n in enumerate(nodes)
@@ -333,7 +334,7 @@ class JointModel:
         return frozenset(out)
 
     def fetched_copies(self) -> frozenset[int]:
-        """Storages of device copies of host-placed parameters (``passes/params.py``'s fetches
+        """Storages of device copies of host-placed parameters (``rewrites/params.py``'s fetches
         of a graph input): fetched again for the backward by default, as ZeRO-Offload does,
         rather than kept from the forward (a recurrent cell would keep one per time step)."""
         return frozenset(

@@ -116,11 +116,11 @@ from torch import fx
 from torch._guards import detect_fake_mode
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memcompile.passes.context import PassContext
-from memcompile.passes.inplace import FORWARD_OPS, OPS, owned_nodes
-from memcompile.passes.rebuild import rebuilt_module, refresh_view, storage_refs
-from memcompile.passes.rematerialize import written_between
-from memcompile.passes.workspace import materialize
+from memcompile.analysis.workspace import materialize
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.inplace import FORWARD_OPS, OPS, owned_nodes
+from memcompile.rewrites.rebuild import rebuilt_module, refresh_view, storage_refs
+from memcompile.rewrites.rematerialize import written_between
 
 log = logging.getLogger(__name__)
 

@@ -53,10 +53,10 @@ from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import memcompile.runtime.losshead as kernels
-from memcompile.passes.analysis import sym_to_int
-from memcompile.passes.context import PassContext
-from memcompile.passes.costmodel import DeviceProfile
-from memcompile.passes.rebuild import alias_nodes, rebuilt_module, refresh_view, storage_refs
+from memcompile.analysis.costmodel import DeviceProfile
+from memcompile.analysis.graph import sym_to_int
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.rebuild import alias_nodes, rebuilt_module, refresh_view, storage_refs
 
 log = logging.getLogger(__name__)
 

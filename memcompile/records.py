@@ -1,51 +1,37 @@
-"""What memcompile remembers about each fragment Dynamo hands it.
+"""What memcompile records about each fragment and each step, for the report, the pilot and viz.
 
-A *fragment* is one ``fx.GraphModule`` given to the backend. Its identity must not depend on the
-order in which frames were first seen (Dynamo's ``compile_id`` does), so :func:`fragment_identity`
-hashes the graph's structure, the inputs' metadata and the parameter sources:
+Compiling writes these; everything later reads them (``MemCompiler.fragments``): nothing the
+report, the CLI or the notebooks show is recomputed.
 
-    for node in graph:  hash(op, qualified target, args with nodes as indices)
-    for placeholder:    + shape / stride / dtype / device / requires_grad + Dynamo source name
-
-Sizes that are symbolic print as their symbols (``s77``), which are stable for a given program.
+    FragmentRecord   one fragment: identity, where Dynamo cut it, profile, plan, call counts
+    RecordIndex      records by index, for per-call lookups on the hot path
+    StepEvent        one fragment call in a step: (index, kind, block key)
+    SizeKey          the values of a fragment's size symbols at one call
 """
 
 from __future__ import annotations
 
-import hashlib
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-import torch
-from torch import fx
-
-from memcompile.passes.analysis import target_name
-from memcompile.passes.fragment import FragmentProfile
-from memcompile.passes.plan import FragmentPlan
+from memcompile.analysis.fragment_profile import FragmentProfile
+from memcompile.planning.plan import FragmentPlan
 
 __all__ = [
     "FragmentIdentity",
     "FragmentRecord",
     "FragmentStats",
-    "fragment_identity",
-    "parameter_name",
+    "RecordIndex",
+    "SizeKey",
+    "StepEvent",
 ]
 
-_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
-_DTYPES = {
-    torch.float32: "f32",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.float64: "f64",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.int16: "i16",
-    torch.int8: "i8",
-    torch.uint8: "u8",
-    torch.bool: "b8",
-}
+#: One fragment call in a training step: (fragment index, "forward" | "backward" | "inference",
+#: block key). The block key tells apart calls of one graph with different parameters (one
+#: compiled graph serves every expert): the address of the first parameter, 0 if none.
+StepEvent = tuple[int, str, int]
+#: The values of a fragment's size symbols at one call (empty: static sizes).
+SizeKey = tuple[int, ...]
 
 
 @dataclass
@@ -122,7 +108,7 @@ class FragmentRecord:
         default=None, compare=False, repr=False
     )
     #: Positions of inputs whose several contributions its backward graph sums
-    #: (``InputSplit.summed``, passes/input_uses.py).
+    #: (``InputSplit.summed``, rewrites/input_uses.py).
     summed_inputs: tuple[int, ...] = ()
     hostable: frozenset[int] = frozenset()
 
@@ -152,74 +138,3 @@ class RecordIndex:
 
     def clear(self) -> None:
         self._by_index.clear()
-
-
-def _fmt(x: Any, index: dict[fx.Node, int]) -> str:
-    if isinstance(x, fx.Node):
-        return f"%{index[x]}"
-    if isinstance(x, (list, tuple)):
-        inner = ", ".join(_fmt(a, index) for a in x)
-        return f"[{inner}]" if isinstance(x, list) else f"({inner})"
-    if isinstance(x, dict):
-        return (
-            "{"
-            + ", ".join(
-                f"{k}: {_fmt(v, index)}" for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))
-            )
-            + "}"
-        )
-    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return str(x)
-    if callable(x) and not isinstance(x, type):
-        return target_name(x)
-    return _ADDRESS.sub("0x?", repr(x))
-
-
-def _value_meta(v: Any) -> str:
-    if isinstance(v, torch.Tensor):
-        dtype = _DTYPES.get(v.dtype, str(v.dtype).removeprefix("torch."))
-        shape = ", ".join(str(s) for s in v.shape)
-        stride = ", ".join(str(s) for s in v.stride())
-        grad = " grad" if v.requires_grad else ""
-        return f"{dtype}[{shape}]@{v.device.type} stride=({stride}){grad}"
-    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return f"{type(v).__name__}({v})"
-    return type(v).__name__
-
-
-def parameter_name(source: str) -> str:
-    """A Dynamo source as the module's parameter name where it is one:
-    ``L['self']._modules['w_hh']._parameters['weight']`` -> ``w_hh.weight``."""
-    name = re.sub(r"\._(?:modules|parameters|buffers)\['([^']*)'\]", r".\1", source)
-    name = re.sub(r"^L\['self'\]\.", "", name)
-    return name or source
-
-
-def _source_name(node: fx.Node) -> str:
-    grapharg = node.meta.get("grapharg")
-    source = getattr(grapharg, "source", None)
-    return source.name if source is not None else node.name
-
-
-def fragment_identity(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> FragmentIdentity:
-    """Structural identity of a Dynamo graph (see the module docstring)."""
-    h = hashlib.sha256()
-    index: dict[fx.Node, int] = {}
-    sources: list[str] = []
-    metas: list[str] = []
-    placeholders = 0
-    for i, n in enumerate(gm.graph.nodes):
-        index[n] = i
-        parts = [n.op, target_name(n.target), _fmt(n.args, index), _fmt(n.kwargs, index)]
-        if n.op == "placeholder":
-            val = n.meta.get("example_value", n.meta.get("val"))
-            if val is None and placeholders < len(example_inputs):
-                val = example_inputs[placeholders]
-            placeholders += 1
-            meta, src = _value_meta(val), _source_name(n)
-            sources.append(src)
-            metas.append(meta)
-            parts += [meta, src]
-        h.update("\x1f".join(parts).encode())
-        h.update(b"\x1e")
-    return FragmentIdentity(h.hexdigest()[:16], tuple(sources), tuple(metas))

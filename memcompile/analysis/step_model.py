@@ -26,7 +26,7 @@ what ``accumulate`` prices: the engine sums the two out of place, so the sum (th
 size) exists next to the old sum and the new gradient (the call's outputs stay alive until all
 are summed) before the old one is freed; the largest such sum of the call is its transient
 (or the largest AccumulateGrad layout copy, whichever is larger). A host-placed parameter's
-gradient arrives in the host tier (``passes/params.py``), but autograd's sum of two host
+gradient arrives in the host tier (``rewrites/params.py``), but autograd's sum of two host
 gradients is a new device tensor: from the second contribution on, that parameter's gradient
 is device memory until its last contribution, when AccumulateGrad's hook sends it back to the
 host.
@@ -52,8 +52,8 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from memcompile.passes.analysis import GraphProfile
-from memcompile.passes.fragment import FragmentProfile, ParamGrad
+from memcompile.analysis.fragment_profile import FragmentProfile, ParamGrad
+from memcompile.analysis.graph import GraphProfile
 
 __all__ = ["CacheUse", "OutputLife", "StepPrediction", "cache_peak", "simulate_step"]
 
@@ -69,7 +69,7 @@ class StepPrediction:
         exact: the step is one fragment called once forward and once backward (the model is exact).
         own_peaks: each call's own graph peak within its call peak (the forward's, or the
             backward's with its gradient accumulation); ``None`` where the call runs no graph.
-            The rest of ``call_peaks`` is what the step holds around it (backends/replan.py).
+            The rest of ``call_peaks`` is what the step holds around it (planning/replan.py).
     """
 
     peak: int
@@ -104,8 +104,8 @@ def _call_grads(
     return [(_grad_key(index, block, g, storages), g) for g in prof.param_grads]
 
 
-#: As profiles name them: the pilot's in-graph prediction and copy (``passes/pilot_prefetch.py``),
-#: and the fetch of a host-placed parameter (``passes/params.py``; forward graphs reload nothing
+#: As profiles name them: the pilot's in-graph prediction and copy (``rewrites/pilot_prefetch.py``),
+#: and the fetch of a host-placed parameter (``rewrites/params.py``; forward graphs reload nothing
 #: else).
 _PILOT_PREFETCH = "memcompile.pilot_prefetch.default"
 _FETCH = "memcompile.reload.default"

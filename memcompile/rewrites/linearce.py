@@ -66,10 +66,10 @@ from torch._guards import detect_fake_mode
 from torch.utils._python_dispatch import _disable_current_modes
 
 import memcompile.runtime.linearce as kernels
-from memcompile.passes.context import PassContext
-from memcompile.passes.costmodel import DeviceProfile
-from memcompile.passes.rebuild import alias_nodes, rebuilt_module, refresh_view, storage_refs
-from memcompile.passes.workspace import PROBE_META, materialize
+from memcompile.analysis.costmodel import DeviceProfile
+from memcompile.analysis.workspace import PROBE_META, materialize
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.rebuild import alias_nodes, rebuilt_module, refresh_view, storage_refs
 
 log = logging.getLogger(__name__)
 

@@ -81,7 +81,7 @@ import torch
 from scipy.optimize import Bounds, LinearConstraint, OptimizeResult, milp
 from scipy.sparse import coo_array
 
-from memcompile.passes.joint import _FW, _PRIMAL, _TANGENT, JointEval, JointModel
+from memcompile.analysis.joint_model import _FW, _PRIMAL, _TANGENT, JointEval, JointModel
 
 log = logging.getLogger(__name__)
 

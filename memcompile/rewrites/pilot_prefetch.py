@@ -50,12 +50,12 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from memcompile.dynamic.trace import MAX_OUTPUT_ELEMENTS, MAX_OUTPUTS, READ_DEVICES
+from memcompile.analysis.costmodel import DeviceProfile
+from memcompile.analysis.graph import StorageIds, sym_to_int
+from memcompile.analysis.timeline import OFFLOAD, RELOAD, copy_seconds, node_seconds
 from memcompile.errors import format_bytes
-from memcompile.passes.analysis import StorageIds, sym_to_int
-from memcompile.passes.context import PassContext
-from memcompile.passes.costmodel import DeviceProfile
-from memcompile.passes.timeline import OFFLOAD, RELOAD, copy_seconds, node_seconds
+from memcompile.rewrites.context import PassContext
+from memcompile.runtime.small_ints import MAX_OUTPUT_ELEMENTS, MAX_OUTPUTS, READ_DEVICES
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ __all__ = [
 
 PILOT_PREFETCH = torch.ops.memcompile.pilot_prefetch.default
 
-# Integer dtypes the predictor reads (as dynamic/trace.py's small_int_outputs: not bool, masks).
+# Integer dtypes the predictor reads (as runtime/small_ints.py's small_int_outputs: not bool,
+# masks).
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
@@ -123,7 +124,7 @@ class PilotPrefetchPlan:
 
 
 def observed_outputs(gm: fx.GraphModule) -> tuple[fx.Node, ...]:
-    """The output nodes that ``small_int_outputs`` (dynamic/trace.py) may read at run time, in
+    """The output nodes that ``small_int_outputs`` (runtime/small_ints.py) may read at run time, in
     output order (repeats kept): CPU and CUDA integer tensors with 1 to ``MAX_OUTPUT_ELEMENTS``
     elements (CPU ones whose count is symbolic too), up to ``MAX_OUTPUTS`` certain ones. Passing
     exactly these keeps the predictor's view, output positions included, the same as at the

@@ -46,17 +46,27 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-import torch
-from torch import fx
+from memcompile.analysis.liveness import Replayed
 
-from memcompile.passes.liveness import Replayed
+__all__ = ["JointFacts", "schedule", "sink"]
 
-if TYPE_CHECKING:
-    from memcompile.passes.joint import JointModel
 
-__all__ = ["draws_random", "has_effect", "schedule", "sink"]
+class JointFacts(Protocol):
+    """What the scheduler reads of a joint model (``joint_model.JointModel``), per node and
+    storage: the model imports this module, so it is typed by what is read, not imported."""
+
+    inputs: list[tuple[int, ...]]
+    users: list[list[int]]
+    storages: list[tuple[int, ...]]
+    nbytes: list[int]
+    persistent: frozenset[int]
+    input_storages: list[frozenset[int]]
+    has_effect: list[bool]
+
+    def nodes_holding(self, storage: int) -> tuple[int, ...]: ...
+
 
 # Chains scored ahead: at most this many users followed from each node.
 _BRANCH = 4
@@ -67,43 +77,8 @@ _SINK_TRIES = 8
 _SINK_REPLAYS = 48
 
 
-def draws_random(node: fx.Node) -> bool:
-    """The op draws from the random generator when it runs.
-
-    Ops tagged ``nondeterministic_seeded`` do, except those whose only randomness is a
-    ``dropout_p`` argument that is 0 here: the attention kernels
-    (``_scaled_dot_product_flash_attention[_for_cpu]``, ``_efficient_attention``, ...) carry the
-    tag for their optional dropout, and ``F.scaled_dot_product_attention`` without dropout
-    passes ``dropout_p=0.0``. Such a call is as deterministic as a matmul, so it may be
-    recomputed (what checkpointing does) and reordered.
-    """
-    target = node.target
-    if not (
-        isinstance(target, torch._ops.OpOverload)
-        and torch.Tag.nondeterministic_seeded in target.tags
-    ):
-        return False
-    for i, arg in enumerate(target._schema.arguments):
-        if arg.name != "dropout_p":
-            continue
-        if arg.kwarg_only or i >= len(node.args):
-            value = node.kwargs.get(arg.name, arg.default_value)
-        else:
-            value = node.args[i]
-        # Only a literal 0 counts: a symbolic or traced probability may be non-zero.
-        return not (isinstance(value, (int, float)) and value == 0)
-    return True
-
-
-def has_effect(node: fx.Node) -> bool:
-    """Random (draws from the generator) or impure (mutates, communicates)."""
-    if draws_random(node):
-        return True
-    return node.op == "call_function" and node.is_impure(impure_random=False)
-
-
 def schedule(
-    model: JointModel,
+    model: JointFacts,
     nodes: Sequence[int],
     *,
     entry: Iterable[int] = (),
@@ -340,7 +315,7 @@ def schedule(
 
 
 def sink(
-    model: JointModel,
+    model: JointFacts,
     order: Sequence[int],
     replay: Callable[[Sequence[int]], Replayed],
     replayed: Replayed | None = None,
@@ -407,7 +382,7 @@ def sink(
 
 
 def _sink_move(
-    model: JointModel, order: list[int], position: dict[int, int], start: int, at: int
+    model: JointFacts, order: list[int], position: dict[int, int], start: int, at: int
 ) -> list[int] | None:
     """``order`` with the node at ``start`` and its views moved to right before their first
     other reader, if that reader runs after position ``at`` and the move is legal; else None."""

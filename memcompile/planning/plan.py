@@ -61,11 +61,11 @@ class FragmentPlan:
         swap_stall: predicted seconds the backward's compute stream waits for reloads once
             prefetched (two-stream timeline, ``timeline.py``); ``None`` without swaps.
         host_params: joint-graph input names of the parameters kept in the host tier and
-            fetched before each use (``offload_params``, ``passes/params.py``).
+            fetched before each use (``offload_params``, ``rewrites/params.py``).
         saved_cap: bytes the plan was asked to hold at most from forward to backward (its
             kept tensors and ``saved_input_bytes``), ``None``: no cap. A re-plan of a step over
             budget sets it for fragments whose saved sets are held while others run
-            (``backends/replan.py``); ``feasible`` requires it too.
+            (``planning/replan.py``); ``feasible`` requires it too.
         saved_input_bytes: activation inputs the backward reads (autograd holds them as it
             holds the kept tensors).
         rematerialized: ``(node, before)`` pairs of the built backward graph: ``node`` (a

@@ -15,7 +15,7 @@ from typing import Any
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from memcompile.passes.analysis import tensor_vals
+from memcompile.analysis.graph import tensor_vals
 
 __all__ = ["alias_nodes", "rebuilt_module", "refresh_view", "storage_refs"]
 

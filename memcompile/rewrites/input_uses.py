@@ -71,7 +71,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
 
-from memcompile.passes.context import PassContext
+from memcompile.rewrites.context import PassContext
 
 log = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@
 Dynamo hands memcompile one fragment at a time, and each is planned when it is compiled: a
 fragment compiled first knows nothing of those compiled after it (their parameters, gradients and
 saved activations), and later ones count the earlier ones only as an upper bound. After a step,
-``MemCompiler`` replays it (``passes/step.py``); when the predicted step peak is over the budget,
-this module decides which fragments to plan again and with what they must leave room for:
+``MemCompiler`` replays it (``analysis/step_model.py``); when the predicted step peak is over the
+budget, this module decides which fragments to plan again and with what they must leave room for:
 
     prediction = simulate_step(...)                 call_peaks[c]: absolute peak during call c
     own[c]     = F's graph peak in call c           StepPrediction.own_peaks (the forward's, or
@@ -50,8 +50,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from memcompile.passes.fragment import FragmentProfile
-from memcompile.passes.step import StepPrediction
+from memcompile.analysis.fragment_profile import FragmentProfile
+from memcompile.analysis.step_model import StepPrediction
 
 log = logging.getLogger(__name__)
 

@@ -66,8 +66,8 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from memcompile.passes.context import PassContext
-from memcompile.passes.rebuild import rebuilt_module
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.rebuild import rebuilt_module
 from memcompile.runtime.rng import STATE_BYTES
 
 log = logging.getLogger(__name__)

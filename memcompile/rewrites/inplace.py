@@ -70,9 +70,9 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from memcompile.passes.analysis import covers_storage, sym_to_int
-from memcompile.passes.context import PassContext
-from memcompile.passes.rebuild import rebuilt_module, refresh_view, storage_refs
+from memcompile.analysis.graph import covers_storage, sym_to_int
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.rebuild import rebuilt_module, refresh_view, storage_refs
 
 log = logging.getLogger(__name__)
 

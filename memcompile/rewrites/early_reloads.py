@@ -27,10 +27,9 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from memcompile.passes.analysis import GraphProfile, StorageIds
-from memcompile.passes.context import PassContext
-from memcompile.passes.costmodel import DeviceProfile
-from memcompile.passes.timeline import (
+from memcompile.analysis.costmodel import DeviceProfile
+from memcompile.analysis.graph import GraphProfile, StorageIds
+from memcompile.analysis.timeline import (
     RELOAD,
     WAIT,
     Timeline,
@@ -39,6 +38,7 @@ from memcompile.passes.timeline import (
     node_seconds,
     simulate,
 )
+from memcompile.rewrites.context import PassContext
 
 log = logging.getLogger(__name__)
 

@@ -62,10 +62,9 @@ from torch._guards import detect_fake_mode
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from memcompile.passes.analysis import GraphProfile, tensor_vals
-from memcompile.passes.context import PassContext
-from memcompile.passes.rebuild import refresh_view
-from memcompile.passes.schedule import has_effect
+from memcompile.analysis.graph import GraphProfile, has_effect, tensor_vals
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.rebuild import refresh_view
 
 log = logging.getLogger(__name__)
 

@@ -1,1 +1,0 @@
-"""Graph analyses and (later) planning and rewrite passes over AOT forward/backward graphs."""
