@@ -46,11 +46,11 @@ def _digest(plan: Any) -> str:
 def run(model: str, size: str, budget: int | str, steps: int, options: dict[str, Any]) -> dict:
     """Time ``steps`` budgeted steps of zoo ``model`` and every planner call in them."""
     import memcompile
-    import memcompile.backends.compiler as compiler
+    import memcompile.pipeline.search as search
     from memcompile import zoo
 
     calls: list[dict[str, Any]] = []
-    plan_fragment = compiler.plan_fragment
+    plan_fragment = search.plan_fragment
 
     def timed(joint_model: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -70,7 +70,7 @@ def run(model: str, size: str, budget: int | str, steps: int, options: dict[str,
         print(f"  plan {len(calls)}: {calls[-1]}", file=sys.stderr, flush=True)
         return plan
 
-    compiler.plan_fragment = timed
+    search.plan_fragment = timed
     try:
         wl = zoo.build(model, size=size)
         compiled = memcompile.compile(
@@ -85,7 +85,7 @@ def run(model: str, size: str, budget: int | str, steps: int, options: dict[str,
                 step_seconds.append(round(time.perf_counter() - start, 1))
                 print(f"step {step}: {step_seconds[-1]} s", file=sys.stderr, flush=True)
     finally:
-        compiler.plan_fragment = plan_fragment
+        search.plan_fragment = plan_fragment
     return dict(
         model=model,
         size=size,

@@ -19,7 +19,7 @@ per predictor, in one process:
 * ``pilot``: ``pilot="lightgbm"``, the online Pilot (LightGBM, Markov below its threshold),
   trained inline after ``--warmup`` steps and every 5 steps after (deterministic swap points).
 * ``markov, tail`` and ``pilot, tail``: the same with the prediction at each fragment's tail
-  (``compiler.PILOT_IN_GRAPH = False``, as before the in-graph op): the same predictions and
+  (``features.pilot_in_graph`` off, as before the in-graph op): the same predictions and
   copies, issued after the graph instead of inside it.
 * ``pilot, sync`` (``--device cuda`` only): the ``pilot`` run with the prefetches copied on the
   compute stream (``PrefetchCache(asynchronous=False)``): what the side stream buys.
@@ -71,9 +71,9 @@ sys.path.insert(0, str(ROOT))
 from machine import describe_machine  # noqa: E402
 
 import memcompile  # noqa: E402
-from memcompile.backends import compiler as compiler_module  # noqa: E402
 from memcompile.dynamic import prefetch  # noqa: E402
 from memcompile.dynamic.pilot import Prediction  # noqa: E402
+from memcompile.pipeline import features  # noqa: E402
 from memcompile.report import find_compiler  # noqa: E402
 from memcompile.zoo.moe import moe_settings, moe_workload  # noqa: E402
 
@@ -118,12 +118,17 @@ class Replay:
 
 
 def run(kind: str, args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
+    # ", tail": the pilot predicts at the fragments' tails, not inside their graphs.
+    with features.patch(pilot_in_graph=not kind.endswith(", tail")):
+        return _run(kind, args)
+
+
+def _run(kind: str, args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
     torch._dynamo.reset()
     sizes = {"batch": args.batch, "seq_len": args.seq_len, **args.sizes}
     wl = moe_workload(args.size, 0, **sizes).to(args.device)
     base = kind.removesuffix(", tail").removesuffix(", sync")
     pilot = {"off": "off", "pilot": "lightgbm"}.get(base, "markov")
-    compiler_module.PILOT_IN_GRAPH = not kind.endswith(", tail")
     compiled = memcompile.compile(
         wl.model, offload_params=True, pilot=pilot, device_profile=args.profile
     )
@@ -151,7 +156,6 @@ def run(kind: str, args: argparse.Namespace) -> tuple[dict[str, Any], list[float
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
     rep = memcompile.report(compiled)
-    compiler_module.PILOT_IN_GRAPH = True
     row: dict[str, Any] = {"predictor": kind, "step_ms_p50": 1000 * statistics.median(times[2:])}
     if rep.pilot is not None:
         row.update(rep.pilot.to_dict())
@@ -256,7 +260,7 @@ def main() -> None:
         "the time a GPU's compute stream would wait for the forward's parameter copies, per "
         "step (mean over the run), and of it the waits for prefetched copies issued too late "
         "to hide (late; the rest is misses, copied on demand). `, tail`: the prediction at "
-        "each fragment's tail, as before the in-graph op (`PILOT_IN_GRAPH = False`); the "
+        "each fragment's tail, as before the in-graph op (`features.pilot_in_graph` off); the "
         "predictions and copies are the same, only where they are issued differs.",
         "",
         "| predictor | next-block acc. | 2-ahead acc. | hit rate | wasted | prefetched | "

@@ -11,6 +11,7 @@ report, the CLI or the notebooks show is recomputed.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ __all__ = [
     "RecordIndex",
     "SizeKey",
     "StepEvent",
+    "parameter_name",
 ]
 
 #: One fragment call in a training step: (fragment index, "forward" | "backward" | "inference",
@@ -138,3 +140,11 @@ class RecordIndex:
 
     def clear(self) -> None:
         self._by_index.clear()
+
+
+def parameter_name(source: str) -> str:
+    """A Dynamo source as the module's parameter name where it is one:
+    ``L['self']._modules['w_hh']._parameters['weight']`` -> ``w_hh.weight``."""
+    name = re.sub(r"\._(?:modules|parameters|buffers)\['([^']*)'\]", r".\1", source)
+    name = re.sub(r"^L\['self'\]\.", "", name)
+    return name or source

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import memcompile
+from memcompile.pipeline import features
 from memcompile.report import find_compiler
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -237,9 +238,8 @@ def test_step_peak_equals_eager_peak_when_nothing_is_planned(monkeypatch) -> Non
     # calling convention (saved activations kept alive through the backward) would show here.
     # (With the GELU gradient in place memcompile's peak is lower than eager's: compared
     # without it.)
-    import memcompile.backends.compiler as compiler_mod
 
-    monkeypatch.setattr(compiler_mod, "ELEMENTWISE_IN_PLACE", False)
+    monkeypatch.setattr(features, "FEATURES", features.FEATURES.replace(elementwise_in_place=False))
     torch.manual_seed(0)
     model = MLP(256)
     x = torch.randn(512, 256)

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from memcompile.cli import main
+from memcompile.pipeline import features
 from memcompile.planning.plan import MemoryPlan
 
 import cli_targets
@@ -52,10 +53,9 @@ def assert_one_line_error(code: int, err: str, *needles: str) -> None:
 def _out_of_place() -> Iterator[None]:
     # The expectations below (one recompute at 90 %, gelu in the decision table) were set with
     # the backward's elementwise ops out of place; in place, the MLP fits 85 % with no plan.
-    import memcompile.backends.compiler as compiler_mod
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(compiler_mod, "ELEMENTWISE_IN_PLACE", False)
+        mp.setattr(features, "FEATURES", features.FEATURES.replace(elementwise_in_place=False))
         yield
 
 

@@ -13,8 +13,8 @@ import torch
 
 import memcompile
 from memcompile import zoo
-from memcompile.backends import compiler as compiler_module
 from memcompile.dynamic import prefetch
+from memcompile.pipeline import features
 from memcompile.report import MemReport, find_compiler
 from memcompile.runtime.cache import PrefetchCache
 from memcompile.runtime.store import TieredStore, register_store
@@ -148,7 +148,7 @@ def test_optimizer_state_created_after_compilation_is_reported() -> None:
 def test_cuda_rebuilt_dropout_is_bit_identical(monkeypatch) -> None:
     # The dropout pass rebuilds outputs as x * mask * scale with CUDA's float scale; forced on,
     # a whole training step must still match eager bit for bit on the GPU.
-    monkeypatch.setattr(compiler_module, "DROPOUT_REWRITE", "always")
+    monkeypatch.setattr(features, "FEATURES", features.FEATURES.replace(dropout_rewrite="always"))
     budget = _budget("gpt", 0.75)
     compiled, _, measured = train_under_budget("gpt", "sgd", budget, device="cuda", swap=False)
     rep = memcompile.report(compiled)

@@ -13,6 +13,7 @@ from torch import nn
 
 import memcompile
 from memcompile import MemoryBudgetWarning, zoo
+from memcompile.pipeline import features
 from memcompile.planning.plan import FragmentPlan
 from memcompile.rewrites.context import PassContext
 from memcompile.rewrites.dropout import SCALED_PREFIX, dropout_pass, dropout_scale
@@ -81,12 +82,10 @@ def test_gpt_under_a_budget_recomputes_dropout_outputs(monkeypatch) -> None:
 
 
 def _tiny_gpt_with_rewrite(monkeypatch, mode: str, fraction: float) -> FragmentPlan:
-    """Train the tiny GPT with ``DROPOUT_REWRITE=mode`` at ``fraction`` of its unplanned
+    """Train the tiny GPT with ``dropout_rewrite=mode`` at ``fraction`` of its unplanned
     predicted peak (bit-identical over 3 Adam steps: train_under_budget); assert the plan fits,
     the allocator stays within the budget and agrees with the prediction; return the plan."""
-    from memcompile.backends import compiler as compiler_module
-
-    monkeypatch.setattr(compiler_module, "DROPOUT_REWRITE", mode)
+    monkeypatch.setattr(features, "FEATURES", features.FEATURES.replace(dropout_rewrite=mode))
     budget = int(predicted_peak("gpt", size="tiny") * fraction)
     torch._dynamo.reset()
     compiled, _, measured = train_under_budget(
@@ -226,10 +225,9 @@ def test_replay_pass_draws_and_replays_every_cpu_dropout() -> None:
 
 
 def test_replayed_masks_stay_bit_identical_and_are_recomputed(monkeypatch) -> None:
-    from memcompile.backends import compiler as compiler_module
     from memcompile.rewrites.dropout import MASK_PREFIX
 
-    monkeypatch.setattr(compiler_module, "DROPOUT_REWRITE", "replay")
+    monkeypatch.setattr(features, "FEATURES", features.FEATURES.replace(dropout_rewrite="replay"))
     x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
     eager = ManyDropouts()
     eager_loss, eager_grads = _grads(eager, x)
@@ -276,9 +274,7 @@ def test_saved_after_names_a_plain_saved_set_in_the_rewritten_graph() -> None:
 
 
 def _smallest_recompute_only_budget(mode: str, monkeypatch) -> int:
-    from memcompile.backends import compiler as compiler_module
-
-    monkeypatch.setattr(compiler_module, "DROPOUT_REWRITE", mode)
+    monkeypatch.setattr(features, "FEATURES", features.FEATURES.replace(dropout_rewrite=mode))
     torch._dynamo.reset()
     wl = zoo.build("gpt", size="bench")
     compiled = memcompile.compile(wl.model, budget=1, swap=False, offload_params=False)

@@ -15,13 +15,15 @@ from torch import fx, nn
 
 import memcompile
 from memcompile import zoo
-from memcompile.backends import compiler as compiler_module
+from memcompile.backends import advice
 from memcompile.backends.compiler import DYNAMIC_RECOMPILE_LIMIT, MemCompiler
 from memcompile.config import MemConfig
 from memcompile.dynamic import prefetch, trace
 from memcompile.dynamic.pilot import Prediction
+from memcompile.pipeline import features
 from memcompile.report import find_compiler
 from memcompile.runtime.cache import PrefetchCache
+from memcompile.step import monitor as step_monitor
 
 from helpers import assert_same_state, train_under_budget
 from predictors import AlwaysWrong
@@ -270,7 +272,7 @@ def test_pilot_auto_stays_off_on_the_cpu_device_and_says_why() -> None:
     rep = _run("moe", "auto", 3)
     assert "symbolic shapes" in rep.dynamic or "parameter sets" in rep.dynamic
     assert rep.pilot is not None and not rep.pilot.enabled and rep.pilot.hit_bytes == 0
-    assert rep.pilot.reason == compiler_module.CPU_AUTO_PILOT_OFF
+    assert rep.pilot.reason == advice.CPU_AUTO_PILOT_OFF
     assert "not running (on the CPU device the pilot prefetches only when asked for" in str(rep)
     assert set(_pilot_ops(rep).values()) == {0}
     assert rep.plan is not None and rep.plan.fragments
@@ -391,7 +393,7 @@ class CountsPredictions(prefetch.MarkovBlocks):
 def _moe_with(
     in_graph: bool, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[memcompile.MemReport, CountsPredictions, list[torch.Tensor]]:
-    monkeypatch.setattr(compiler_module, "PILOT_IN_GRAPH", in_graph)
+    monkeypatch.setattr(features, "FEATURES", features.FEATURES.replace(pilot_in_graph=in_graph))
     torch._dynamo.reset()
     wl = zoo.build("moe", size="tiny")
     compiled = memcompile.compile(
@@ -448,7 +450,7 @@ def test_small_int_outputs_are_read_once_per_call_for_the_recorder_and_the_prefe
         reads.append(outputs)
         return real(outputs)
 
-    for module in (compiler_module, trace, prefetch):  # wherever it might be called from
+    for module in (step_monitor, trace, prefetch):  # wherever it might be called from
         monkeypatch.setattr(module, "small_int_outputs", counting)
     wl.train(compiled, 2)
     calls = sum(r.stats.forward_calls + r.stats.inference_calls for r in compiler.records())
@@ -475,7 +477,7 @@ def test_pilot_auto_says_why_it_stays_off_for_a_cuda_models_pinned_parameters() 
     wl.train(compiled, 3)
     rep = memcompile.report(compiled)
     assert rep.dynamic and rep.pilot is not None and not rep.pilot.enabled
-    assert rep.pilot.reason == compiler_module.CUDA_AUTO_PILOT_OFF
+    assert rep.pilot.reason == advice.CUDA_AUTO_PILOT_OFF
     assert "not running (on CUDA the pilot prefetches only when asked for" in str(rep)
 
 

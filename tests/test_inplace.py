@@ -10,8 +10,9 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import memcompile
-import memcompile.backends.compiler as compiler_mod
+import memcompile.pipeline.search as search
 from memcompile.analysis.workspace import probe_workspaces
+from memcompile.pipeline import features
 from memcompile.rewrites.context import PassContext
 from memcompile.rewrites.inplace import FORWARD_OPS, OPS, find_in_place, in_place_pass
 
@@ -209,8 +210,8 @@ def _train_mlp(in_place: bool, retain: bool = False) -> tuple[int, int]:
     torch.manual_seed(0)
     model, ref = _Mlp(), _Mlp()
     ref.load_state_dict(model.state_dict())
-    old = compiler_mod.ELEMENTWISE_IN_PLACE
-    compiler_mod.ELEMENTWISE_IN_PLACE = in_place
+    old = features.FEATURES
+    features.FEATURES = old.replace(elementwise_in_place=in_place)
     try:
         compiled = memcompile.compile(model, budget=10**9)
         g = torch.Generator().manual_seed(1)
@@ -231,7 +232,7 @@ def _train_mlp(in_place: bool, retain: bool = False) -> tuple[int, int]:
         peak = memcompile.measure_peak(lambda: compiled(x).backward(), resident=[model, x])
         return memcompile.report(compiled).predicted_peak, peak
     finally:
-        compiler_mod.ELEMENTWISE_IN_PLACE = old
+        features.FEATURES = old
 
 
 def test_mlp_trains_bit_identically_and_its_peak_is_predicted_and_lower():
@@ -258,7 +259,7 @@ def rewrites_seen(monkeypatch) -> list[int]:
         seen.append(len(out.meta.get("memcompile_in_place", ())))
         return out
 
-    monkeypatch.setattr(compiler_mod, "in_place_pass", spy)
+    monkeypatch.setattr(search, "in_place_pass", spy)
     return seen
 
 
@@ -345,12 +346,13 @@ def test_built_in_place_lowers_the_zoo_grus_smallest_plan(monkeypatch):
     # backward, and their sigmoid and tanh, recomputed too, write into them. Without it the
     # smallest plan peaks at 197,928 B; with it 189,480 B (here measured within the budget).
     budget = 193_000
-    monkeypatch.setattr(compiler_mod, "ROW_TILING", False)  # its own floor is lower still
-    monkeypatch.setattr(compiler_mod, "BUILT_IN_PLACE", False)
+    # (row tiling off: its own floor is lower still)
+    monkeypatch.setattr(features, "FEATURES", features.FEATURES.replace(row_tiling=False))
+    monkeypatch.setattr(features, "FEATURES", features.FEATURES.replace(built_in_place=False))
     with pytest.raises(memcompile.MemoryBudgetError) as info:
         train_under_budget("gru", "adam", budget, offload_params=True, pilot="off")
     assert info.value.min_feasible > budget
-    monkeypatch.setattr(compiler_mod, "BUILT_IN_PLACE", True)
+    monkeypatch.setattr(features, "FEATURES", features.FEATURES.replace(built_in_place=True))
     # Bit-identical to eager over 3 Adam steps (train_under_budget asserts it).
     compiled, _, measured = train_under_budget(
         "gru", "adam", budget, offload_params=True, pilot="off"

@@ -18,11 +18,11 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch import partitioners as P
 
 import memcompile
-import memcompile.backends.compiler as compiler_mod
 import memcompile.rewrites.linearce as linearce
 import memcompile.runtime.linearce as kernels
 from memcompile import zoo
 from memcompile.analysis.workspace import PROBE_META
+from memcompile.pipeline import features
 from memcompile.planning.plan import FragmentPlan, MemoryPlan
 from memcompile.rewrites.context import PassContext
 
@@ -244,8 +244,8 @@ def _compile_and_train(budget, blocks: bool, **options):
     torch.manual_seed(0)
     model, ref = _Classifier(), _Classifier()
     ref.load_state_dict(model.state_dict())
-    old = compiler_mod.LINEAR_CE_BLOCKS
-    compiler_mod.LINEAR_CE_BLOCKS = blocks
+    old = features.FEATURES
+    features.FEATURES = old.replace(linear_ce_blocks=blocks)
     try:
         compiled = memcompile.compile(model, budget=budget, on_infeasible="error", **options)
         losses = _train(model, compiled, 3)
@@ -256,7 +256,7 @@ def _compile_and_train(budget, blocks: bool, **options):
         peak = memcompile.measure_peak(lambda: compiled(*batch).backward(), resident=[model, batch])
         return compiled, peak, head_op_calls(compiled, model)
     finally:
-        compiler_mod.LINEAR_CE_BLOCKS = old
+        features.FEATURES = old
 
 
 def head_op_calls(compiled, model) -> collections.Counter[str]:
@@ -313,14 +313,14 @@ def test_a_budget_that_fits_without_blocks_does_not_pay_for_them():
 def _zoo_floor(name: str, blocks: bool, **options) -> int:
     torch._dynamo.reset()
     wl = zoo.build(name, size="tiny")
-    old = compiler_mod.LINEAR_CE_BLOCKS
-    compiler_mod.LINEAR_CE_BLOCKS = blocks
+    old = features.FEATURES
+    features.FEATURES = old.replace(linear_ce_blocks=blocks)
     try:
         compiled = memcompile.compile(wl.model, budget=1, on_infeasible="error", **options)
         with pytest.raises(memcompile.MemoryBudgetError) as info:
             compiled(*wl.batch(0)).backward()
     finally:
-        compiler_mod.LINEAR_CE_BLOCKS = old
+        features.FEATURES = old
     return info.value.min_feasible
 
 

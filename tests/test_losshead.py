@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import memcompile
-import memcompile.backends.compiler as compiler_mod
+import memcompile.pipeline.search as search
 from memcompile import zoo
 from memcompile.analysis.costmodel import device_profile
+from memcompile.pipeline import features
 from memcompile.report import find_compiler
 from memcompile.rewrites.context import PassContext
 from memcompile.rewrites.losshead import loss_head_pass, min_block_bytes
@@ -150,13 +151,13 @@ def test_the_head_uses_the_free_block_size_only_without_a_budget(monkeypatch, bu
     # No budget: the rewrite must cost no time, so blocks are as big as that needs; a budget
     # takes the 16 blocks of least scratch.
     seen: list[int] = []
-    real = compiler_mod.loss_head_pass
+    real = search.loss_head_pass
 
     def spy(gm, ctx, *, min_block_bytes):
         seen.append(min_block_bytes)
         return real(gm, ctx, min_block_bytes=min_block_bytes)
 
-    monkeypatch.setattr(compiler_mod, "loss_head_pass", spy)
+    monkeypatch.setattr(search, "loss_head_pass", spy)
     torch._dynamo.reset()
     compiled = memcompile.compile(_Head(), budget=budget)
     compiled(*_batch()).backward()
@@ -199,8 +200,8 @@ def _train_head(in_place: bool, reduction: str = "mean", retain: bool = False):
     model = _Head(reduction=reduction)
     ref = _Head(reduction=reduction)
     ref.load_state_dict(model.state_dict())
-    old = compiler_mod.LOSS_HEAD_IN_PLACE
-    compiler_mod.LOSS_HEAD_IN_PLACE = in_place
+    old = features.FEATURES
+    features.FEATURES = old.replace(loss_head_in_place=in_place)
     try:
         compiled = memcompile.compile(model, budget=10**9)
         for _step in range(3):
@@ -221,7 +222,7 @@ def _train_head(in_place: bool, reduction: str = "mean", retain: bool = False):
         peak = memcompile.measure_peak(lambda: compiled(*batch).backward(), resident=[model, batch])
         return memcompile.report(compiled).predicted_peak, peak
     finally:
-        compiler_mod.LOSS_HEAD_IN_PLACE = old
+        features.FEATURES = old
 
 
 def test_in_place_head_trains_bit_identically_and_lowers_the_measured_peak():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import memcompile
-import memcompile.backends.compiler as compiler_mod
+import memcompile.pipeline.search as search
 from memcompile import MemoryBudgetError, MemoryBudgetWarning, zoo
 from memcompile.analysis.joint_model import JointModel
 from memcompile.analysis.workspace import probe_workspaces
@@ -364,7 +364,7 @@ def test_a_partition_builds_one_joint_model_per_graph_it_plans(
     # peak); it analyses each graph once.
     built: list[torch.fx.GraphModule] = []
     planned: list[JointModel] = []
-    init, plan = JointModel.__init__, compiler_mod.plan_fragment
+    init, plan = JointModel.__init__, search.plan_fragment
 
     def building(self: JointModel, joint: torch.fx.GraphModule, **kwargs: Any) -> None:
         built.append(joint)
@@ -375,7 +375,7 @@ def test_a_partition_builds_one_joint_model_per_graph_it_plans(
         return plan(model, **kwargs)
 
     monkeypatch.setattr(JointModel, "__init__", building)
-    monkeypatch.setattr(compiler_mod, "plan_fragment", planning)
+    monkeypatch.setattr(search, "plan_fragment", planning)
     wl = zoo.build("gpt", size="tiny")
     compiled = memcompile.compile(wl.model, budget=1, on_infeasible="best_effort")
     with warnings.catch_warnings():

@@ -13,7 +13,8 @@ from torch import fx, nn
 
 import memcompile
 from memcompile import MemoryBudgetWarning
-from memcompile.backends import compiler
+from memcompile.pipeline import features
+from memcompile.pipeline import fragment as pipeline_fragment
 from memcompile.planning.plan import FragmentPlan
 from memcompile.rewrites.context import PassContext
 from memcompile.rewrites.dropout import SCALED_PREFIX, dropout_pass
@@ -180,8 +181,8 @@ def _check_rewritten(program, fraction: float, batch: int, mode: str) -> Fragmen
         return out
 
     with (
-        mock.patch.object(compiler, "DROPOUT_REWRITE", mode),
-        mock.patch.object(compiler, "dropout_pass", spy),
+        mock.patch.object(features, "FEATURES", features.FEATURES.replace(dropout_rewrite=mode)),
+        mock.patch.object(pipeline_fragment, "dropout_pass", spy),
     ):
         plan = _check_case(program, fraction, batch)
     # Dropouts whose input needs no gradient save no mask: nothing to rebuild there.

@@ -15,9 +15,10 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import memcompile
-import memcompile.backends.compiler as compiler_module
+import memcompile.pipeline.built as built
 from memcompile import MemoryBudgetError, zoo
 from memcompile.analysis.graph import GraphProfile, profile_graph
+from memcompile.pipeline import features
 from memcompile.planning.plan import MemoryPlan
 from memcompile.report import report
 from memcompile.rewrites.context import PassContext
@@ -265,7 +266,7 @@ def test_a_budget_only_rematerialization_meets_fits_exactly_and_bit_identically(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with monkeypatch.context() as m:
-        m.setattr(compiler_module, "REMATERIALIZE", False)
+        m.setattr(features, "FEATURES", features.FEATURES.replace(rematerialize=False))
         without = _min_feasible(name)
     budget = _min_feasible(name)
     # A budget only rematerialization meets. (By how much it lowers the floor depends on the
@@ -297,11 +298,11 @@ def test_the_compilers_trial_profiles_of_a_backward_are_the_whole_fragments(
 ) -> None:
     # Rematerialization's trials profile the backward alone (the forward once): each must be
     # what profiling the whole fragment gives, storage numbering included.
-    fast_of = compiler_module._FragmentBuild._built_backward_profiler
+    fast_of = built.built_backward_profiler
     compared = []
 
-    def checked(self, fw, built):
-        fast, full = fast_of(self, fw, built), self._profiler_of(*built)
+    def checked(fw, workspaces):
+        fast, full = fast_of(fw, workspaces), built._profiler(workspaces)
 
         def profile(g):
             got = fast(g)
@@ -310,6 +311,6 @@ def test_the_compilers_trial_profiles_of_a_backward_are_the_whole_fragments(
 
         return profile
 
-    monkeypatch.setattr(compiler_module._FragmentBuild, "_built_backward_profiler", checked)
+    monkeypatch.setattr(built, "built_backward_profiler", checked)
     _min_feasible("gpt")
     assert compared and all(compared), compared

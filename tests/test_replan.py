@@ -14,10 +14,10 @@ from memcompile import MemoryBudgetWarning, zoo
 from memcompile.analysis.fragment_profile import FragmentProfile
 from memcompile.analysis.graph import GraphProfile
 from memcompile.analysis.step_model import StepPrediction, simulate_step
-from memcompile.backends.compiler import MemCompiler
 from memcompile.planning.replan import MAX_REPLANS, decide_replan
 from memcompile.report import find_compiler
 from memcompile.runtime.measure import storage_sizes
+from memcompile.step.resident import ResidentSet
 
 from helpers import assert_same_state, measure_settled
 
@@ -140,9 +140,9 @@ def test_auto_puts_the_whole_steps_parameters_on_the_host_when_saved_sets_cannot
     # moved too (they move when their fragments compile next), not as resident.
     # (fragment, bytes of the others' parameters not counted, those still on the device)
     moving: list[tuple[int, int, int]] = []
-    resident_bytes = MemCompiler.resident_bytes
+    resident_bytes = ResidentSet.resident_bytes
 
-    def spy(self: MemCompiler, build: Any, *, host: Any = ()) -> int:
+    def spy(self: ResidentSet, build: Any, *, host: Any = ()) -> int:
         out = resident_bytes(self, build, host=host)
         if build.host_replan and host:
             self.host_step = False  # the same plan, counting the others' parameters
@@ -153,15 +153,15 @@ def test_auto_puts_the_whole_steps_parameters_on_the_host_when_saved_sets_cannot
             own = storage_sizes(build.example_inputs)
             device = {
                 a: n
-                for r in self.records()
+                for r in self._records()
                 if r.index != build.index
-                for a, n in self._static_storages(r)
+                for a, n in self.static_storages(r)
                 if a in r.hostable and a not in own
             }
             moving.append((build.index, counted - out, sum(device.values())))
         return out
 
-    monkeypatch.setattr(MemCompiler, "resident_bytes", spy)
+    monkeypatch.setattr(ResidentSet, "resident_bytes", spy)
     compiled, wl, caught = _train_under("moe", budget, 4, pilot="lightgbm")  # with its reserve
     assert not [w for w in caught if issubclass(w.category, MemoryBudgetWarning)]
     measured = measure_settled(compiled, wl, wl.batch(4))  # (a step that checks the last round)
@@ -224,9 +224,9 @@ def test_a_step_is_replanned_though_a_fragments_own_plan_did_not_fit(monkeypatch
     # the host since), it fits. Plans now count the parameters later fragments will move to
     # the host as moved, and these fit: counted on the device as they were, the fragments'
     # plans miss again, which is the case this test is about.
-    untaken = MemCompiler._untaken_resident
+    untaken = ResidentSet._untaken_resident
     monkeypatch.setattr(
-        MemCompiler, "_untaken_resident", lambda self, hosted, _: untaken(self, hosted, False)
+        ResidentSet, "_untaken_resident", lambda self, hosted, _: untaken(self, hosted, False)
     )
     budget = int(_unplanned_peak("moe") * 0.40)
     torch._dynamo.reset()
@@ -314,11 +314,11 @@ def test_a_fragment_asked_to_replan_twice_before_it_recompiles_is_replanned_once
     comp, _ = find_compiler(compiled)
     (record,) = comp.records()
     for resident in (1000, 2000):
-        comp._request_replan({record.index: resident}, {record.index: record}, {})
-    assert [entry[1] for entry in comp._awaiting[record.identity.id]] == [2000]
+        comp.budget.request_replan({record.index: resident}, {record.index: record}, {})
+    assert [entry[1] for entry in comp.budget._awaiting[record.identity.id]] == [2000]
     for step in (1, 2):
         wl.loss(compiled, step).backward()
-        comp._request_replan({record.index: 3000}, {record.index: comp.records()[0]}, {})
+        comp.budget.request_replan({record.index: 3000}, {record.index: comp.records()[0]}, {})
     wl.loss(compiled, 3).backward()
     records = comp.records()
     assert [r.index for r in records] == [record.index] and records[0] is not record

@@ -130,7 +130,7 @@ def test_profile_at_uses_a_calls_own_sizes():
     assert (small.saved_bytes, large.saved_bytes) == (8 * 16 * 4, 32 * 16 * 4)
     assert record.profile_at((32,)) is large  # cached
     # The step the report replays is the last one, at its size (the backward: its forward's).
-    assert comp._sequence_and_sizes()[1] == ((32,), (32,))
+    assert comp.step_monitor.sequence_and_sizes()[1] == ((32,), (32,))
 
 
 def test_static_fragments_have_no_size_profiles():
@@ -159,16 +159,16 @@ def test_only_the_steps_latest_held_output_call_takes_weak_references(monkeypatc
     # A tree's cell graphs run hundreds of times a step, each with held outputs (h, c); the
     # step's first backward checks only the latest such call (the classifier's). After the
     # first step only that fragment's calls take weak references, and it is still measured.
-    import memcompile.backends.compiler as compiler_mod
+    import memcompile.step.monitor as monitor_mod
 
     made: list[int] = []
-    real = compiler_mod.StorageWeakRef
+    real = monitor_mod.StorageWeakRef
 
     def counting(storage: Any) -> Any:
         made.append(1)
         return real(storage)
 
-    monkeypatch.setattr(compiler_mod, "StorageWeakRef", counting)
+    monkeypatch.setattr(monitor_mod, "StorageWeakRef", counting)
     torch._dynamo.reset()
     wl = zoo.build("treelstm", size="tiny")
     compiled = memcompile.compile(wl.model)
@@ -180,10 +180,14 @@ def test_only_the_steps_latest_held_output_call_takes_weak_references(monkeypatc
         wl.loss(compiled, step).backward()
         per_step.append(len(made))
         comp, _ = find_compiler(compiled)
-        held = [(i, c.held) for i, c in enumerate(comp._step_storages) if c.held is not None]
+        held = [
+            (i, c.held)
+            for i, c in enumerate(comp.step_monitor._step_storages)
+            if c.held is not None
+        ]
         assert len(held) == 1, held  # the latest held-output call, measured every step
-    assert comp is not None and len(comp._last_forwards) == 1
-    calls = len(comp._step)
+    assert comp is not None and len(comp.step_monitor._last_forwards) == 1
+    calls = len(comp.step_monitor._step)
     assert per_step[0] > calls // 2  # the first step: every forward call with held outputs
     assert per_step[1] <= 4 and per_step[2] <= 4  # then: the last one (and the loss's root)
 
@@ -503,7 +507,7 @@ def test_step_prediction_counts_the_prefetch_cache_a_forward_leaves() -> None:
         lambda: compiled(*batch).backward(), resident=[wl.model, batch]
     )
     comp, _ = find_compiler(compiled)
-    _, _, recorded = comp._current_step()
+    _, _, recorded = comp.step_monitor.current_step_views()
     assert any(call.cache for call in recorded)  # the scenario: the pilot prefetched
     predicted = memcompile.report(compiled).predicted_peak
     assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
@@ -529,7 +533,7 @@ def test_the_pilots_copies_made_inside_a_graph_count_from_there() -> None:
         lambda: compiled(*batch).backward(), resident=[wl.model, batch]
     )
     comp, _ = find_compiler(compiled)
-    _, _, recorded = comp._current_step()
+    _, _, recorded = comp.step_monitor.current_step_views()
     # the scenario: copies made inside a graph
     assert any(c.cache_use is not None and c.cache_use.at_op for c in recorded)
     predicted = memcompile.report(compiled).predicted_peak
@@ -646,7 +650,7 @@ def test_step_prediction_counts_the_outputs_the_caller_still_holds(keep: bool) -
         model.zero_grad(set_to_none=True)
     measured = memcompile.measure_peak(step, resident=[model, x, target])
     comp, _ = find_compiler(compiled)
-    _, _, recorded = comp._current_step()
+    _, _, recorded = comp.step_monitor.current_step_views()
     logits = 256 * 512 * 4  # the logits' copy: no gradient flows through it
     assert recorded[0].held == 4 + (logits if keep else 0)  # the loss, held by its backward
     rep = memcompile.report(compiled)
@@ -755,7 +759,7 @@ def test_zeros_for_an_output_without_a_gradient_die_at_their_last_reader() -> No
     (record,) = comp.records()
     assert record.plan is not None and record.plan.recomputed  # the scenario: a recompute
     assert len(record.profile.tangent_storages) == 2  # the loss's and the logits'
-    calls, _, recorded = comp._current_step()
+    calls, _, recorded = comp.step_monitor.current_step_views()
     first_backward = next(
         c for c, (_, kind, _) in zip(recorded, calls, strict=True) if kind == "backward"
     )

@@ -13,8 +13,9 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import memcompile
-import memcompile.backends.compiler as compiler_mod
+import memcompile.pipeline.built as built
 from memcompile import zoo
+from memcompile.pipeline import features
 from memcompile.planning.plan import MemoryPlan
 from memcompile.rewrites import tiling
 from memcompile.rewrites.context import PassContext
@@ -544,7 +545,7 @@ def test_tiles_exactly_tells_different_bits_apart():
 
 
 def _floor(monkeypatch, tiled: bool, **options) -> int:
-    monkeypatch.setattr(compiler_mod, "ROW_TILING", tiled)
+    monkeypatch.setattr(features, "FEATURES", features.FEATURES.replace(row_tiling=tiled))
     torch._dynamo.reset()
     wl = zoo.build("branchy", size="tiny")
     compiled = memcompile.compile(wl.model, budget=1, **options)
@@ -575,7 +576,7 @@ def test_row_tiling_lowers_branchys_smallest_plan_and_trains_bit_identically(mon
     rep = _train_within("branchy", budget, **recompute)
     # The record survives JSON.
     assert MemoryPlan.from_json(rep.plan.to_json()) == rep.plan
-    monkeypatch.setattr(compiler_mod, "ROW_TILING", False)
+    monkeypatch.setattr(features, "FEATURES", features.FEATURES.replace(row_tiling=False))
     with pytest.raises(memcompile.MemoryBudgetError):
         train_under_budget("branchy", "adam", budget, **recompute)
 
@@ -591,7 +592,7 @@ def test_each_built_graph_is_searched_for_tilings_once_per_matmul_allowance(monk
         return real(gm, blocks=blocks, max_kept_matmuls=max_kept_matmuls)
 
     monkeypatch.setattr(tiling, "find_row_tilings", counting)
-    monkeypatch.setattr(compiler_mod, "find_row_tilings", counting)
+    monkeypatch.setattr(built, "find_row_tilings", counting)
     _floor(monkeypatch, True, swap=False, offload_params=False, pilot="off")
     assert {k for _, k in searched} == {0, tiling.MAX_KEPT_MATMULS}  # both allowances tried
     pairs = [(id(gm), k) for gm, k in searched]
@@ -628,7 +629,7 @@ def test_gpts_mlp_backward_is_tiled_below_its_floor_and_trains_bit_identically(m
     # GPT (small) under a budget no plan meets (best effort, warned): its smallest plan makes
     # the MLP backward's GELU gradient by blocks from a recomputed pre-activation that stays
     # for the GELU (kept), the matmuls by rows probed bit-identical on this CPU.
-    monkeypatch.setattr(compiler_mod, "ROW_TILING", True)
+    monkeypatch.setattr(features, "FEATURES", features.FEATURES.replace(row_tiling=True))
     # Bit-identical to eager over 3 Adam steps (train_under_budget asserts it).
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", memcompile.MemoryBudgetWarning)  # the measured step's

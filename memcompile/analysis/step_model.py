@@ -55,7 +55,16 @@ from typing import NamedTuple
 from memcompile.analysis.fragment_profile import FragmentProfile, ParamGrad
 from memcompile.analysis.graph import GraphProfile
 
-__all__ = ["CacheUse", "OutputLife", "StepPrediction", "cache_peak", "simulate_step"]
+__all__ = [
+    "NO_STORAGES",
+    "CacheUse",
+    "CallStorages",
+    "OutputLife",
+    "StepPrediction",
+    "ViewStorages",
+    "cache_peak",
+    "simulate_step",
+]
 
 
 @dataclass(frozen=True)
@@ -162,6 +171,54 @@ class OutputLife(NamedTuple):
     address: int
     nbytes: int
     died: int | None
+
+
+#: Storages (address -> bytes) of the activation inputs a forward call's backward reads: those
+#: it saves whole and those it reads through views (autograd keeps the storage alive either way).
+ViewStorages = Mapping[int, int]
+
+
+class CallStorages(NamedTuple):
+    """Storages of one call that the step's replay counts by address
+    (:func:`simulate_step`), so that what several calls share is counted once.
+
+    Attributes:
+        kept: :data:`ViewStorages` of the inputs its backward reads (a forward call).
+        outputs: its saved outputs that are also user outputs (address -> bytes), read after
+            it returned.
+        grad_inputs: its activation inputs whose gradients its backward makes (its profile's
+            ``activation_grads``): input position -> storage address.
+        cache: bytes the pilot's prefetch cache held after it (a forward call's tail).
+        cache_use: what the cache held through it (a forward call with the pilot on): its
+            copies taken by the graph, for later blocks, made by the graph's own prediction.
+        held: bytes of its held user outputs (``FragmentProfile.held_output_positions``) the
+            caller still held when the step's first backward began (the step's last forward
+            call; ``None``: not measured).
+        tangents: the step's first backward call: input positions of its incoming gradients
+            still alive after it returned, held by someone else (the engine's root holds the
+            loss's); ``None``: not measured.
+        inputs: a forward call's activation input storages (address -> bytes); under a budget.
+        lives: a forward call's held outputs and when each one's storage died
+            (:class:`OutputLife`; ``died`` is set by a weak reference's callback); under a
+            budget (without one the replay counts only the last forward's, ``held``).
+        kept_at: of ``kept``, the whole storages its backward reads (``saved_input_reads``):
+            address -> input position (the first that has it).
+    """
+
+    kept: ViewStorages
+    outputs: ViewStorages
+    grad_inputs: Mapping[int, int]
+    cache: int = 0
+    held: int | None = None
+    cache_use: CacheUse | None = None
+    tangents: frozenset[int] | None = None
+    inputs: ViewStorages | None = None
+    lives: tuple[OutputLife, ...] = ()
+    kept_at: Mapping[int, int] = {}
+
+
+#: A call whose storages are not recorded.
+NO_STORAGES = CallStorages({}, {}, {})
 
 
 class _HeldOutputs:

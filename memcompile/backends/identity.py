@@ -23,7 +23,7 @@ from torch import fx
 from memcompile.analysis.graph import target_name
 from memcompile.records import FragmentIdentity
 
-__all__ = ["fragment_identity", "parameter_name"]
+__all__ = ["fragment_identity"]
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 _DTYPES = {
@@ -71,14 +71,6 @@ def _value_meta(v: Any) -> str:
     if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return f"{type(v).__name__}({v})"
     return type(v).__name__
-
-
-def parameter_name(source: str) -> str:
-    """A Dynamo source as the module's parameter name where it is one:
-    ``L['self']._modules['w_hh']._parameters['weight']`` -> ``w_hh.weight``."""
-    name = re.sub(r"\._(?:modules|parameters|buffers)\['([^']*)'\]", r".\1", source)
-    name = re.sub(r"^L\['self'\]\.", "", name)
-    return name or source
 
 
 def _source_name(node: fx.Node) -> str:

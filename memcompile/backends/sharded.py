@@ -38,16 +38,17 @@ from __future__ import annotations
 
 import datetime
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from memcompile.errors import RankDivergenceError
+from memcompile.errors import MemoryBudgetWarning, RankDivergenceError, format_bytes
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RANK_CHECK_TIMEOUT", "RankCheck", "ShardedParams", "sharded_params"]
+__all__ = ["RANK_CHECK_TIMEOUT", "RankCheck", "ShardedModel", "ShardedParams", "sharded_params"]
 
 #: How long a rank waits at a unit for the others (a rank that runs no further unit this step
 #: never arrives): then it raises, rather than wait on FSDP's collectives for good.
@@ -173,3 +174,111 @@ class RankCheck:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+class ShardedModel:
+    """What one compiler knows of its model's FSDP2 units, gathered over its compiles, and what
+    it says about them (once each).
+
+    Attributes:
+        sharded: the model's parameters FSDP2 manages, as of the latest compile that found any.
+        rank_check: ``check_ranks=True`` on an FSDP2 model: the ranks compare units.
+    """
+
+    def __init__(self, *, check_ranks: bool) -> None:
+        self._check_ranks = check_ranks
+        self.sharded: ShardedParams | None = None
+        self.rank_check: RankCheck | None = None
+        # Ids of the managed parameters over all compiles: each unit's unsharded parameters
+        # are in the module only while FSDP has all-gathered them.
+        self._ids: set[int] = set()
+        self._bytes: dict[str, int] = {}
+        self._paths_warned = False
+
+    def is_sharded(self, t: torch.Tensor) -> bool:
+        """Whether FSDP2 manages ``t`` (a parameter memcompile must leave in place)."""
+        return id(t) in self._ids
+
+    @property
+    def param_bytes(self) -> int:
+        """The FSDP2-managed parameters' unsharded bytes, each at the largest size a compile saw
+        (the sharded parameter's dtype, not a mixed-precision compute copy); 0: no FSDP2."""
+        return sum(self._bytes.values())
+
+    def note(
+        self,
+        model: torch.nn.Module | None,
+        *,
+        index: int,
+        first_compile: bool,
+        offload_params: bool | str,
+        budget: int | None,
+        peak_watched: bool,
+        dynamic: str,
+    ) -> None:
+        """Find the parameters FSDP2 manages in ``model`` (compiling F{index}) and, at the first
+        compile that sees them, say what memcompile leaves to FSDP (and start ``check_ranks``).
+        ``dynamic``: why the model counts as dynamic (``""``: not seen to be)."""
+        found = sharded_params(model)
+        if found is None:
+            if self._check_ranks and first_compile:
+                warnings.warn(
+                    "memcompile: check_ranks=True, but the model has no FSDP2 fully_shard units "
+                    "(found at its first compile): there is nothing to check",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            return
+        first = self.sharded is None
+        self.sharded = found
+        self._ids.update(found.param_ids)
+        for name, n in found.param_bytes:  # the sharded dtype's size, where a compile saw it
+            self._bytes[name] = max(n, self._bytes.get(name, 0))
+        if not first:
+            return
+        if self._check_ranks and model is not None:
+            # Every rank compiles its first fragment at the same point of the first step.
+            self.rank_check = RankCheck(model)
+        self.warn_paths(dynamic)
+        size = format_bytes(self.param_bytes)
+        if offload_params is True:
+            warnings.warn(
+                f"memcompile: F{index}: the model's parameters ({size} unsharded, "
+                f"{found.units} fully_shard units) are managed by FSDP2 and stay with it "
+                "(offload_params=True moves none of them); FSDP2's "
+                "offload_policy=CPUOffloadPolicy() keeps them on the host",
+                MemoryBudgetWarning,
+                stacklevel=3,
+            )
+        if budget is not None:
+            warnings.warn(
+                f"memcompile: the model is sharded by FSDP2 ({found.units} fully_shard units, "
+                f"{size} of parameters unsharded): the parameters FSDP all-gathers, the "
+                "gradients before their reduce-scatter and the collectives' buffers are "
+                "allocated outside memcompile's graphs, and neither the plans nor the predicted "
+                "peak count them, so the budget can be exceeded there"
+                + (" (each step's measured peak is checked against it)" if peak_watched else ""),
+                MemoryBudgetWarning,
+                stacklevel=3,
+            )
+
+    def warn_paths(self, dynamic: str) -> None:
+        """FSDP2 with control flow (another path recompiles a frame; one graph serves several
+        experts): a rank that skips a unit skips its all-gather. Said once, unless checked."""
+        if (
+            self.sharded is None
+            or self.rank_check is not None
+            or self._paths_warned
+            or not dynamic
+            or "symbolic shapes" in dynamic
+        ):
+            return
+        self._paths_warned = True
+        warnings.warn(
+            f"memcompile: the model is sharded by FSDP2 and takes different paths ({dynamic}"
+            "): every rank must run the same fully_shard units in the same order, or FSDP's "
+            "collectives hang or abort; check_ranks=True makes memcompile compare them before "
+            "each unit and raise RankDivergenceError instead (one small collective per unit)",
+            UserWarning,
+            stacklevel=3,
+        )

@@ -25,8 +25,8 @@ The compiler (``backends/compiler.py``) calls the :class:`Prefetcher` around eve
                   the prediction does not name (the block's unfetched copies) and copy what did
                   not fit the fragment's reserve while it fit the largest. Else (a graph built
                   without the op: its observed values on a CUDA device, or the compiler's
-                  ``PILOT_IN_GRAPH`` off) the same work as ``in_graph``, here, with the call's
-                  outputs.
+                  ``pilot_in_graph`` feature off) the same work as ``in_graph``, here, with the
+                  call's outputs.
     optimizer step (a global ``torch.optim`` step post-hook, only for an optimizer that steps
                   host-placed parameters the prefetcher has seen): the parameters are final
                   now; copy those of the first prediction kept at the last forward call's

@@ -1,0 +1,234 @@
+"""What memcompile tells a user whose budget is not met, and what would help.
+
+    infeasible      no plan of a fragment fits: MemoryBudgetError (or a MemoryBudgetWarning
+                    with on_infeasible="best_effort"), with the reasons and the options that help
+    check_budget    a plan's built graphs profile over the budget it claimed to meet
+    step_over       a step predicted over the budget that re-planning does not fit
+    *_PILOT_OFF     why pilot="auto" stays off (the report's pilot line)
+
+The texts are the contract with the user: they name the bytes that do not move and the option
+that moves them.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from memcompile.analysis.fragment_profile import FragmentProfile
+from memcompile.config import MemConfig
+from memcompile.errors import MemoryBudgetError, MemoryBudgetWarning, format_bytes
+from memcompile.pipeline.env import FragmentSpec
+from memcompile.planning.plan import FragmentPlan
+from memcompile.runtime.store import HOSTABLE_DEVICES
+from memcompile.step.budget import StepOver
+
+__all__ = [
+    "CPU_AUTO_PILOT_OFF",
+    "CUDA_AUTO_PILOT_OFF",
+    "check_budget",
+    "infeasible",
+    "step_over",
+]
+
+log = logging.getLogger(__name__)
+
+#: Why ``pilot="auto"`` stays off for a CUDA model with parameters on the host (the report says
+#: it). Measured on an H200 host (benchmarks/results/dynamic_prefetch_cuda.md): each prefetched
+#: tensor costs the host ~65 us of CUDA calls (a synchronous copy ~24 us), so on the zoo MoE the
+#: pilot hid most of the copies' GPU time yet made the step slower than fetching on demand.
+CUDA_AUTO_PILOT_OFF = (
+    "on CUDA the pilot prefetches only when asked for (pilot='markov' or 'lightgbm'): issuing "
+    "its copies costs the host more than they hid on the measured MoE"
+)
+#: Why it stays off on the CPU device: there a copy runs on the thread that computes, so a
+#: prefetched copy takes as long as the on-demand one it replaces and hides nothing, and the
+#: predictions, the cache and the copies of mispredicted blocks are added time (the small zoo
+#: MoE, benchmarks/results/dynamic_prefetch.md: 61.1 ms a step with the pilot in its graphs,
+#: 46.9 ms fetching on demand), besides the budget its cache reserves.
+CPU_AUTO_PILOT_OFF = (
+    "on the CPU device the pilot prefetches only when asked for (pilot='markov' or "
+    "'lightgbm', e.g. for its simulated GPU stall): a copy there cannot overlap compute, so "
+    "prefetching adds step time and hides none"
+)
+
+
+def infeasible(
+    config: MemConfig,
+    spec: FragmentSpec,
+    plan: FragmentPlan,
+    *,
+    prefetch_reserve: int,
+    hosted: bool,
+    host_peak: int | None,
+    held_outputs: int,
+    sharded: bool,
+    device_other: int | None,
+    untaken: int,
+) -> None:
+    """No plan fits: raise MemoryBudgetError, or warn (``on_infeasible="best_effort"``); a
+    re-plan only logs it (the next step's prediction tells whether the step fits).
+
+    ``hosted``: the plan keeps this fragment's parameters on the host; ``host_peak``: the
+    smallest peak found with them there, when that was tried and did not help;
+    ``held_outputs``: bytes of the user outputs the plan counts as held by the caller through
+    the backward; ``sharded``: FSDP2 manages the model's parameters; ``device_other``: bytes
+    others had allocated on the device; ``untaken``: bytes of the model's parameters and
+    buffers no fragment reads."""
+    budget = config.budget
+    assert budget is not None
+    tips = [f"enable {k}=True" for k in ("recompute", "swap") if not getattr(config, k)]
+    device = spec.device
+    resident = format_bytes(plan.resident_bytes)
+    if hosted:
+        tips.append(
+            f"with the parameters on the host, {resident} of the peak is still buffers, "
+            "inputs and other fragments' memory"
+        )
+    elif host_peak is not None:
+        tips.append(
+            f"{resident} of the peak is parameters, buffers and inputs; keeping the "
+            f"parameters on the host does not help (smallest peak then "
+            f"{format_bytes(host_peak)})"
+        )
+    elif device is not None and device.type not in HOSTABLE_DEVICES:
+        tips.append(
+            f"{resident} of the peak is parameters, buffers and inputs, which stay on the "
+            "device (parameters on the host are only implemented for "
+            f"{' and '.join(HOSTABLE_DEVICES)} devices in this version)"
+        )
+    elif sharded:
+        tips.append(
+            f"{resident} of the peak is parameters, buffers and inputs; FSDP2 manages the "
+            "parameters (more ranks shard them thinner, and FSDP2's "
+            "offload_policy=CPUOffloadPolicy() keeps them on the host)"
+        )
+    elif config.offload_params is False:
+        tips.append(
+            f"{resident} of the peak is parameters, buffers and inputs: offload_params=True "
+            "(or 'auto') keeps parameters on the host"
+        )
+    else:
+        tips.append(f"{resident} of the peak is buffers, inputs and other fragments' memory")
+    if device_other:
+        tips.append(
+            f"of which {format_bytes(device_other)} was already allocated on the "
+            "device by others (other tensors, optimizer state, library workspaces)"
+        )
+    if untaken:
+        tips.append(
+            f"of which {format_bytes(untaken)} is the model's parameters and buffers that no "
+            "fragment compiled so far reads (those of frames Dynamo runs eagerly stay on "
+            "the device: see the EagerFallbackWarning)"
+        )
+    if held_outputs >= plan.predicted_peak // 100 and not spec.dropped_outputs:
+        # Step 1 cannot know what the caller keeps; the first backward shows it.
+        tips.append(
+            f"the plan counts F{spec.index}'s outputs ({format_bytes(held_outputs)}) as "
+            "held by the caller through the backward, as a loop that keeps the logits "
+            "does: if yours drops them before backward(), on_infeasible='best_effort' runs "
+            "the smallest plan for the first step and plans again without them once its "
+            "backward shows it"
+        )
+    if prefetch_reserve:
+        tips.append(
+            f"{format_bytes(prefetch_reserve)} of it is reserved for the pilot's "
+            "prefetch cache (pilot='off', or a smaller prefetch_depth, frees it)"
+        )
+    hint = "; ".join(tips)
+    if spec.replan_resident is not None or spec.host_replan:
+        # A re-plan runs its smallest plan: the next step's prediction tells whether the
+        # step fits with every re-planned fragment, and warns if not (step/budget.py).
+        cap = plan.saved_cap
+        log.info(
+            "memcompile: re-planned F%d cannot meet its share of budget=%s (smallest peak "
+            "%s%s); running its smallest plan: %s",
+            spec.index,
+            format_bytes(budget),
+            format_bytes(plan.predicted_peak),
+            ""
+            if cap is None
+            else f", holding {format_bytes(plan.held_bytes)} for the backward, cap "
+            f"{format_bytes(cap)}",
+            hint,
+        )
+        return
+    if config.on_infeasible == "error":
+        raise MemoryBudgetError(budget, plan.predicted_peak, hint)
+    # The same reasons the error gives: a best-effort run is told why it does not fit too
+    # (the GRU's longer buckets: they named the pilot's reserve, which then gave way).
+    warnings.warn(
+        f"memcompile: F{spec.index} does not fit budget={format_bytes(budget)}; running the "
+        f"smallest plan found, predicted peak {format_bytes(plan.predicted_peak)} "
+        f"(on_infeasible='best_effort'): {hint}",
+        MemoryBudgetWarning,
+        stacklevel=2,
+    )
+
+
+def check_budget(
+    config: MemConfig, index: int, plan: FragmentPlan | None, profile: FragmentProfile | None
+) -> None:
+    """Warn if F{index}'s built graphs' exact profile exceeds a budget its plan claimed to
+    meet."""
+    budget = config.budget
+    if budget is None or plan is None or profile is None or not plan.feasible:
+        return
+    peak = plan.resident_bytes + max(profile.phase_peaks().values())
+    if peak > budget:
+        warnings.warn(
+            f"memcompile: F{index}'s built graphs are predicted to peak at "
+            f"{format_bytes(peak)}, over budget={format_bytes(budget)} (the planner expected "
+            f"{format_bytes(plan.predicted_peak)})",
+            MemoryBudgetWarning,
+            stacklevel=2,
+        )
+
+
+def step_over(
+    over: StepOver,
+    config: MemConfig,
+    *,
+    hostable_bytes: int,
+    host_param_bytes: int,
+    sharded: bool,
+) -> None:
+    """Warn about a step predicted over the budget that re-planning does not fit, with what
+    could fit it among what is not done already (``hostable_bytes``: the step's parameters the
+    host tier may take that are still on the device)."""
+    budget = config.budget or 0
+    if not over.several:
+        warnings.warn(
+            f"memcompile: the step is predicted to peak at {format_bytes(over.peak)}, "
+            f"over budget={format_bytes(budget)}, though its plan fit when it was made (the "
+            "step's shapes or resident memory changed)",
+            MemoryBudgetWarning,
+            stacklevel=3,
+        )
+        return
+    tips = []
+    off = [name for name in ("recompute", "swap") if not getattr(config, name)]
+    if off:
+        tips.append("allow " + " and ".join(off))
+    device = 0
+    if sharded:
+        tips.append("shard over more ranks or use FSDP2's CPUOffloadPolicy")
+    elif config.offload_params is not True:
+        device = hostable_bytes
+        if device:
+            tips.append(f"set offload_params=True ({format_bytes(device)} on the device)")
+    tips.append("raise the budget")
+    held = (
+        f"With its parameters on the host ({format_bytes(host_param_bytes)}), its "
+        "gradients and smallest saved sets"
+        if host_param_bytes and not device and not sharded
+        else "Its parameters, gradients and smallest saved sets"
+    )
+    options = tips[0] if len(tips) == 1 else ", ".join(tips[:-1]) + ", or " + tips[-1]
+    warnings.warn(
+        f"memcompile: a {over.calls}-call step is predicted to peak at "
+        f"{format_bytes(over.peak)}, over budget={format_bytes(budget)}: {over.why}. "
+        f"{held} need more ({options}; see memcompile.report())",
+        MemoryBudgetWarning,
+        stacklevel=3,
+    )

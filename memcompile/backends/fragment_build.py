@@ -1,0 +1,331 @@
+"""One fragment's AOTAutograd hooks: its partitioner and its forward, backward and inference
+compilers, sharing the fragment's state (the backward compiles lazily, at the first backward)::
+
+    partition      the pipeline decides (pipeline/fragment.py); then, and only then, what was
+                   decided is applied: an infeasible plan raises (or warns), the pilot's reserve
+                   is registered, parameters move to the host tier
+    fw compiler    where the pilot predicts (pipeline/finish.py), the exact profile of the
+                   forward and backward, reloads hoisted, the budget checked, the inner compiler
+    bw compiler    the inner compiler
+    each graph     wrapped (call_wrapper.py): counted, watched, its block keys recorded
+
+A build reaches its compiler only through the :class:`BuildEnv` it is handed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+from torch._functorch.partitioners import default_partition
+from torch._logging._internal import trace_structured_artifact
+from torch.utils._python_dispatch import _disable_current_modes
+
+from memcompile.analysis.fragment_profile import FragmentProfile, profile_fragment
+from memcompile.analysis.graph import bound_sizes
+from memcompile.analysis.workspace import clone_workspace
+from memcompile.backends import advice
+from memcompile.backends.build_env import BuildEnv
+from memcompile.backends.call_wrapper import wrap
+from memcompile.backends.inner import BoxedCallable, compile_inner
+from memcompile.errors import format_bytes
+from memcompile.pipeline.built import profile_args
+from memcompile.pipeline.env import FragmentSpec
+from memcompile.pipeline.finish import early_reloads, pilot_op
+from memcompile.pipeline.fragment import Decided, plan_partition
+from memcompile.planning.plan import FragmentPlan
+from memcompile.records import FragmentStats, SizeKey
+from memcompile.runtime.store import is_host_placed
+
+__all__ = ["FragmentBuild", "device_of"]
+
+log = logging.getLogger(__name__)
+
+#: Profiles kept per fragment for the sizes its calls had (dynamic shapes).
+MAX_SIZE_PROFILES = 256
+
+
+def device_of(values: Sequence[Any]) -> torch.device | None:
+    """The device of a fragment's inputs: the first one not on the CPU (host-placed parameters
+    of a CUDA model are CPU tensors), else the CPU; ``None``: no tensors."""
+    devices = [t.device for t in values if isinstance(t, torch.Tensor)]
+    return next((d for d in devices if d.type != "cpu"), devices[0] if devices else None)
+
+
+def _size_slots(gm: fx.GraphModule) -> tuple[tuple[int, int, Any], ...]:
+    """Where each size symbol of ``gm``'s inputs can be read from a call's arguments."""
+    slots: list[tuple[int, int, Any]] = []
+    seen: set[Any] = set()
+    for pos, p in enumerate(gm.graph.find_nodes(op="placeholder")):
+        val = p.meta.get("val")
+        dims: list[tuple[int, Any]]
+        if isinstance(val, torch.SymInt):
+            dims = [(-1, val)]
+        elif isinstance(val, torch.Tensor):
+            dims = [(d, n) for d, n in enumerate(val.shape) if isinstance(n, torch.SymInt)]
+        else:
+            continue
+        for dim, n in dims:
+            expr = n.node.expr
+            if isinstance(expr, sympy.Symbol) and expr not in seen:
+                seen.add(expr)
+                slots.append((pos, dim, expr))
+    return tuple(slots)
+
+
+class FragmentBuild:
+    """Closure state shared by one fragment's partition_fn and compilers (see the module
+    docstring)."""
+
+    def __init__(self, env: BuildEnv, index: int, example_inputs: Sequence[Any]) -> None:
+        self.env = env
+        self.index = index
+        self.example_inputs = list(example_inputs)
+        #: The fragment's device, read before any of its parameters moves to the host tier.
+        self.device = device_of(example_inputs)
+        self.stats = FragmentStats()
+        self.profile: FragmentProfile | None = None
+        self.plan: FragmentPlan | None = None
+        self.fw_gm: fx.GraphModule | None = None
+        self.bw_gm: fx.GraphModule | None = None
+        self.static_inputs: tuple[int, ...] = ()
+        #: (input position, dim or -1 for a SymInt input, sympy symbol) of each size symbol of
+        #: the forward graph's inputs: a call's values of them are its size key.
+        self.size_slots: tuple[tuple[int, int, Any], ...] = ()
+        self._profile_args: dict[str, Any] = {}
+        self._sized_profiles: dict[SizeKey, FragmentProfile] = {}
+        # Inputs the graphs fetch from the host tier (host-placed parameters and their aliases).
+        self.hosted_inputs: tuple[int, ...] = ()
+        #: Position of each input that is an alias of another input -> that input's position
+        #: (one placeholder per read, rewrites/input_uses.py).
+        self.alias_sources: dict[int, int] = {}
+        #: Positions of inputs whose several contributions the backward graph sums (parameters
+        #: not split, several-edge reads): ``step/checks.py`` watches them.
+        self.summed_inputs: tuple[int, ...] = ()
+        # block key -> parameter storages (address -> bytes) of the calls with that key
+        self.blocks: dict[int, dict[int, int]] = {}
+        # block key -> storage address of each parameter/buffer input, by position
+        self.block_inputs: dict[int, dict[int, int]] = {}
+        # Bytes this fragment's plan leaves to the pilot's prefetch cache (dynamic/prefetch.py).
+        self.prefetch_reserve = 0
+        #: How the pipeline plans it besides its inputs (a re-plan, what steps showed):
+        #: ``FragmentSpec``'s fields of those names.
+        self.replan_resident: int | None = None
+        self.replan_saved_cap: int | None = None
+        self.host_replan = False
+        self.dropped_outputs: frozenset[int] = frozenset()
+        self.replan_start: tuple[str, ...] = ()
+        self.released_tangents: frozenset[str] = frozenset()
+
+    def spec(self) -> FragmentSpec:
+        """This fragment as the pipeline plans it."""
+        return FragmentSpec(
+            index=self.index,
+            example_inputs=tuple(self.example_inputs),
+            alias_sources=dict(self.alias_sources),
+            device=self.device,
+            dropped_outputs=self.dropped_outputs,
+            released_tangents=self.released_tangents,
+            replan_resident=self.replan_resident,
+            replan_saved_cap=self.replan_saved_cap,
+            replan_start=self.replan_start,
+            host_replan=self.host_replan,
+        )
+
+    # -- AOTAutograd hooks -------------------------------------------------------------------
+    def partition(
+        self,
+        joint: fx.GraphModule,
+        joint_inputs: Any,
+        *,
+        num_fwd_outputs: int,
+        static_lifetime_input_indices: list[int] | None = None,
+        **kwargs: Any,
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        config = self.env.pipeline.config
+        placed = any(
+            i not in self.alias_sources and isinstance(t, torch.Tensor) and is_host_placed(t)
+            for i, t in enumerate(self.example_inputs)
+        )
+        if (
+            config.budget is None
+            and not config.reorder
+            and config.offload_params is not True
+            and not placed
+        ):
+            fw, bw = default_partition(
+                joint,
+                joint_inputs,
+                num_fwd_outputs=num_fwd_outputs,
+                static_lifetime_input_indices=static_lifetime_input_indices,
+                **kwargs,
+            )
+        else:
+            spec = self.spec()
+            decided = plan_partition(
+                joint,
+                num_fwd_outputs,
+                static_lifetime_input_indices or [],
+                spec,
+                self.env.pipeline,
+            )
+            self._apply(spec, decided)
+            fw, bw = decided.fw, decided.bw
+        self.bw_gm = bw
+        return fw, bw
+
+    def _apply(self, spec: FragmentSpec, decided: Decided) -> None:
+        """What the pipeline decided, applied: only now, so an infeasible plan raises with the
+        parameters untouched."""
+        env, plan = self.env, decided.plan
+        resident, config = env.pipeline.resident, env.pipeline.config
+        self.prefetch_reserve = decided.prefetch_reserve
+        if not plan.feasible:
+            advice.infeasible(
+                config,
+                spec,
+                plan,
+                prefetch_reserve=self.prefetch_reserve,
+                hosted=bool(decided.hosted),
+                host_peak=decided.host_peak,
+                held_outputs=decided.held_outputs,
+                sharded=env.fsdp.sharded is not None,
+                device_other=resident.device_other_bytes,
+                untaken=resident.untaken_bytes(self.example_inputs),
+            )
+        self.hosted_inputs = decided.hosted + decided.placed
+        env.budget.compiled(self.index, None, reserve=self.prefetch_reserve)
+        resident.note_fetched(self.example_inputs, self.hosted_inputs)
+        if env.prefetcher is not None:
+            env.prefetcher.add_reserve(self.prefetch_reserve)
+        if decided.hosted:  # only now: an infeasible plan raised above, parameters untouched
+            own = spec.own_inputs(decided.hosted)
+            with _disable_current_modes():  # partitioning runs under the fake mode
+                resident.host_params_pinned |= self.device is not None and (
+                    self.device.type == "cuda"
+                )
+                moved = sum(resident.move_to_host(self.example_inputs[i]) for i in own)
+                # Point the example aliases of the parameters just moved at their host storage:
+                # the old ones would keep the device copies alive.
+                for j, i in self.alias_sources.items():
+                    if i in decided.hosted:
+                        self.example_inputs[j] = torch.ops.aten.alias.default(
+                            self.example_inputs[i]
+                        )
+            resident.host_param_bytes += moved
+            log.info(
+                "F%d: %d parameters (%s) moved to the host tier",
+                self.index,
+                len(own),
+                format_bytes(moved),
+            )
+        self.plan = plan
+        log.info(
+            "F%d planned: recompute %d, swap %d of %d saved tensors, predicted peak %s (budget "
+            "%s), holds %s for the backward%s%s",
+            self.index,
+            len(plan.recomputed),
+            len(plan.swapped),
+            len(plan.decisions),
+            format_bytes(plan.predicted_peak),
+            "none" if config.budget is None else format_bytes(config.budget),
+            format_bytes(plan.held_bytes),
+            "" if plan.saved_cap is None else f" (cap {format_bytes(plan.saved_cap)})",
+            f", loss heads by blocks ({', '.join(plan.linear_ce)})" if plan.linear_ce else "",
+        )
+
+    def forward_compiler(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> BoxedCallable:
+        self.fw_gm = gm
+        env = self.env
+        if env.prefetcher is not None:
+            cost = env.pipeline.cost_profile(example_inputs)
+            decided = pilot_op(
+                gm,
+                self.spec(),
+                env.pipeline,
+                cost,
+                prefetch_reserve=self.prefetch_reserve,
+                hook=env.prefetcher.key,
+            )
+            env.prefetcher.place(self.index, decided, cost)
+        self._profile(gm, self.bw_gm)
+        if self.plan is not None and self.plan.swapped:
+            cost = env.pipeline.cost_profile(example_inputs)
+            self.plan, moved = early_reloads(self.bw_gm, self.plan, self.profile, cost, self.spec())
+            if moved:
+                self._profile(gm, self.bw_gm)
+        if self.plan is not None:
+            # The final plan (with its prefetches) for tlparse; a no-op unless TORCH_TRACE is set.
+            final = self.plan
+            trace_structured_artifact(
+                f"memcompile_plan_F{self.index}", "json", lambda: json.dumps(final.to_dict())
+            )
+        advice.check_budget(env.pipeline.config, self.index, self.plan, self.profile)
+        fn = compile_inner(
+            env.pipeline.config.inner,
+            gm,
+            example_inputs,
+            role="forward",
+            static_input_indices=self.static_inputs,
+        )
+        return wrap(self, fn, "forward")
+
+    def backward_compiler(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> BoxedCallable:
+        if gm is not self.bw_gm:
+            # AOT changed the graph after partitioning; the profile describes the partitioned one.
+            log.debug("F%d: backward graph differs from the partitioned one", self.index)
+        fn = compile_inner(self.env.pipeline.config.inner, gm, example_inputs, role="backward")
+        return wrap(self, fn, "backward")
+
+    def inference_compiler(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any]
+    ) -> BoxedCallable:
+        self._profile(gm, None)
+        fn = compile_inner(
+            self.env.pipeline.config.inner,
+            gm,
+            example_inputs,
+            role="inference",
+            static_input_indices=self.static_inputs,
+        )
+        return wrap(self, fn, "inference")
+
+    # -- profiles ----------------------------------------------------------------------------
+    def _profile(self, gm: fx.GraphModule, bw: fx.GraphModule | None) -> None:
+        self._profile_args = profile_args(self.spec(), gm, bw)
+        self.static_inputs = self._profile_args["static_input_indices"]
+        self.profile = profile_fragment(
+            gm, bw, clone_workspace=clone_workspace, **self._profile_args
+        )
+        self.size_slots = _size_slots(gm)
+        self._sized_profiles.clear()
+
+    def size_key(self, args: Sequence[Any]) -> SizeKey:
+        """The values of the forward graph's size symbols in a call with ``args``."""
+        return tuple(
+            int(args[pos]) if dim < 0 else int(args[pos].shape[dim])
+            for pos, dim, _ in self.size_slots
+        )
+
+    def profile_at(self, sizes: SizeKey) -> FragmentProfile | None:
+        """The profile of the built graphs at a call's sizes (:meth:`size_key`), exact where the
+        example's sizes (the profile's hints) are not; cached."""
+        profile, fw = self.profile, self.fw_gm
+        if not sizes or profile is None or fw is None or len(sizes) != len(self.size_slots):
+            return profile
+        found = self._sized_profiles.get(sizes)
+        if found is None:
+            bindings = {sym: v for (_, _, sym), v in zip(self.size_slots, sizes, strict=True)}
+            with bound_sizes(bindings):
+                found = profile_fragment(fw, self.bw_gm, **self._profile_args)
+            # Gradient copies are of parameters, whose sizes are static: the example's figure.
+            found = dataclasses.replace(found, clone_bytes=profile.clone_bytes)
+            if len(self._sized_profiles) < MAX_SIZE_PROFILES:
+                self._sized_profiles[sizes] = found
+        return found

@@ -1,0 +1,330 @@
+"""Rewrites of a plan's built graphs, kept only where the exact profile says they help.
+
+The planner prices what a plan recomputes and swaps with its joint model; it does not see what
+the late rewrites do to the built forward and backward graphs. So a plan over its target tries
+them on the built graphs and keeps each only when a phase's exact peak drops::
+
+    fw, bw = built(plan)                       exact peak P (profile_fragment, measured scratch)
+    in place     (rewrites/inplace.py, built=True)    P' < P ? keep : drop
+    row tiling   (rewrites/tiling/), 0 matmuls made again, then up to MAX_KEPT_MATMULS
+    rematerialize (rewrites/rematerialize.py), the backward only
+
+Every profile here is exact: a rewritten node's kernel scratch is its original's (the same op on
+the same metadata), probed once per graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx
+
+from memcompile.analysis.fragment_profile import (
+    FragmentProfile,
+    backward_profiler,
+    profile_fragment,
+)
+from memcompile.analysis.graph import GraphProfile
+from memcompile.analysis.workspace import clone_workspace, probe_workspaces
+from memcompile.errors import format_bytes
+from memcompile.pipeline.env import FragmentSpec
+from memcompile.planning.plan import FragmentPlan
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.inplace import in_place_pass
+from memcompile.rewrites.rematerialize import plan_rematerialize, rematerialize_pass
+from memcompile.rewrites.tiling import (
+    MAX_KEPT_MATMULS,
+    RowTiling,
+    find_row_tilings,
+    row_tile_pass,
+)
+
+__all__ = ["Split", "built_rewrite", "profile_args", "rematerialized", "tiled"]
+
+log = logging.getLogger(__name__)
+
+#: AOT's split of a fragment's graphs, known before its metadata is: the static inputs, the
+#: forward's leading outputs that are mutated inputs, and the user outputs after them.
+Split = tuple[tuple[int, ...], int, int]
+#: A rewrite of one built graph (``inplace``, ``tiling``).
+Rewrite = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
+
+
+def profile_args(
+    spec: FragmentSpec,
+    gm: fx.GraphModule,
+    bw: fx.GraphModule | None,
+    *,
+    split: Split | None = None,
+) -> dict[str, Any]:
+    """``profile_fragment``'s arguments for these graphs: AOT's input and output split (from its
+    metadata, or ``split``) and the measured kernel workspaces."""
+    ctx = torch._guards.TracingContext.try_get()
+    meta = ctx.fw_metadata if ctx is not None else None
+    static: tuple[int, ...]
+    if split is not None:
+        static, mutated, user = split
+    elif meta is None:  # should not happen under Dynamo; profile without the output split
+        log.warning(
+            "memcompile: no AOT metadata for fragment F%d; profile is approximate", spec.index
+        )
+        static, mutated, user = (), 0, len(gm.graph.find_nodes(op="output")[0].args[0])
+    else:
+        static = tuple(meta.static_input_indices)
+        mutated = meta.num_mutated_inp_runtime_indices
+        user = meta.num_outputs + meta.num_intermediate_bases
+    return dict(
+        static_input_indices=static,
+        num_mutated_inputs=mutated,
+        num_user_outputs=user,
+        forward_workspace=probe_workspaces(gm),
+        backward_workspace=probe_workspaces(bw) if bw is not None else None,
+        dropped_outputs=spec.dropped_outputs,
+        released_tangents=spec.released_tangents,
+    )
+
+
+_Workspaces = tuple[dict[str, Any], Callable[[str, fx.GraphModule], dict[str, int]]]
+
+
+def _workspaces(
+    spec: FragmentSpec, fw: fx.GraphModule, bw: fx.GraphModule, split: Split
+) -> _Workspaces:
+    """The profile arguments of the built graphs less their workspaces, and the workspace of a
+    rewrite of either graph: each node's measured one, a copy's that of its original (the same
+    op on the same metadata)."""
+    args = profile_args(spec, fw, bw, split=split)
+    measured = {
+        graph: dict(args.pop(f"{graph}_workspace") or {}) for graph in ("forward", "backward")
+    }
+
+    def workspace(graph: str, g: fx.GraphModule) -> dict[str, int]:
+        return {
+            n.name: measured[graph].get(n.meta.get("memcompile_copy_of", n.name), 0)
+            for n in g.graph.nodes
+        }
+
+    return args, workspace
+
+
+def _profiler(
+    workspaces: _Workspaces,
+) -> Callable[[fx.GraphModule, fx.GraphModule], FragmentProfile]:
+    """Exact profiles of rewrites of the built graphs, from :func:`_workspaces`' answer."""
+    args, ws = workspaces
+
+    def profile(f: fx.GraphModule, b: fx.GraphModule) -> FragmentProfile:
+        return profile_fragment(
+            f,
+            b,
+            clone_workspace=clone_workspace,
+            forward_workspace=ws("forward", f),
+            backward_workspace=ws("backward", b),
+            **args,
+        )
+
+    return profile
+
+
+def built_backward_profiler(
+    fw: fx.GraphModule, workspaces: _Workspaces
+) -> Callable[[fx.GraphModule], GraphProfile]:
+    """The backward profile of rewrites of the built backward alone (``fw`` as built;
+    ``workspaces``: :func:`_workspaces` of both): the forward profiled once
+    (``fragment_profile.backward_profiler``)."""
+    args, ws = workspaces
+    profile = backward_profiler(
+        fw,
+        static_input_indices=args["static_input_indices"],
+        num_mutated_inputs=args["num_mutated_inputs"],
+        num_user_outputs=args["num_user_outputs"],
+        forward_workspace=ws("forward", fw),
+        released_tangents=args["released_tangents"],
+    )
+    return lambda b: profile(b, ws("backward", b))
+
+
+def _may_rewrite(plan: FragmentPlan) -> bool:
+    """Whether the late rewrites may try to bring ``plan`` under its target: it has one, and
+    holds no more than its saved-set cap."""
+    if plan.target is None:
+        return False
+    return plan.saved_cap is None or plan.held_bytes <= plan.saved_cap
+
+
+def built_rewrite(
+    spec: FragmentSpec,
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    plan: FragmentPlan,
+    split: Split,
+    rewrite: Rewrite,
+    what: str,
+) -> tuple[fx.GraphModule, fx.GraphModule, FragmentPlan]:
+    """``fw``, ``bw`` and ``plan`` (over its target) after ``rewrite`` of both built graphs,
+    when that lowers a phase's exact peak (else as they were). The joint model the planner
+    searched with does not see these rewrites, so only a plan over its target tries them (as
+    :func:`rematerialized`): ``inplace.in_place_pass(built=True)`` writes elementwise results
+    into the graphs' own dying values (a value the plan recomputes for the backward, rather than
+    saves, is the graph's own in both graphs); ``row_tile_pass`` makes elementwise results a
+    block of rows at a time. ``what`` names the rewrite in the log."""
+    target = plan.target
+    if target is None or not _may_rewrite(plan):
+        return fw, bw, plan
+    fw2 = rewrite(fw, PassContext(spec.name, "forward"))
+    bw2 = rewrite(bw, PassContext(spec.name, "backward"))
+    if fw2 is fw and bw2 is bw:
+        return fw, bw, plan
+    before = max(_profiler(_workspaces(spec, fw, bw, split))(fw, bw).phase_peaks().values())
+    # Probed as rewritten: an out= kernel may need a temporary its original did not.
+    after = max(_profiler(_workspaces(spec, fw2, bw2, split))(fw2, bw2).phase_peaks().values())
+    if after >= before:
+        return fw, bw, plan
+    log.info(
+        "F%d: %s: the step peaks at %s (%s without; budget %s)",
+        spec.index,
+        what,
+        format_bytes(plan.resident_bytes + after),
+        format_bytes(plan.resident_bytes + before),
+        format_bytes(plan.resident_bytes + target),
+    )
+    plan = dataclasses.replace(
+        plan,
+        predicted_peak=min(plan.predicted_peak, plan.resident_bytes + after),
+        feasible=after <= target,
+    )
+    return fw2, bw2, plan
+
+
+class TilingSearch:
+    """:func:`find_row_tilings` of the built graphs one :func:`tiled` call rewrites, each graph
+    and ``max_kept_matmuls`` searched once: the search only decides, and the graphs do not
+    change meanwhile (the rewrites make copies). Keyed by the graph object (by identity)."""
+
+    def __init__(self) -> None:
+        self._found: dict[tuple[fx.GraphModule, int], tuple[RowTiling, ...]] = {}
+
+    def __call__(self, gm: fx.GraphModule, kept: int) -> tuple[RowTiling, ...]:
+        found = self._found.get((gm, kept))
+        if found is None:
+            found = self._found[(gm, kept)] = find_row_tilings(gm, max_kept_matmuls=kept)
+        return found
+
+
+def _same_tilings(fw: fx.GraphModule, bw: fx.GraphModule, kept: int, search: TilingSearch) -> bool:
+    """Whether both graphs tile alike with ``kept`` matmuls made again and with none (a graph
+    the search fails on: not known to, ``tile_rows`` then says why)."""
+    try:
+        return all(search(g, kept) == search(g, 0) for g in (fw, bw))
+    except Exception:  # the rewrite that follows reports it
+        return False
+
+
+def tile_rows(
+    gm: fx.GraphModule,
+    ctx: PassContext,
+    *,
+    max_kept_matmuls: int = MAX_KEPT_MATMULS,
+    search: TilingSearch | None = None,
+) -> fx.GraphModule:
+    """``row_tile_pass``, then the in-place pass again where it tiled: a value the blocks now
+    make again dies at its other reader, which may then write into it. ``search``: the
+    decisions already made for ``gm``."""
+    try:
+        decided = None if search is None else search(gm, max_kept_matmuls)
+        tiled = row_tile_pass(gm, ctx, max_kept_matmuls=max_kept_matmuls, decided=decided)
+    except Exception:  # a graph the pass does not know: the plan stands without it
+        log.warning(
+            "%s %s: row tiling failed; left as built", ctx.fragment, ctx.graph, exc_info=True
+        )
+        return gm
+    return gm if tiled is gm else in_place_pass(tiled, ctx, built=True)
+
+
+def tiled(
+    spec: FragmentSpec,
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    plan: FragmentPlan,
+    split: Split,
+) -> tuple[fx.GraphModule, fx.GraphModule, FragmentPlan]:
+    """:func:`built_rewrite` with row tiling: first with no matmul made again by the blocks (a
+    value kept whole for another reader is read whole instead), which costs no time; where that
+    does not fit, also with them, and the lower peak is kept."""
+    best = None
+    search = TilingSearch()
+    for kept in sorted({0, MAX_KEPT_MATMULS}):
+        if kept and _same_tilings(fw, bw, kept, search):
+            break  # no op's blocks would make a matmul again: the same rewrite
+        found = built_rewrite(
+            spec,
+            fw,
+            bw,
+            plan,
+            split,
+            functools.partial(tile_rows, max_kept_matmuls=kept, search=search),
+            f"elementwise ops made by blocks of rows ({kept} matmuls made again)",
+        )
+        if best is None or found[2].predicted_peak < best[2].predicted_peak:
+            best = found
+        if best[2].feasible:
+            break
+    assert best is not None
+    return best
+
+
+def rematerialized(
+    spec: FragmentSpec,
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    plan: FragmentPlan,
+    split: Split,
+) -> FragmentPlan:
+    """``plan`` (over its target) after making backward values again for their late readers
+    where that lowers the backward's exact profile (``rematerialize.py``); ``bw`` is rewritten
+    in place. The plan fits afterwards if every phase meets the target."""
+    target = plan.target
+    if target is None or not _may_rewrite(plan):
+        return plan
+    # The kernel scratch is probed once (it runs every kernel) for both profilers.
+    workspaces = _workspaces(spec, fw, bw, split)
+    built = _profiler(workspaces)
+
+    def profile(g: fx.GraphModule) -> FragmentProfile:
+        return built(fw, g)
+
+    before = profile(bw)
+    if before.backward is None or before.phase_peaks()["backward"] <= target:
+        return plan
+    ctx = PassContext(fragment=spec.name, graph="backward")
+    # Each trial profiles a rewrite of the backward only (the forward once, not per trial).
+    backward = built_backward_profiler(fw, workspaces)
+    splits = plan_rematerialize(
+        bw, ctx, backward, target=target - before.held_output_bytes, start=before.backward
+    )
+    if not splits:
+        return plan
+    rematerialize_pass(bw, ctx, splits=splits)
+    after = max(profile(bw).phase_peaks().values())
+    moved = sum(r.moved for r in splits)
+    log.info(
+        "F%d: %d backward values made again for their late readers, %d moved to them: the "
+        "step peaks at %s (%s without; budget %s)",
+        spec.index,
+        len(splits) - moved,
+        moved,
+        format_bytes(plan.resident_bytes + after),
+        format_bytes(plan.resident_bytes + max(before.phase_peaks().values())),
+        format_bytes(plan.resident_bytes + target),
+    )
+    return dataclasses.replace(
+        plan,
+        predicted_peak=min(plan.predicted_peak, plan.resident_bytes + after),
+        feasible=after <= target,
+        rematerialized=tuple((r.node, r.before) for r in splits),
+    )

@@ -1,0 +1,92 @@
+"""The pipeline's internal switches: which rewrites a plan may use.
+
+Not user options (``MemConfig`` holds those): every switch is on in the product, and tests and
+benchmarks turn one off to compare against the ops it replaces::
+
+    from memcompile.pipeline import features
+
+    with features.patch(row_tiling=False):      # a benchmark run without row tiling
+        ...
+    monkeypatch.setattr(features, "FEATURES", features.FEATURES.replace(row_tiling=False))
+    features.current().row_tiling               # what the pipeline reads, at each compile
+
+One frozen object, :data:`FEATURES`, read where a stage is decided (never copied at import).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["FEATURES", "Features", "current", "patch"]
+
+
+@dataclass(frozen=True)
+class Features:
+    """Which rewrites planned fragments may use.
+
+    Attributes:
+        dropout_rewrite: when a budgeted plan uses the dropout rewrite (rewrites/dropout.py):
+            ``"auto"`` when the plan without it misses the budget and the one with it fits or
+            peaks lower, first with saved masks, then (CPU) with masks replayed from the
+            generator's state; ``"always"`` (saved masks), ``"replay"`` and ``"never"`` are for
+            tests and benchmarks ("auto" is the contract).
+        loss_head_in_place: planned fragments compute cross-entropy heads in place
+            (rewrites/losshead.py).
+        elementwise_in_place: planned fragments compute dying gradients' elementwise ops in
+            place (rewrites/inplace.py), with the eager inner compiler (Inductor reuses such
+            buffers itself).
+        built_in_place: a plan over its budget writes elementwise results into values of the
+            built graphs' own that die there (rewrites/inplace.py, ``built=True``) where that
+            lowers the exact profile.
+        row_tiling: a plan still over its budget makes elementwise results a block of rows at
+            a time from operands that then exist a block at a time (rewrites/tiling/) where that
+            lowers the exact profile and each distinct chain probes bit-identical.
+        rematerialize: a plan over its budget makes backward values again for their late
+            readers where that lowers the backward's exact profile (rewrites/rematerialize.py).
+        linear_ce_blocks: a fragment no plan fits makes its cross-entropy heads by blocks, the
+            logits never whole (rewrites/linearce.py), where the blocks probe bit-identical; it
+            costs two more matmuls of the head's size, so only then.
+        pilot_in_graph: the pilot predicts and prefetches inside each forward graph
+            (rewrites/pilot_prefetch.py); ``False`` leaves the prediction at the fragment's
+            tail.
+    """
+
+    dropout_rewrite: Literal["auto", "always", "replay", "never"] = "auto"
+    loss_head_in_place: bool = True
+    elementwise_in_place: bool = True
+    built_in_place: bool = True
+    row_tiling: bool = True
+    rematerialize: bool = True
+    linear_ce_blocks: bool = True
+    pilot_in_graph: bool = True
+
+    def replace(self, **changes: Any) -> Features:
+        """These switches with ``changes`` (``TypeError`` for an unknown name)."""
+        return dataclasses.replace(self, **changes)
+
+
+#: The switches in force. Tests and benchmarks replace the whole object (``monkeypatch``, or
+#: :func:`patch`); the pipeline reads it through :func:`current` at each compile.
+FEATURES = Features()
+
+
+def current() -> Features:
+    """The switches in force (read at each compile)."""
+    return FEATURES
+
+
+@contextlib.contextmanager
+def patch(**changes: Any) -> Iterator[Features]:
+    """Run the ``with`` block with some switches changed (tests and benchmarks); restored on
+    exit, also on an error. Unknown names raise ``TypeError`` naming them."""
+    global FEATURES
+    old = FEATURES
+    FEATURES = old.replace(**changes)
+    try:
+        yield FEATURES
+    finally:
+        FEATURES = old

@@ -1,0 +1,307 @@
+"""How one fragment is decided and rewritten, stage by stage.
+
+AOTAutograd hands the partitioner a joint forward+backward graph; :func:`plan_partition` runs
+the stages below in this order and returns a :class:`Decided`: the forward and backward graphs
+and their plan. It changes nothing outside the graphs; the backend then applies what was decided
+(an infeasible plan raises before any parameter moves to the host tier)::
+
+    1  in place         loss heads, dying gradients' elementwise ops  rewrites/losshead, inplace
+    2  aligned?         may this fragment's parameters move to the host
+    3  fetch placed     parameters an earlier fragment put on the host    rewrites/params
+    4  plan             the planner, for budget - resident                planning/planner
+    5  heads by blocks  kept aside: tried only where nothing else fits    rewrites/linearce
+    6  dropouts         recomputable (saved masks, then replayed)         rewrites/dropout
+    7  host parameters  offload_params: their bytes leave the resident    rewrites/params
+    8  reserve cut      the pilot's prefetch reserve gives way to a fit
+    9  build            partition, swaps; late rewrites of built graphs   rewrites/; built.py
+    10 alternatives     recompute only, swap only, floors, heads by blocks; choose()  search.py
+
+The forward compiler then finishes both graphs (``finish.py``: where the pilot predicts, and
+reloads hoisted where their copies hide).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import fx
+from torch._functorch import partitioners as P
+
+from memcompile.analysis.joint_model import JointModel
+from memcompile.errors import MemoryBudgetWarning, format_bytes
+from memcompile.pipeline import features
+from memcompile.pipeline.env import FragmentEnv, FragmentSpec
+from memcompile.pipeline.search import Built, Candidate, FragmentSearch, choose
+from memcompile.planning.plan import FragmentPlan
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.dropout import dropout_pass, saved_after
+from memcompile.rewrites.linearce import find_linear_ce, linear_ce_pass
+
+__all__ = ["Decided", "plan_partition"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Decided:
+    """A fragment's graphs and plan as decided by :func:`plan_partition`.
+
+    Attributes:
+        fw, bw: the forward and backward graphs.
+        plan: their plan (its ``host_params`` and ``linear_ce`` named).
+        model: the joint model the plan was searched with.
+        hosted: input positions whose parameters this plan moves to the host tier (with their
+            aliases); ``placed``: those an earlier fragment put there (fetched too).
+        host_peak: the smallest peak found with the parameters on the host, when tried.
+        prefetch_reserve: bytes the plan leaves to the pilot's prefetch cache.
+        held_outputs: bytes of the user outputs the plan counts as held through the backward.
+    """
+
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    plan: FragmentPlan
+    model: JointModel
+    hosted: tuple[int, ...]
+    placed: tuple[int, ...]
+    host_peak: int | None
+    prefetch_reserve: int
+    held_outputs: int
+
+
+def plan_partition(
+    traced: fx.GraphModule,
+    num_fwd_outputs: int,
+    static: Sequence[int],
+    spec: FragmentSpec,
+    env: FragmentEnv,
+) -> Decided:
+    """The stages of the module docstring, in order, for the joint graph ``traced``."""
+    search = FragmentSearch(spec, env, num_fwd_outputs, static)
+    joint = search.in_place(traced)  # 1
+    aligned = _aligned(joint, spec, env)  # 2
+    placed = search.host_placed() if aligned else []
+    if placed:  # 3: another fragment moved some of these parameters: fetch them here too
+        joint = search.fetch(joint, placed)
+    cand = search.plan(joint, start=spec.replan_start)  # 4
+    blocked = _heads_by_blocks(search, traced, cand.plan, placed)  # 5
+    cand = _with_dropouts(search, cand)  # 6
+    cand, hosted, host_peak = _with_host_params(search, cand, blocked, aligned)  # 7
+    cand = _cut_reserve(search, cand, hosted)  # 8
+    # 9: building the graphs changes nothing outside them: an infeasible plan still raises
+    # with the parameters untouched.
+    built = search.build(cand)
+    if not built.plan.feasible and spec.replan_resident is None:  # 10
+        built = _alternatives(search, built, blocked, hosted)
+    return _decided(built, search, hosted, placed, host_peak)
+
+
+def _aligned(joint: fx.GraphModule, spec: FragmentSpec, env: FragmentEnv) -> bool:
+    """Whether the joint graph's primals are the fragment's inputs, in order: host placement
+    needs them to be (AOTAutograd may rewrite them, e.g. for mutated inputs that alias)."""
+    primals = [p for p in joint.graph.find_nodes(op="placeholder") if not P._is_tangent(p)]
+    aligned = len(primals) == len(spec.example_inputs)
+    if not aligned and env.config.offload_params is True:
+        warnings.warn(
+            f"memcompile: {spec.name}: AOTAutograd changed this fragment's inputs, so its "
+            "parameters stay on the device (offload_params=True)",
+            MemoryBudgetWarning,
+            stacklevel=3,
+        )
+    return aligned
+
+
+def _heads_by_blocks(
+    search: FragmentSearch, traced: fx.GraphModule, plan: FragmentPlan, placed: Sequence[int]
+) -> fx.GraphModule | None:
+    """The joint graph with its loss heads made by blocks, for a plan that does not fit: tried
+    where nothing else fits (it costs two matmuls of the head's size, or three copies of its
+    log-softmax to the host tier and back)."""
+    config = search.env.config
+    if config.budget is None or plan.feasible or not features.current().linear_ce_blocks:
+        return None
+    # With the host tier allowed, a head may keep its log-softmax there (cheaper than making
+    # the logits again where copies cost less than matmuls: a CPU).
+    host_tier = config.swap and config.offload_to == "host"
+    ctx = PassContext(fragment=search.spec.name, graph="joint")
+    cost = search.env.cost_profile(search.spec.example_inputs) if host_tier else None
+    heads = find_linear_ce(traced, ctx, host_profile=cost)
+    if not heads:
+        return None
+    blocked = search.in_place(linear_ce_pass(traced, ctx, decided=heads))
+    return search.fetch(blocked, placed) if placed else blocked
+
+
+def _with_dropouts(search: FragmentSearch, cand: Candidate) -> Candidate:
+    """Dropout outputs (and all that is computed from them) become recomputable once rebuilt
+    from the saved mask, and the masks too once replayed from the generator's state; each costs
+    forward time, so only when needed, the cheaper first."""
+    config, mode = search.env.config, features.current().dropout_rewrite
+    if config.budget is None or not config.recompute or mode == "never":
+        return cand
+    ctx = PassContext(fragment=search.spec.name, graph="joint")
+    original, plain = cand.joint, cand.plan
+    kept = [d.tensor for d in plain.decisions if d.action != "recompute"]
+    for replay in (False, True):
+        forced = mode == ("replay" if replay else "always")
+        if not forced and (cand.plan.feasible or mode != "auto"):
+            continue
+        rewritten = dropout_pass(original, ctx, replay=replay)
+        rewrites = rewritten.meta["memcompile_dropouts"]
+        if not rewrites or (replay and all(r.state is None for r in rewrites)):
+            continue
+        # The search also starts from the plain plan's choices carried over (greedy ends
+        # depend on the start: seen 75.4 MB from eager's set, 65.4 MB from there).
+        other = search.plan(rewritten, start=saved_after(kept, rewrites))
+        log.info(
+            "F%d: with recomputable dropouts%s the plan peaks at %s (%s without)",
+            search.spec.index,
+            " and replayed masks" if replay else "",
+            format_bytes(other.plan.predicted_peak),
+            format_bytes(cand.plan.predicted_peak),
+        )
+        better = other.plan.feasible or other.plan.predicted_peak < cand.plan.predicted_peak
+        if better or forced:
+            cand = other
+    return cand
+
+
+def _with_host_params(
+    search: FragmentSearch, cand: Candidate, blocked: fx.GraphModule | None, aligned: bool
+) -> tuple[Candidate, tuple[int, ...], int | None]:
+    """Parameters to the host tier: their bytes leave the resident set, and each reader fetches
+    its own copy (rewrites/params.py); ``"auto"`` only when nothing else fits. Returns the
+    candidate, the positions it moves and the smallest peak found with them there (when
+    tried); sets the search's prefetch reserve."""
+    config, spec, env = search.env.config, search.spec, search.env
+    hosted: tuple[int, ...] = ()
+    host_reserve, host_peak = 0, None
+    candidates = search.host_candidates() if aligned else []
+    wants = config.offload_params is True or (
+        config.offload_params == "auto"
+        and config.budget is not None
+        and (not cand.plan.feasible or env.resident.host_step)
+    )
+    if wants and candidates:
+        fetched = search.fetch(cand.joint, candidates)
+        other = search.plan(fetched, host=candidates)
+        if not other.plan.feasible and blocked is not None:
+            # Neither plan fits: with the parameters on the host the head may be what is left
+            # (its matmuls cost less than a plan that does not fit).
+            third = search.plan(search.fetch(blocked, candidates), host=candidates)
+            log.info(
+                "F%d: with its loss heads made by blocks and the parameters on the host the "
+                "plan peaks at %s (%s without blocks)",
+                spec.index,
+                format_bytes(third.plan.predicted_peak),
+                format_bytes(other.plan.predicted_peak),
+            )
+            if third.plan.feasible:
+                fetched, other = third.joint, third
+        host_peak = other.plan.predicted_peak
+        log.info(
+            "F%d: with %d parameters on the host the plan peaks at %s (%s without)",
+            spec.index,
+            len(spec.own_inputs(candidates)),
+            format_bytes(other.plan.predicted_peak),
+            format_bytes(cand.plan.predicted_peak),
+        )
+        reserve = search.reserve(candidates)
+        if config.offload_params == "auto" and not other.plan.feasible and reserve:
+            # The pilot's reserve is a speed-up, the host tier what fits: rather than keep
+            # the parameters on the device over the budget, give the cache what is left.
+            room, bare = search.room_without_reserve(fetched, candidates)
+            if room is not None:
+                reserve = min(reserve, room)
+                # (No room left: the plan without a reserve is the one that measured it.)
+                other = search.plan(fetched, host=candidates, reserve=reserve) if reserve else bare
+                log.info(
+                    "F%d: the pilot's prefetch reserve is cut to %s for the host tier to fit "
+                    "(plan peaks at %s)",
+                    spec.index,
+                    format_bytes(reserve),
+                    format_bytes(other.plan.predicted_peak),
+                )
+        if (
+            config.offload_params is True
+            or other.plan.feasible
+            or other.plan.predicted_peak < cand.plan.predicted_peak
+        ):
+            cand, hosted, host_reserve = other, tuple(candidates), reserve
+    search.prefetch_reserve = host_reserve if hosted else search.reserve(hosted)
+    return cand, hosted, host_peak
+
+
+def _cut_reserve(search: FragmentSearch, cand: Candidate, hosted: Sequence[int]) -> Candidate:
+    """The same for parameters an earlier fragment put on the host (the GRU's longer buckets: a
+    196 KiB reserve in a 144 KiB budget): the reserve is a speed-up and gives way to what fits,
+    and to nothing where nothing fits (the smallest plan)."""
+    old = search.prefetch_reserve
+    if search.env.config.budget is None or cand.plan.feasible or not old:
+        return cand
+    room, cand = search.room_without_reserve(cand.joint, hosted)
+    reserve = 0 if room is None else min(old, room)
+    if reserve:  # else the plan without a reserve is this one
+        cand = search.plan(cand.joint, host=hosted, reserve=reserve)
+    log.info(
+        "F%d: the pilot's prefetch reserve is cut from %s to %s: the plan does not fit with it "
+        "(plan peaks at %s)",
+        search.spec.index,
+        format_bytes(old),
+        format_bytes(reserve),
+        format_bytes(cand.plan.predicted_peak),
+    )
+    search.prefetch_reserve = reserve
+    return cand
+
+
+def _alternatives(
+    search: FragmentSearch, built: Built, blocked: fx.GraphModule | None, hosted: Sequence[int]
+) -> Built:
+    """The rewrites of a plan over its target (in place, blocks of rows, reloads by rows) act
+    on what the plan recomputes and what it swaps differently, which the planner does not
+    price: a plan with one of the two only may end lower. Then the loss heads by blocks, where
+    nothing else fits (their matmuls are not in the plans' times) and the joint model's peak
+    was not theirs: the rewrites of the built graphs may bring the rest below the head (bench
+    GPT, parameters on the host: 22.9 MiB planned either way, 20.05 MiB built, 16 MiB of it
+    the head)."""
+    tried = search.with_alternatives(hosted, built)
+    fits = any(t.plan.feasible for t in tried)
+    if not fits and blocked is not None and not built.joint.meta.get("memcompile_linear_ce"):
+        other = search.fetch(blocked, hosted) if hosted else blocked
+        tried += search.with_blocks(other, hosted, built.plan)
+    return choose(tried)
+
+
+def _decided(
+    built: Built,
+    search: FragmentSearch,
+    hosted: tuple[int, ...],
+    placed: Sequence[int],
+    host_peak: int | None,
+) -> Decided:
+    """``built`` as decided: its plan names the loss heads made by blocks and the inputs fetched
+    from the host tier."""
+    plan, joint = built.plan, built.joint
+    heads = joint.meta.get("memcompile_linear_ce", ())
+    if heads:
+        plan = dataclasses.replace(plan, linear_ce=tuple(h.describe() for h in heads))
+    fetched = hosted + tuple(placed)
+    if fetched:
+        names = [p.name for p in joint.graph.find_nodes(op="placeholder")]
+        plan = dataclasses.replace(plan, host_params=tuple(names[i] for i in sorted(fetched)))
+    model = built.model
+    return Decided(
+        fw=built.fw,
+        bw=built.bw,
+        plan=plan,
+        model=model,
+        hosted=hosted,
+        placed=tuple(placed),
+        host_peak=host_peak,
+        prefetch_reserve=search.prefetch_reserve,
+        held_outputs=sum(model.nbytes[s] for s in model.held_outputs),
+    )
