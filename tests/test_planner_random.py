@@ -213,7 +213,7 @@ def test_reordering_keeps_random_ops_in_program_order() -> None:
 @given(program=programs, fraction=st.floats(0.1, 0.6), batch=st.sampled_from([16, 64]))
 def test_random_network_with_rows_tiled(program, fraction: float, batch: int) -> None:
     # Tight budgets, where plans miss their targets and the built graphs are tiled by rows
-    # (rewrites/tiling.py) wherever that lowers the peak (about 1 example in 8 here; the next
+    # (rewrites/tiling/) wherever that lowers the peak (about 1 example in 8 here; the next
     # test is one): bit-identical, predicted = measured.
     _check_case(program, fraction, batch)
 

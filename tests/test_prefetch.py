@@ -113,7 +113,7 @@ def test_prefetch_never_raises_the_peak() -> None:
 
 
 def test_a_reload_of_a_block_of_rows_is_never_issued_above_its_slice() -> None:
-    # A tiled op reloads a block of rows of the host copy (rewrites/tiling.py): the reload may
+    # A tiled op reloads a block of rows of the host copy (rewrites/tiling/build.py): the reload may
     # move up to the slice it reads, however slow the link and large the slack.
     slow = DeviceProfile(**{**PROFILE.__dict__, "host_bandwidth": 2**20})
     key = register_store(TieredStore())

@@ -1,4 +1,4 @@
-"""Row tiling (rewrites/tiling.py): an elementwise result made a block of rows at a time equals the
+"""Row tiling (rewrites/tiling/): an elementwise result made a block of rows at a time equals the
 whole op bit for bit, the chain's operands are never held whole, a value other readers need
 stays for them, the probe's verdict is obeyed, and training under a budget only tiling reaches
 stays bit-identical with the predicted peak equal to the allocator's."""
@@ -17,9 +17,13 @@ import memcompile.pipeline.built as built
 from memcompile import zoo
 from memcompile.pipeline import features
 from memcompile.planning.plan import MemoryPlan
-from memcompile.rewrites import tiling
 from memcompile.rewrites.context import PassContext
-from memcompile.rewrites.tiling import _views_as, find_row_tilings, row_tile_pass, tiles_exactly
+from memcompile.rewrites.tiling import build as tiling_build
+from memcompile.rewrites.tiling import find as tiling_find
+from memcompile.rewrites.tiling import probe as tiling_probe
+from memcompile.rewrites.tiling.build import row_tile_pass
+from memcompile.rewrites.tiling.find import _views_as, find_row_tilings
+from memcompile.rewrites.tiling.probe import tiles_exactly
 from memcompile.runtime.store import TieredStore, register_store
 
 from helpers import train_under_budget
@@ -510,7 +514,7 @@ def test_a_long_recurrence_is_searched_back_a_bounded_number_of_values():
     # An unrolled recurrence (the zoo GRU) makes each step's chain reach back through every
     # earlier step: the search recursed once per value (GRU small at 0.7x its peak had not
     # finished its first step after 13 minutes) and 300 steps raise RecursionError. It now
-    # reads what is further back than tiling._MAX_DEPTH values as a leaf.
+    # reads what is further back than tiling_find._MAX_DEPTH values as a leaf.
     def unrolled(x):
         h = x
         for _ in range(300):
@@ -521,7 +525,7 @@ def test_a_long_recurrence_is_searched_back_a_bounded_number_of_values():
     found = find_row_tilings(gm)
     assert len(found) == 301  # every sigmoid, mul and the mean
     longest = max(len(t.chain) for t in found)
-    assert tiling._MAX_DEPTH <= longest <= 2 * tiling._MAX_DEPTH, longest
+    assert tiling_find._MAX_DEPTH <= longest <= 2 * tiling_find._MAX_DEPTH, longest
     mean = next(t for t in found if t.op == str(aten.mean.dim))
     # It reads by rows the values where the search stopped, not the recurrence's input.
     inputs = {n.name for n in gm.graph.find_nodes(op="placeholder")}
@@ -530,7 +534,7 @@ def test_a_long_recurrence_is_searched_back_a_bounded_number_of_values():
 
 def test_the_probes_verdict_is_obeyed(monkeypatch):
     gm = _trace(_branch_backward)
-    monkeypatch.setattr(tiling, "tiles_exactly", lambda *a: False)
+    monkeypatch.setattr(tiling_build, "tiles_exactly", lambda *a: False)
     assert row_tile_pass(gm, CTX) is gm
 
 
@@ -539,7 +543,7 @@ def test_tiles_exactly_tells_different_bits_apart():
         return make_fx(fn, tracing_mode="fake")(torch.randn(64, 8)).graph
 
     leaf = [next(iter(graph(lambda x: x).find_nodes(op="placeholder"))).meta["val"]]
-    tiling._exact_cache.clear()
+    tiling_probe._exact_cache.clear()
     assert tiles_exactly(graph(lambda x: x / 3), graph(lambda x: x / 3), leaf)
     assert not tiles_exactly(graph(lambda x: x / 3), graph(lambda x: x * (1 / 3)), leaf)
 
@@ -585,16 +589,16 @@ def test_each_built_graph_is_searched_for_tilings_once_per_matmul_allowance(monk
     # _same_tilings and the rewrite with 0 and with MAX_KEPT_MATMULS matmuls made again ask for
     # the same decisions: each graph is searched once per allowance (4 searches, not 8).
     searched: list[tuple[fx.GraphModule, int]] = []
-    real = tiling.find_row_tilings
+    real = tiling_find.find_row_tilings
 
-    def counting(gm, *, blocks=tiling.BLOCKS, max_kept_matmuls=tiling.MAX_KEPT_MATMULS):
+    def counting(gm, *, blocks=tiling_find.BLOCKS, max_kept_matmuls=tiling_find.MAX_KEPT_MATMULS):
         searched.append((gm, max_kept_matmuls))  # keeps gm alive: ids are not reused
         return real(gm, blocks=blocks, max_kept_matmuls=max_kept_matmuls)
 
-    monkeypatch.setattr(tiling, "find_row_tilings", counting)
+    monkeypatch.setattr(tiling_build, "find_row_tilings", counting)
     monkeypatch.setattr(built, "find_row_tilings", counting)
     _floor(monkeypatch, True, swap=False, offload_params=False, pilot="off")
-    assert {k for _, k in searched} == {0, tiling.MAX_KEPT_MATMULS}  # both allowances tried
+    assert {k for _, k in searched} == {0, tiling_find.MAX_KEPT_MATMULS}  # both allowances tried
     pairs = [(id(gm), k) for gm, k in searched]
     assert len(pairs) == len(set(pairs)), "a graph was searched twice for the same allowance"
 
@@ -602,7 +606,7 @@ def test_each_built_graph_is_searched_for_tilings_once_per_matmul_allowance(monk
 def test_a_swapping_plan_over_its_target_falls_back_to_recomputing(monkeypatch):
     # With no reload read by rows, tiling acts on values the graphs make only: with swaps
     # allowed the smallest plan is still no larger than recomputing alone.
-    monkeypatch.setattr(tiling, "_reloaded", lambda *a, **k: set())
+    monkeypatch.setattr(tiling_find, "_reloaded", lambda *a, **k: set())
     host = dict(offload_params=True, pilot="off")
     assert _floor(monkeypatch, True, **host) <= _floor(monkeypatch, True, swap=False, **host)
 
@@ -620,7 +624,7 @@ def test_a_swapping_plan_reloads_by_rows_below_the_recomputing_floor(monkeypatch
     budget = (swapping + recomputing) // 2
     (plan,) = _train_within("branchy", budget, **host).plan.fragments
     assert len(plan.swapped) == 8 and not plan.recomputed
-    monkeypatch.setattr(tiling, "_reloaded", lambda *a, **k: set())
+    monkeypatch.setattr(tiling_find, "_reloaded", lambda *a, **k: set())
     with pytest.raises(memcompile.MemoryBudgetError):
         train_under_budget("branchy", "adam", budget, **host)
 
@@ -685,4 +689,4 @@ def test_hand_written_attention_trains_bit_identically_with_its_value_gradient_b
     (fragment,) = rep.fragments
     assert fragment.profile.backward is not None
     targets = [n.target for n in fragment.profile.backward.nodes]
-    assert targets.count("aten.bmm.out") == 4 * tiling.BLOCKS  # 4 layers' value gradients
+    assert targets.count("aten.bmm.out") == 4 * tiling_find.BLOCKS  # 4 layers' value gradients

@@ -35,7 +35,14 @@ from memcompile.runtime.ops import HOST_RESULTS
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PROBE_META", "clear_cache", "clone_workspace", "materialize", "probe_workspaces"]
+__all__ = [
+    "PROBE_META",
+    "clear_cache",
+    "clone_workspace",
+    "materialize",
+    "metadata_key",
+    "probe_workspaces",
+]
 
 _PROBED_NAMESPACES = ("aten", "prims")
 #: Node meta key: probe this node's op though it is not an aten or prims op.
@@ -106,6 +113,16 @@ def materialize(
     if isinstance(v, Mapping):  # kwargs: an out= argument is a tensor
         return {k: materialize(a, device, bases, floats=floats) for k, a in v.items()}
     return _concrete(v)
+
+
+def metadata_key(v: torch.Tensor | None) -> tuple[Any, ...]:
+    """The key of a probe that runs on :func:`materialize`'s values of ``v``'s (static)
+    metadata: its sizes, strides, offset, dtype and device (``()`` for ``None``, an absent
+    optional operand). Row tiling's and the linear cross-entropy's bit-identity probes cache
+    their verdicts by it."""
+    if v is None:
+        return ()
+    return (tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype, str(v.device))
 
 
 def _writes_out(target: torch._ops.OpOverload) -> bool:

@@ -37,12 +37,8 @@ from memcompile.planning.plan import FragmentPlan
 from memcompile.rewrites.context import PassContext
 from memcompile.rewrites.inplace import in_place_pass
 from memcompile.rewrites.rematerialize import plan_rematerialize, rematerialize_pass
-from memcompile.rewrites.tiling import (
-    MAX_KEPT_MATMULS,
-    RowTiling,
-    find_row_tilings,
-    row_tile_pass,
-)
+from memcompile.rewrites.tiling.build import row_tile_pass
+from memcompile.rewrites.tiling.find import MAX_KEPT_MATMULS, RowTiling, find_row_tilings
 
 __all__ = ["Split", "built_rewrite", "profile_args", "rematerialized", "tiled"]
 

@@ -73,7 +73,7 @@ class FragmentPlan:
             from there on, so it is not held across the peak, or moved there when no reader
             comes before (``rematerialize.py``); only when the plan did not fit without.
         row_tiled: ops of the built graphs made a block of rows at a time
-            (``"backward:gelu_backward"``, ``tiling.py``); only when the plan did not fit
+            (``"backward:gelu_backward"``, ``tiling/``); only when the plan did not fit
             without.
         linear_ce: the cross-entropy heads made by blocks, their logits never whole
             (``"_log_softmax: 8 blocks"``, ``linearce.py``); only when the plan did not fit

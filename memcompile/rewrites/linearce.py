@@ -67,7 +67,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 import memcompile.runtime.linearce as kernels
 from memcompile.analysis.costmodel import DeviceProfile
-from memcompile.analysis.workspace import PROBE_META, materialize
+from memcompile.analysis.workspace import PROBE_META, materialize, metadata_key
 from memcompile.rewrites.context import PassContext
 from memcompile.rewrites.rebuild import alias_nodes, rebuilt_module, refresh_view, storage_refs
 
@@ -315,12 +315,6 @@ def _match(gm: fx.GraphModule, lsm: fx.Node) -> dict[str, Any] | None:
     }
 
 
-def _metadata_key(v: torch.Tensor | None) -> tuple[Any, ...]:
-    if v is None:
-        return ()
-    return (tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype, str(v.device))
-
-
 _exact_cache: dict[tuple[Any, ...], int | None] = {}
 
 
@@ -342,7 +336,7 @@ def exact_chunks(
     has them), on random values of these (fake or real) tensors' metadata, run on their device;
     ``None``: none does. Cached per metadata."""
     key = (
-        *map(_metadata_key, (h, wt, bias, target)),
+        *map(metadata_key, (h, wt, bias, target)),
         reduction,
         ignore_index,
         output_mask,

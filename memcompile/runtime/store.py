@@ -304,7 +304,7 @@ class TieredStore:
         except (OSError, RuntimeError) as e:
             raise OffloadError(f"{tier} tier: reading a swapped tensor back failed: {e}") from e
         with self._lock:
-            # The bytes copied: a block of rows of a swapped tensor (rewrites/tiling.py) reads
+            # The bytes copied: a block of rows of a swapped tensor (rewrites/tiling/build.py) reads
             # a part of its storage.
             self.bytes_in[tier] += h.numel() * h.element_size()
         return out
