@@ -1,6 +1,7 @@
 """The ``memcompile`` command (also ``python -m memcompile``).
 
-    memcompile demo [--workload gpt] [--size small] [--steps 3]
+    memcompile demo [--workload gpt] [--size small] [--steps 3] [--budget 60%]
+                                                         # eager, then memcompile in a budget
     memcompile inspect TARGET [--budget B]               # fragments, peaks, plans, fallbacks
     memcompile plan TARGET --budget B -o plan.json       # the plan, with what draw/timeline need
     memcompile draw TARGET|plan.json -o plan.svg         # graphviz: nodes coloured by decision
@@ -26,7 +27,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,45 +51,123 @@ def _pct(pred: int | None, meas: int | None) -> str:
     return f"{100.0 * (pred - meas) / meas:+.2f}%"
 
 
-def _demo(args: argparse.Namespace) -> dict[str, Any]:
+#: Paired timing rounds of ``demo`` (eager and memcompile alternate; the median is reported).
+DEMO_TIMING_REPS = 5
+
+
+def _train(
+    wl: Any, run: Any, module: Any, steps: int, *, seed: int, lr: float, say: Any
+) -> tuple[list[float], Any, Callable[[int], float]]:
+    """Train ``steps`` SGD steps on ``wl``'s batches through ``run`` (``module`` itself, or
+    ``module`` compiled), then measure one more step on the last batch; (losses, the
+    measurement, a function running one more training step on batch ``i``)."""
     import torch
+
+    from memcompile.runtime.measure import measure
+
+    torch.manual_seed(seed)  # the same dropout masks for eager and memcompile
+    opt = torch.optim.SGD(module.parameters(), lr=lr)
+
+    def step(i: int) -> float:
+        loss = wl.loss(run, i)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    losses: list[float] = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        losses.append(step(i))
+        say(f"    step {i}: loss {losses[-1]:.4f} ({time.perf_counter() - t0:.2f} s)")
+    # One more step, measured, on the last batch: a new shape would compile inside the
+    # measurement. Gradients are None before it, as the prediction assumes.
+    batch = wl.batch(steps - 1)
+
+    def measured_step() -> None:
+        run(*batch).backward()
+
+    m = measure(measured_step, resident=[module, batch])
+    opt.zero_grad(set_to_none=True)
+    return losses, m, step
+
+
+def _paired_seconds(steps: Sequence[Callable[[int], float]], batch: int, reps: int) -> list[float]:
+    """Median seconds of a training step of each of ``steps``, run in turn ``reps`` times on
+    batch ``batch`` (already compiled): alternating cancels most of a shared machine's drift."""
+    import statistics
+
+    seconds: list[list[float]] = [[] for _ in steps]
+    for _ in range(reps):
+        for step, out in zip(steps, seconds, strict=True):
+            t0 = time.perf_counter()
+            step(batch)
+            out.append(time.perf_counter() - t0)
+    return [statistics.median(s) for s in seconds]
+
+
+def _demo_budget(text: str, *, resident: int, eager_peak: int) -> int | None:
+    """Bytes of ``demo --budget``: ``none``, bytes, a size, or a percentage of what the eager
+    step allocates above its resident bytes (the convention of ``inspect --budget 70%``)."""
+    from memcompile.viz.capture import resolve_budget
+
+    text = text.strip()
+    if text.lower() == "none":
+        return None
+    budget: int | str = int(text) if text.isdigit() else text
+    return resolve_budget(budget, resident=resident, unplanned_peak=eager_peak)
+
+
+def _demo(args: argparse.Namespace) -> dict[str, Any]:
+    import copy
 
     import memcompile
     from memcompile import zoo
     from memcompile.errors import format_bytes
-    from memcompile.runtime.measure import measure
+    from memcompile.viz.capture import _unwrap_budget_error as unwrap_budget_error
 
     if args.steps < 1:
         raise CliError("--steps must be >= 1")
+    if args.budget.strip().lower() != "none":
+        _check_budget(args.budget)
     try:
         wl = zoo.build(args.workload, size=args.size, seed=args.seed)
     except ValueError as e:
         raise CliError(str(e)) from None
-    torch.manual_seed(args.seed)
-    compiled = memcompile.compile(wl.model)
-    opt = torch.optim.SGD(wl.model.parameters(), lr=args.lr)
     say = (lambda *_: None) if args.json else print
     say(f"memcompile demo: {wl.name} ({args.size}): {wl.summary}")
-    losses: list[float] = []
-    for step in range(args.steps):
-        t0 = time.perf_counter()
-        loss = wl.loss(compiled, step)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-        say(f"  step {step}: loss {losses[-1]:.4f} ({time.perf_counter() - t0:.2f} s)")
 
-    # One more step, measured, on the last batch: a new shape would compile inside the
-    # measurement. Gradients are None before it, as the prediction assumes.
-    batch = wl.batch(args.steps - 1)
+    # 1. Eager PyTorch without memcompile, on a copy made before anything compiles: the same
+    # weights, batches and dropout masks.
+    eager_model = copy.deepcopy(wl.model)
+    say("  eager PyTorch, without memcompile:")
+    eager_losses, em, eager_step = _train(
+        wl, eager_model, eager_model, args.steps, seed=args.seed, lr=args.lr, say=say
+    )
 
-    def measured_step() -> None:
-        compiled(*batch).backward()
-
-    m = measure(measured_step, resident=[wl.model, batch])
-    opt.zero_grad(set_to_none=True)
-    rep = memcompile.report(compiled)
+    # 2. memcompile under the budget (default: 60 % of what the eager step allocates above its
+    # resident bytes, as `inspect --budget 60%` reads it), the same steps.
+    budget = _demo_budget(args.budget, resident=em.resident_bytes, eager_peak=em.peak)
+    if budget is None:
+        say("  memcompile, no budget:")
+    else:
+        share = ""
+        if args.budget.strip().endswith("%"):
+            share = f" ({args.budget.strip()} of what eager allocates above its resident bytes)"
+        say(f"  memcompile, budget {format_bytes(budget)}{share}:")
+    compiled = memcompile.compile(wl.model, budget=budget)
+    try:
+        losses, m, step = _train(
+            wl, compiled, wl.model, args.steps, seed=args.seed, lr=args.lr, say=say
+        )
+    except Exception as e:
+        budget_error = unwrap_budget_error(e)
+        if budget_error is not None:
+            raise budget_error from None
+        raise
+    rep = memcompile.report(compiled)  # before the timing steps: the training run's calls
+    # Time per step, after the losses and the measurement: eager and memcompile in turn.
+    eager_s, step_s = _paired_seconds((eager_step, step), args.steps - 1, DEMO_TIMING_REPS)
     rows: list[dict[str, Any]] = []
     for f in rep.fragments:
         measured = max(
@@ -107,35 +186,79 @@ def _demo(args: argparse.Namespace) -> dict[str, Any]:
     result = {
         "workload": wl.name,
         "size": args.size,
+        "budget": budget,
+        "eager_peak": em.peak,
+        "eager_step_seconds": eager_s,
+        "eager_losses": eager_losses,
         "losses": losses,
+        "losses_equal_eager": losses == eager_losses,
         "predicted_peak": rep.predicted_peak,
         "measured_peak": m.peak,
+        "within_budget": None if budget is None else m.peak <= budget,
+        "step_seconds": step_s,
         "exact": rep.exact,
+        "measured_with": "CUDA peak stats" if m.device == "cuda" else "CPU profiler",
         "fragments": rows,
         "fallbacks": [fb.to_dict() for fb in rep.fallbacks],
     }
     if not args.json:
-        print(
-            f"\n  {'fragment':<9} {'calls':>6} {'predicted':>12} {'measured':>12} {'error':>8}"
-            "  code"
-        )
-        for r in rows:
-            pred = "-" if r["predicted_peak"] is None else format_bytes(r["predicted_peak"])
-            meas = "-" if r["measured_peak"] is None else format_bytes(r["measured_peak"])
-            err = _pct(r["predicted_peak"], r["measured_peak"])
-            print(
-                f"  {r['fragment']:<9} {r['calls']:>6} {pred:>12} {meas:>12} {err:>8}  {r['code']}"
-            )
-        pred = "-" if rep.predicted_peak is None else format_bytes(rep.predicted_peak)
-        kind = "exact model" if rep.exact else "estimate"
-        print(
-            f"  {'step':<9} {'':>6} {pred:>12} {format_bytes(m.peak):>12} "
-            f"{_pct(rep.predicted_peak, m.peak):>8}  whole step ({kind}; measured: "
-            f"{'CUDA peak stats' if m.device == 'cuda' else 'CPU profiler'})"
-        )
+        _print_demo(result)
         for fb in rep.fallbacks:
             print(f"  eager fallback: {fb.code}: {fb.kind}: {fb.reason}")
     return result
+
+
+def _print_demo(r: dict[str, Any]) -> None:
+    from memcompile.errors import format_bytes
+
+    def size(n: int | None) -> str:
+        return "-" if n is None else format_bytes(n)
+
+    def times(n: float | None, of: float) -> str:
+        return "-" if n is None or not of else f"{n / of:.2f}x"
+
+    eager_peak, eager_s = r["eager_peak"], r["eager_step_seconds"]
+    budget = "no budget" if r["budget"] is None else f"budget {size(r['budget'])}"
+    kind = "exact model" if r["exact"] else "estimate"
+    print(f"\n  {'one training step':<30} {'peak':>12} {'vs eager':>9} {'time':>9} {'vs eager':>9}")
+    print(
+        f"  {'eager PyTorch':<30} {size(eager_peak):>12} {'1.00x':>9} {eager_s:>8.3f}s {'1.00x':>9}"
+    )
+    print(
+        f"  {'memcompile, ' + budget:<30} {size(r['measured_peak']):>12} "
+        f"{times(r['measured_peak'], eager_peak):>9} {r['step_seconds']:>8.3f}s "
+        f"{times(r['step_seconds'], eager_s):>9}"
+    )
+    print(
+        f"  {'  predicted by memcompile':<30} {size(r['predicted_peak']):>12} "
+        f"{times(r['predicted_peak'], eager_peak):>9}  ({kind}, "
+        f"{_pct(r['predicted_peak'], r['measured_peak'])} of measured)"
+    )
+    if r["within_budget"] is not None:
+        held = "held" if r["within_budget"] else "MISSED"
+        sign = "<=" if r["within_budget"] else ">"
+        print(f"  budget {held}: measured {size(r['measured_peak'])} {sign} {size(r['budget'])}")
+    n = len(r["losses"])
+    if r["losses_equal_eager"]:
+        print(f"  losses: equal to eager's bit for bit in all {n} step(s)")
+    else:
+        print(f"  losses: DIFFER from eager's: {r['losses']} vs {r['eager_losses']}")
+    print(
+        f"  peaks: {r['measured_with']} + resident bytes, one step after training; "
+        f"time: median of {DEMO_TIMING_REPS} steps each, in turn"
+    )
+    print(f"\n  {'fragment':<9} {'calls':>6} {'predicted':>12} {'measured':>12} {'error':>8}  code")
+    for row in r["fragments"]:
+        err = _pct(row["predicted_peak"], row["measured_peak"])
+        print(
+            f"  {row['fragment']:<9} {row['calls']:>6} {size(row['predicted_peak']):>12} "
+            f"{size(row['measured_peak']):>12} {err:>8}  {row['code']}"
+        )
+    print(
+        f"  {'step':<9} {'':>6} {size(r['predicted_peak']):>12} {size(r['measured_peak']):>12} "
+        f"{_pct(r['predicted_peak'], r['measured_peak']):>8}  whole step ({kind}; measured: "
+        f"{r['measured_with']})"
+    )
 
 
 # -- inspection commands --------------------------------------------------------------------
@@ -470,13 +593,19 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser(
         "demo",
         parents=[common],
-        help="train a zoo workload and compare predicted and measured peaks",
+        help="train a zoo workload eagerly, then under memcompile in a budget: peaks, time, losses",
     )
     d.add_argument("--workload", default="gpt", help="zoo workload name (default: gpt)")
     d.add_argument("--size", default="small", help="tiny, small or bench (default: small)")
     d.add_argument("--steps", type=int, default=3, help="training steps before the measured one")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--lr", type=float, default=0.05)
+    d.add_argument(
+        "--budget",
+        default="60%",
+        help="bytes, a size like 1.5MiB, N%% of what the eager step allocates above its "
+        "resident bytes (default 60%%), or none",
+    )
     d.set_defaults(func=_demo)
 
     budget_help = "bytes, a size like 1.5MiB, or N%% of the step's allocations without a plan"

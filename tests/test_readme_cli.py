@@ -58,6 +58,22 @@ def test_demo_json_prints_predicted_and_measured_peaks() -> None:
     assert frag["fragment"] == "F0" and frag["predicted_peak"] and frag["measured_peak"]
     assert abs(result["predicted_peak"] - result["measured_peak"]) <= 0.03 * result["measured_peak"]
     assert result["exact"] is True and result["fallbacks"] == []
+    # Eager first, on a copy with the same weights; then memcompile in the default budget: 60 %
+    # of what the eager step allocates above its resident bytes, held, with eager's losses.
+    assert result["eager_peak"] > result["budget"] >= result["measured_peak"]
+    assert result["within_budget"] is True
+    assert result["losses"] == result["eager_losses"] and result["losses_equal_eager"] is True
+    assert result["eager_step_seconds"] > 0 and result["step_seconds"] > 0
+
+
+def test_demo_budget_option() -> None:
+    out = _cli("demo", "--size", "tiny", "--steps", "1", "--budget", "1.4MiB", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["budget"] == int(1.4 * 2**20) >= result["measured_peak"]
+    assert result["losses_equal_eager"] is True
+    out = _cli("demo", "--budget", "lots")
+    assert out.returncode == 1 and "cannot read 'lots' as a size" in out.stderr
 
 
 def test_demo_table_output() -> None:
@@ -65,6 +81,8 @@ def test_demo_table_output() -> None:
     assert out.returncode == 0, out.stderr
     assert "fragment   calls    predicted     measured" in out.stdout
     assert "whole step (estimate; measured: CPU profiler)" in out.stdout
+    assert "eager PyTorch, without memcompile:" in out.stdout and "budget held:" in out.stdout
+    assert "losses: equal to eager's bit for bit in all 2 step(s)" in out.stdout
 
 
 def test_cli_errors_are_one_line_without_traceback() -> None:
