@@ -392,6 +392,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
     prediction, seq, resident = compiler.predict_step(extra)
     per_fragment = prediction.fragment_peaks(seq) if prediction is not None else {}
     eager = compiler.config.inner == "eager"
+    budget, watch = compiler.budget, compiler.checks.peak_watch
 
     fragments = tuple(
         FragmentReport(
@@ -412,7 +413,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
         )
         for r in records
     )
-    sharded = compiler.sharded
+    sharded = compiler.fsdp.sharded
     exact = bool(
         prediction is not None
         and prediction.exact
@@ -429,25 +430,25 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
         step=tuple(f"F{i}.{_SHORT[k]}" for i, k, _ in seq),
         steps_observed=compiler.steps_observed,
         fallbacks=tuple(compiler.fallbacks),
-        host_param_bytes=compiler.host_param_bytes,
+        host_param_bytes=compiler.resident.host_param_bytes,
         pilot=compiler.prefetcher.report() if compiler.prefetcher is not None else None,
         dynamic=compiler.dynamic,
         recompile_limit_raised=compiler.recompile_limit_raised,
-        replans=tuple(compiler.replans),
-        measured_peak=compiler.peak_watch.measured if compiler.peak_watch is not None else None,
-        summed_grads=tuple(compiler.summed_grads),
-        sharded_param_bytes=compiler.sharded_param_bytes,
+        replans=tuple(compiler.budget.replans),
+        measured_peak=watch.measured if watch is not None else None,
+        summed_grads=tuple(compiler.checks.summed_grads),
+        sharded_param_bytes=compiler.fsdp.param_bytes,
         dropped_outputs=tuple(
-            f"{r.name}: outputs {sorted(compiler.dropped_outputs_of(r))}"
-            for r in compiler.records()
-            if compiler.dropped_outputs_of(r)
+            f"{r.name}: outputs {sorted(budget.dropped_outputs(r.id))}"
+            for r in records
+            if budget.dropped_outputs(r.id)
         ),
         released_tangents=tuple(
-            f"{r.name}: {sorted(compiler.released_tangents_of(r))}"
-            for r in compiler.records()
-            if compiler.released_tangents_of(r)
+            f"{r.name}: {sorted(budget.released_tangents(r.id))}"
+            for r in records
+            if budget.released_tangents(r.id)
         ),
-        over_budget=compiler.over_budget
+        over_budget=budget.over_budget
         or (
             prediction is not None
             and compiler.config.budget is not None

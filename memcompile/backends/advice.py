@@ -77,39 +77,7 @@ def infeasible(
     buffers no fragment reads."""
     budget = config.budget
     assert budget is not None
-    tips = [f"enable {k}=True" for k in ("recompute", "swap") if not getattr(config, k)]
-    device = spec.device
-    resident = format_bytes(plan.resident_bytes)
-    if hosted:
-        tips.append(
-            f"with the parameters on the host, {resident} of the peak is still buffers, "
-            "inputs and other fragments' memory"
-        )
-    elif host_peak is not None:
-        tips.append(
-            f"{resident} of the peak is parameters, buffers and inputs; keeping the "
-            f"parameters on the host does not help (smallest peak then "
-            f"{format_bytes(host_peak)})"
-        )
-    elif device is not None and device.type not in HOSTABLE_DEVICES:
-        tips.append(
-            f"{resident} of the peak is parameters, buffers and inputs, which stay on the "
-            "device (parameters on the host are only implemented for "
-            f"{' and '.join(HOSTABLE_DEVICES)} devices in this version)"
-        )
-    elif sharded:
-        tips.append(
-            f"{resident} of the peak is parameters, buffers and inputs; FSDP2 manages the "
-            "parameters (more ranks shard them thinner, and FSDP2's "
-            "offload_policy=CPUOffloadPolicy() keeps them on the host)"
-        )
-    elif config.offload_params is False:
-        tips.append(
-            f"{resident} of the peak is parameters, buffers and inputs: offload_params=True "
-            "(or 'auto') keeps parameters on the host"
-        )
-    else:
-        tips.append(f"{resident} of the peak is buffers, inputs and other fragments' memory")
+    tips = _resident_tips(config, spec, plan, hosted=hosted, host_peak=host_peak, sharded=sharded)
     if device_other:
         tips.append(
             f"of which {format_bytes(device_other)} was already allocated on the "
@@ -164,6 +132,52 @@ def infeasible(
         MemoryBudgetWarning,
         stacklevel=2,
     )
+
+
+def _resident_tips(
+    config: MemConfig,
+    spec: FragmentSpec,
+    plan: FragmentPlan,
+    *,
+    hosted: bool,
+    host_peak: int | None,
+    sharded: bool,
+) -> list[str]:
+    """What the options allowed could still do, and what of the peak stays resident and why."""
+    tips = [f"enable {k}=True" for k in ("recompute", "swap") if not getattr(config, k)]
+    device = spec.device
+    resident = format_bytes(plan.resident_bytes)
+    if hosted:
+        tips.append(
+            f"with the parameters on the host, {resident} of the peak is still buffers, "
+            "inputs and other fragments' memory"
+        )
+    elif host_peak is not None:
+        tips.append(
+            f"{resident} of the peak is parameters, buffers and inputs; keeping the "
+            f"parameters on the host does not help (smallest peak then "
+            f"{format_bytes(host_peak)})"
+        )
+    elif device is not None and device.type not in HOSTABLE_DEVICES:
+        tips.append(
+            f"{resident} of the peak is parameters, buffers and inputs, which stay on the "
+            "device (parameters on the host are only implemented for "
+            f"{' and '.join(HOSTABLE_DEVICES)} devices in this version)"
+        )
+    elif sharded:
+        tips.append(
+            f"{resident} of the peak is parameters, buffers and inputs; FSDP2 manages the "
+            "parameters (more ranks shard them thinner, and FSDP2's "
+            "offload_policy=CPUOffloadPolicy() keeps them on the host)"
+        )
+    elif config.offload_params is False:
+        tips.append(
+            f"{resident} of the peak is parameters, buffers and inputs: offload_params=True "
+            "(or 'auto') keeps parameters on the host"
+        )
+    else:
+        tips.append(f"{resident} of the peak is buffers, inputs and other fragments' memory")
+    return tips
 
 
 def check_budget(

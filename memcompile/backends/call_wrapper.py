@@ -98,10 +98,42 @@ def _site(build: Wrapped, kind: str) -> CallSite:
     return CallSite(index, kind)
 
 
+def _placer(
+    build: Wrapped, hosted: Sequence[int], aliases: Sequence[tuple[int, int]]
+) -> Callable[[list[Any]], None]:
+    """What a call with a new parameter set does first: its host-placed inputs join the host
+    tier (one graph serves every expert), and the aliases read them there."""
+    resident, index = build.env.pipeline.resident, build.index
+
+    def place(args: list[Any]) -> None:
+        for i in hosted:
+            if not is_host_placed(args[i]):
+                try:
+                    resident.host_param_bytes += resident.move_to_host(args[i])
+                except ValueError as e:  # still correct: the graph fetches a device copy
+                    log.warning("memcompile: F%d input %d stays on the device: %s", index, i, e)
+        # The aliases were made before the move: the graph reads the host copy through them
+        # too (autograd's edges are made already; this call's forward only reads the data).
+        for j, i in aliases:
+            args[j] = args[i]
+
+    return place
+
+
+def _finisher(build: Wrapped, kind: str) -> Callable[[], None] | None:
+    """A CUDA backward that sends gradients to pinned host memory (host-placed parameters)
+    returns before their side-stream copies are done; autograd sums them on the host at once:
+    wait for the copies first (runtime/pinned.py)."""
+    device = build.device
+    if kind != "backward" or not build.hosted_inputs or device is None or device.type != "cuda":
+        return None
+    return functools.partial(build.env.store.finish_puts, device)
+
+
 def wrap(build: Wrapped, fn: Callable[[list[Any]], Any], kind: str) -> BoxedCallable:
     """``fn`` (``build``'s compiled ``kind`` graph) as the boxed callable Dynamo runs."""
     env = build.env
-    monitor, prefetcher, resident = env.monitor, env.prefetcher, env.pipeline.resident
+    monitor, prefetcher = env.monitor, env.prefetcher
     stats, index = build.stats, build.index
     counter = f"{kind}_calls"
     range_name = f"memcompile:F{index}:{kind}"
@@ -123,30 +155,9 @@ def wrap(build: Wrapped, fn: Callable[[list[Any]], Any], kind: str) -> BoxedCall
     aliases = [(j, i) for j, i in build.alias_sources.items() if i in hosted]
     sized = kind != "backward" and bool(build.size_slots)  # backward: its forward's sizes
     reserve = build.prefetch_reserve
-    # A CUDA backward that sends gradients to pinned host memory (host-placed parameters)
-    # returns before their side-stream copies are done; autograd sums them on the host at
-    # once: wait for the copies first (runtime/pinned.py).
     device = build.device
-    finish = (
-        functools.partial(env.store.finish_puts, device)
-        if kind == "backward"
-        and build.hosted_inputs
-        and device is not None
-        and device.type == "cuda"
-        else None
-    )
-
-    def place(args: list[Any]) -> None:
-        for i in hosted:
-            if not is_host_placed(args[i]):
-                try:
-                    resident.host_param_bytes += resident.move_to_host(args[i])
-                except ValueError as e:  # still correct: the graph fetches a device copy
-                    log.warning("memcompile: F%d input %d stays on the device: %s", index, i, e)
-        # The aliases were made before the move: the graph reads the host copy through them
-        # too (autograd's edges are made already; this call's forward only reads the data).
-        for j, i in aliases:
-            args[j] = args[i]
+    finish = _finisher(build, kind)
+    place = _placer(build, hosted, aliases)
 
     def run(args: list[Any]) -> Any:
         # Pass the same list through: the inner callable clears it (boxed convention).

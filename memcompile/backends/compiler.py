@@ -54,14 +54,13 @@ from memcompile.backends.fragment_build import FragmentBuild, device_of
 from memcompile.backends.identity import fragment_identity
 from memcompile.backends.inner import decompositions
 from memcompile.backends.progress import slow_compile_notice
-from memcompile.backends.sharded import RankCheck, ShardedModel, ShardedParams
+from memcompile.backends.sharded import RankCheck, ShardedModel
 from memcompile.config import MemConfig
 from memcompile.dynamic.prefetch import Prefetcher
 from memcompile.dynamic.trace import TraceRecorder
 from memcompile.errors import MemoryBudgetWarning
 from memcompile.pipeline.env import FragmentEnv
-from memcompile.planning.replan import Replan
-from memcompile.records import FragmentIdentity, FragmentRecord, SizeKey, StepEvent
+from memcompile.records import FragmentIdentity, FragmentRecord, StepEvent
 from memcompile.rewrites.context import PassContext
 from memcompile.rewrites.input_uses import InputSplit, split_inputs_pass
 from memcompile.runtime.measure import storage_sizes
@@ -376,6 +375,8 @@ class MemCompiler:
             self.budget.reset()
             self.checks.reset()
             self.resident.reset()
+        for observer in self.step_monitor.observers:
+            observer.reset()
         if self.prefetcher is not None:
             self.prefetcher.reset()
 
@@ -540,16 +541,6 @@ class MemCompiler:
         """The calls step predictions replay (``StepMonitor.step_sequence``)."""
         return self.step_monitor.step_sequence()
 
-    def dropped_outputs_of(self, record: FragmentRecord) -> frozenset[int]:
-        """Positions among ``record``'s forward outputs its plan counts as dropped by the
-        caller before the backward (as steps showed); empty: all held."""
-        return self.budget.dropped_outputs(record.identity.id)
-
-    def released_tangents_of(self, record: FragmentRecord) -> frozenset[str]:
-        """Names of ``record``'s incoming gradients its plan counts as freed after their last
-        reader (no one else held them, as steps showed); empty: all held to the end."""
-        return self.budget.released_tangents(record.identity.id)
-
     @property
     def block_observers(self) -> list[BlockObserver]:
         """Told of every fragment call, in order (dynamic/: the trace recorder, the pilot)."""
@@ -561,11 +552,6 @@ class MemCompiler:
         return self.step_monitor.last_step
 
     @property
-    def last_step_sizes(self) -> tuple[SizeKey, ...]:
-        """Each call's size-symbol values, parallel to :attr:`last_step`."""
-        return self.step_monitor.last_step_sizes
-
-    @property
     def last_step_storages(self) -> tuple[CallStorages, ...]:
         """Each call's :class:`CallStorages`, parallel to :attr:`last_step`."""
         return self.step_monitor.last_step_storages
@@ -575,21 +561,6 @@ class MemCompiler:
         return self.step_monitor.steps_observed
 
     @property
-    def replans(self) -> list[Replan]:
-        """Re-planning rounds of steps predicted over budget (planning/replan.py), in order."""
-        return self.budget.replans
-
-    @property
-    def over_budget(self) -> bool:
-        """Whether a step was predicted or measured over the budget."""
-        return self.budget.over_budget
-
-    @property
-    def summed_grads(self) -> list[str]:
-        """``F{i}: source`` of each input whose gradient a step added out of eager's order."""
-        return self.checks.summed_grads
-
-    @property
     def peak_watch(self) -> PeakWatch | None:
         """CUDA with a budget: each step's measured peak against it (runtime/peakwatch.py)."""
         return self.checks.peak_watch
@@ -597,11 +568,6 @@ class MemCompiler:
     @peak_watch.setter
     def peak_watch(self, watch: PeakWatch | None) -> None:
         self.checks.peak_watch = watch
-
-    @property
-    def host_param_bytes(self) -> int:
-        """Bytes of parameters this compiler moved to the host tier (``offload_params``)."""
-        return self.resident.host_param_bytes
 
     @property
     def host_params_pinned(self) -> bool:
@@ -616,16 +582,6 @@ class MemCompiler:
     def device_other_bytes(self) -> int | None:
         """CUDA: device bytes others had allocated at the first plan (``None``: not measured)."""
         return self.resident.device_other_bytes
-
-    @property
-    def sharded(self) -> ShardedParams | None:
-        """The model's parameters FSDP2 manages, as of the latest compile (backends/sharded.py)."""
-        return self.fsdp.sharded
-
-    @property
-    def sharded_param_bytes(self) -> int:
-        """The FSDP2-managed parameters' unsharded bytes (0: no FSDP2)."""
-        return self.fsdp.param_bytes
 
     @property
     def rank_check(self) -> RankCheck | None:

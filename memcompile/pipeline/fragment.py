@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from torch import fx
 from torch._functorch import partitioners as P
 
-from memcompile.analysis.joint_model import JointModel
 from memcompile.errors import MemoryBudgetWarning, format_bytes
 from memcompile.pipeline import features
 from memcompile.pipeline.env import FragmentEnv, FragmentSpec
@@ -53,7 +52,6 @@ class Decided:
     Attributes:
         fw, bw: the forward and backward graphs.
         plan: their plan (its ``host_params`` and ``linear_ce`` named).
-        model: the joint model the plan was searched with.
         hosted: input positions whose parameters this plan moves to the host tier (with their
             aliases); ``placed``: those an earlier fragment put there (fetched too).
         host_peak: the smallest peak found with the parameters on the host, when tried.
@@ -64,7 +62,6 @@ class Decided:
     fw: fx.GraphModule
     bw: fx.GraphModule
     plan: FragmentPlan
-    model: JointModel
     hosted: tuple[int, ...]
     placed: tuple[int, ...]
     host_peak: int | None
@@ -91,9 +88,7 @@ def plan_partition(
     cand = _with_dropouts(search, cand)  # 6
     cand, hosted, host_peak = _with_host_params(search, cand, blocked, aligned)  # 7
     cand = _cut_reserve(search, cand, hosted)  # 8
-    # 9: building the graphs changes nothing outside them: an infeasible plan still raises
-    # with the parameters untouched.
-    built = search.build(cand)
+    built = search.build(cand)  # 9: changes nothing outside the graphs
     if not built.plan.feasible and spec.replan_resident is None:  # 10
         built = _alternatives(search, built, blocked, hosted)
     return _decided(built, search, hosted, placed, host_peak)
@@ -293,15 +288,6 @@ def _decided(
     if fetched:
         names = [p.name for p in joint.graph.find_nodes(op="placeholder")]
         plan = dataclasses.replace(plan, host_params=tuple(names[i] for i in sorted(fetched)))
-    model = built.model
-    return Decided(
-        fw=built.fw,
-        bw=built.bw,
-        plan=plan,
-        model=model,
-        hosted=hosted,
-        placed=tuple(placed),
-        host_peak=host_peak,
-        prefetch_reserve=search.prefetch_reserve,
-        held_outputs=sum(model.nbytes[s] for s in model.held_outputs),
-    )
+    held = sum(built.model.nbytes[s] for s in built.model.held_outputs)
+    reserve = search.prefetch_reserve
+    return Decided(built.fw, built.bw, plan, hosted, tuple(placed), host_peak, reserve, held)

@@ -22,7 +22,7 @@ import functools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -103,6 +103,8 @@ class CallSite:
     saved_outputs: tuple[int, ...] = ()
     held_outputs: tuple[int, ...] = ()
     tangents: tuple[int, ...] = ()
+    #: A forward's activation input positions, once its first call showed how many inputs.
+    activations: list[tuple[int, ...]] = field(default_factory=list, compare=False, repr=False)
 
 
 class Call:
@@ -176,8 +178,6 @@ class StepMonitor:
         #: views (its profile's saved_input_positions and saved_view_inputs), those that get
         #: gradients, and those of the first kind (whole storages).
         self._call_reads: dict[int, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
-        # Per (fragment, argument count): the positions of a forward's activation inputs.
-        self._activations: dict[tuple[int, int], tuple[int, ...]] = {}
         # The step's latest forward call with held outputs: its position in the step and weak
         # references to those outputs' storages with their bytes (``_on_held_outputs``).
         self._held_refs: tuple[int, list[tuple[int, StorageWeakRef, int, int]]] = (-1, [])
@@ -198,7 +198,8 @@ class StepMonitor:
         self._open_blocks: dict[int, list[tuple[int, SizeKey]]] = {}
 
     def reset(self) -> None:
-        """Forget every step (``torch._dynamo.reset()``: the fragments are gone)."""
+        """Forget every step (``torch._dynamo.reset()``: the fragments are gone); the observers
+        are the compiler's to reset (outside its lock: a recorder flushes its step)."""
         self.last_step = ()
         self.last_step_sizes = ()
         self.last_step_storages = ()
@@ -207,7 +208,6 @@ class StepMonitor:
         self._step_sizes = []
         self._step_storages = []
         self._call_reads.clear()
-        self._activations.clear()
         self._held_refs = (-1, [])
         self._output_refs = []
         self._last_forwards.clear()
@@ -216,8 +216,6 @@ class StepMonitor:
         self._step_trains = False
         self._last_kind = ""
         self._open_blocks.clear()
-        for observer in self.observers:
-            observer.reset()
 
     def reads(
         self, index: int, kept: tuple[int, ...], grads: tuple[int, ...], whole: tuple[int, ...]
@@ -249,12 +247,9 @@ class StepMonitor:
         # ~6 us a call, which a step without a budget does not pay: nothing is planned on it).
         reads = None
         if kind == "forward" and self._budgeted:
-            key = (site.index, len(args))
-            positions = self._activations.get(key)
-            if positions is None:
-                positions = tuple(i for i in range(len(args)) if i not in site.static)
-                self._activations[key] = positions
-            reads = view_storages(args, positions)
+            if not site.activations:
+                site.activations.append(tuple(i for i in range(len(args)) if i not in site.static))
+            reads = view_storages(args, site.activations[0])
         return Call(site, block, roots, reads)
 
     def on_return(
