@@ -88,7 +88,7 @@ class FragmentRecord:
             backward graph sums: parameters read several times (not split), inputs an op
             reads through several autograd edges.
         hostable: addresses among ``static_storages`` of the parameters the host tier may take
-            (``MemCompiler.may_host``): what a step that puts parameters on the host frees.
+            (``ResidentSet.may_host``): what a step that puts parameters on the host frees.
     """
 
     index: int

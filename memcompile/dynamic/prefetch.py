@@ -1,7 +1,8 @@
 """Prefetch for dynamic networks: the pilot predicts the next blocks, their parameters are copied
 to the device before the graphs ask.
 
-The compiler (``backends/compiler.py``) calls the :class:`Prefetcher` around every fragment call:
+Each call wrapper (``backends/call_wrapper.py``) calls the :class:`Prefetcher` around every
+fragment call:
 
     before(...)   forward call of block b: name it, score the earlier predictions of it, let the
                   predictor observe it, trim the cache to the fragment's reserve (keeping b's

@@ -3,7 +3,7 @@
 Dynamo hands memcompile one fragment at a time, and each is planned when it is compiled: a
 fragment compiled first knows nothing of those compiled after it (their parameters, gradients and
 saved activations), and later ones count the earlier ones only as an upper bound. After a step,
-``MemCompiler`` replays it (``analysis/step_model.py``); when the predicted step peak is over the
+``step/budget.py`` replays it (``analysis/step_model.py``); when the predicted step peak is over the
 budget, this module decides which fragments to plan again and with what they must leave room for:
 
     prediction = simulate_step(...)                 call_peaks[c]: absolute peak during call c

@@ -38,7 +38,7 @@ Bit-identity. The values are the kernel's own arithmetic, replayed:
 Other devices, non-floating dtypes, ``p == 1`` on CUDA and ``train=False`` are left alone.
 The rewrite costs two elementwise multiplies per dropout in the forward (``nd[0]`` is still
 computed) and one more activation-sized transient while they run, so the backend applies it
-only when a budget cannot be met without it (see ``backends/compiler.py``).
+only when a budget cannot be met without it (see ``pipeline/fragment.py``).
 
 **Replayed masks** (``replay=True``, CPU, static shapes). The mask itself is recomputed too, by
 drawing it again from the generator's state (``runtime/rng.py``):

@@ -53,7 +53,7 @@ allocation, and the ``out=`` schemas (``Tensor(a!)``) make it an impure node tha
 keeps in order with other effects; readers of the result through views get fake values
 recomputed from the new node, as in ``losshead.py``. The pass is for the eager inner compiler:
 Inductor reuses a dying buffer for a pointwise kernel itself, and a mutating ``out=`` node would
-be a fallback kernel that blocks its fusion (``backends/compiler.py`` skips the pass there).
+be a fallback kernel that blocks its fusion (``pipeline/search.py`` skips the pass there).
 """
 
 from __future__ import annotations

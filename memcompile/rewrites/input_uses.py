@@ -28,7 +28,7 @@ Parameters are split the same way when the ``split_param_reads`` option asks: a 
 fragment reads more than once (tied, or with its transpose) then gets one ``AliasBackward0``
 edge per read into its ``AccumulateGrad``. The aliases keep Dynamo's static-input marking (they
 share the parameter's storage); when the parameter moves to the host tier its aliases are
-fetched like it (``alias_sources`` in ``backends/compiler.py``), and only it moves.
+fetched like it (``alias_sources`` in ``backends/fragment_build.py``), and only it moves.
 
 Left alone, summed in-graph as before (bit-identical to eager unless the rest of the step adds
 to the same gradient first; then as ``aot_eager``):
@@ -41,7 +41,7 @@ to the same gradient first; then as ``aot_eager``):
   fragment called again later in the step, or another fragment reading the weight), which is
   known once a step has run, not when the fragment compiles: the parameters left summed are
   ``InputSplit.summed``, and the compiler warns after a step where one of them got an earlier
-  contribution (``MemCompiler._check_grad_order``);
+  contribution (``StepChecks.grad_order``);
 * inputs the fragment mutates (aliased mutated inputs take AOTAutograd's synthetic-base path).
   Nothing can add to such an input's gradient before the fragment's backward does: every op
   newer than the fragment reads the mutated value, whose gradient reaches the fragment's

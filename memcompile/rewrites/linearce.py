@@ -20,7 +20,7 @@ the logits a block at a time and keep two numbers per row between them:
 
 The backward makes the logits twice more (by rows for ``gh``, by columns for ``gw`` and ``gb``):
 two matmuls of the head's size, so the compiler uses this only for a plan that does not fit
-without it (``backends/compiler.py``).
+without it (``pipeline/fragment.py``).
 
 **The log-softmax on the host.** Where the host tier is allowed and three ``N x V`` copies cost
 less than those two matmuls (:func:`keeps_on_host`: a CPU, not a GPU), the forward copies each

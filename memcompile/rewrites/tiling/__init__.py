@@ -99,6 +99,6 @@ left as it was and logged.
 Decided by :func:`find_row_tilings` (``find.py``), rewritten by :func:`row_tile_pass`
 (``build.py``) where the probe (:func:`tiles_exactly`, ``probe.py``) finds the blocks
 bit-identical. The compiler tries the pass on built graphs whose plan is over its target and
-keeps it only where the exact profile's peak drops (``backends/compiler.py``), as for
+keeps it only where the exact profile's peak drops (``pipeline/built.py``), as for
 ``inplace.py``'s ``built=True``.
 """
