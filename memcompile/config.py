@@ -150,6 +150,9 @@ class MemConfig:
     offload_to: Literal["host", "disk"] = "host"
     disk_path: str | None = None
     offload_params: Literal["auto"] | bool = "auto"
+    #: Optimizer state (Adam's moments, SGD's momentum) in the host tier (``step/iteration.py``):
+    #: ``"auto"`` when the iteration does not fit with it on the device, ``True`` always.
+    offload_optimizer: Literal["auto"] | bool = "auto"
     pilot: Literal["auto", "lightgbm", "markov", "off"] = "auto"
     prefetch_depth: int = 2
     inner: Literal["eager", "inductor"] = "eager"
@@ -218,6 +221,9 @@ class MemConfig:
             disk_path=_check_writable_path("disk_path", o.get("disk_path"), is_dir=True),
             offload_params=_choice(
                 "offload_params", o.get("offload_params", "auto"), ("auto", True, False)
+            ),
+            offload_optimizer=_choice(
+                "offload_optimizer", o.get("offload_optimizer", "auto"), ("auto", True, False)
             ),
             pilot=_choice("pilot", o.get("pilot", "auto"), ("auto", "lightgbm", "markov", "off")),
             prefetch_depth=prefetch_depth,

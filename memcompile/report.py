@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # the pilot imports LightGBM: only when a model uses it
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FragmentReport", "MemReport", "find_compiler", "report"]
+__all__ = ["FragmentReport", "IterationReport", "MemReport", "find_compiler", "report"]
 
 _SHORT = {"forward": "fw", "backward": "bw", "inference": "inf"}
 
@@ -83,6 +83,39 @@ class FragmentReport:
 
 
 @dataclass(frozen=True)
+class IterationReport:
+    """The training iteration as the loop showed it (``step/iteration.py``).
+
+    Attributes:
+        micro_batches: steps of the model between two optimizer steps (gradient accumulation).
+        optimizers: each optimizer that steps the model, with its state
+            (``"AdamW (for-loop) state 1.50 MiB"``).
+        state_bytes: their state on the device.
+        transient: the most one of their steps allocates and frees again (``exact``: priced for
+            its kind; else estimated).
+        grads_bytes: the model's gradients on the device when its last optimizer step began.
+        peaks: the predicted peak of each phase seen: ``"first micro-batch"``, ``"later
+            micro-batches"`` (begun with gradients present), ``"optimizer step"``.
+    """
+
+    micro_batches: int
+    optimizers: tuple[str, ...]
+    state_bytes: int
+    transient: int
+    exact: bool
+    grads_bytes: int
+    peaks: tuple[tuple[str, int], ...]
+
+    @property
+    def peak(self) -> int | None:
+        """The iteration's predicted peak: its largest phase (``None``: none predicted)."""
+        return max((p for _, p in self.peaks), default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "peaks": dict(self.peaks), "peak": self.peak}
+
+
+@dataclass(frozen=True)
 class MemReport:
     """Fragments, predicted peak and eager fallbacks of one compiled model.
 
@@ -91,7 +124,9 @@ class MemReport:
         fragments: one entry per compiled fragment, in compile order.
         predicted_peak: predicted absolute device peak of one training step that starts with
             gradients set to None (parameters, buffers, inputs, activations, gradients), bytes;
-            ``None`` before anything was compiled.
+            ``None`` before anything was compiled. The budget covers the whole iteration:
+            ``iteration`` adds the optimizers' state, accumulated gradients and the optimizer
+            step.
         resident_bytes: parameters and buffers counted as resident for the whole step (on CUDA
             also device memory memcompile does not own, measured at the first plan).
         exact: the step is a single fragment run by the eager inner compiler, for which the
@@ -125,6 +160,8 @@ class MemReport:
         released_tangents: ``"F{i}: [tangents_k, ...]"`` of each fragment whose plan counts
             those incoming gradients as freed after their last reader, as steps showed (no one
             else holds them: AOTAutograd's zeros for an output that got no gradient).
+        iteration: the training iteration, once an optimizer stepped the model's parameters
+            (:class:`IterationReport`; ``None`` before).
         sharded_param_bytes: the model's parameters at their unsharded size (in the sharded
             parameters' dtype, as far as compiles saw them sharded) when FSDP2 (``fully_shard``)
             manages them, else 0. FSDP's all-gathered parameters, gradients before
@@ -151,6 +188,7 @@ class MemReport:
     dropped_outputs: tuple[str, ...] = ()
     released_tangents: tuple[str, ...] = ()
     sharded_param_bytes: int = 0
+    iteration: IterationReport | None = None
 
     @property
     def eager_frames(self) -> int:
@@ -197,6 +235,7 @@ class MemReport:
             "dropped_outputs": list(self.dropped_outputs),
             "released_tangents": list(self.released_tangents),
             "sharded_param_bytes": self.sharded_param_bytes,
+            "iteration": self.iteration.to_dict() if self.iteration is not None else None,
         }
 
     def __str__(self) -> str:
@@ -223,6 +262,8 @@ class MemReport:
             )
         if self.host_param_bytes:
             lines.append(f"  parameters on the host: {format_bytes(self.host_param_bytes)}")
+        if self.iteration is not None:
+            lines.append(_iteration_line(self.iteration))
         for f in self.fragments:
             if f.plan is not None and f.plan.linear_ce:
                 # It costs time (rewrites/linearce.py): the user is told where it was needed.
@@ -278,6 +319,17 @@ class MemReport:
         for fb in self.fallbacks:
             lines.append(f"  EAGER {fb.code}: {fb.kind}: {fb.reason}")
         return "\n".join(lines)
+
+
+def _iteration_line(it: IterationReport) -> str:
+    peak = "n/a" if it.peak is None else format_bytes(it.peak)
+    phases = ", ".join(f"{name} {format_bytes(p)}" for name, p in it.peaks)
+    estimated = "" if it.exact else " (estimated)"
+    return (
+        f"  iteration: {it.micro_batches} micro-batch(es), {'; '.join(it.optimizers)}, "
+        f"step transient {format_bytes(it.transient)}{estimated}: predicted peak {peak} "
+        f"({phases})"
+    )
 
 
 def _pilot_line(p: PilotReport) -> str:
@@ -393,6 +445,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
     per_fragment = prediction.fragment_peaks(seq) if prediction is not None else {}
     eager = compiler.config.inner == "eager"
     budget, watch = compiler.budget, compiler.checks.peak_watch
+    iteration = _iteration(compiler)
 
     fragments = tuple(
         FragmentReport(
@@ -448,12 +501,32 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
             for r in records
             if budget.released_tangents(r.id)
         ),
+        iteration=iteration,
         over_budget=budget.over_budget
         or (
-            prediction is not None
-            and compiler.config.budget is not None
-            and prediction.peak > compiler.config.budget
+            compiler.config.budget is not None
+            and max(
+                prediction.peak if prediction is not None else 0,
+                (iteration.peak or 0) if iteration is not None else 0,
+            )
+            > compiler.config.budget
         ),
+    )
+
+
+def _iteration(compiler: MemCompiler) -> IterationReport | None:
+    watch = compiler.iteration
+    costs = list(watch.optimizers.values())
+    if not costs:
+        return None
+    return IterationReport(
+        micro_batches=watch.micro_batches,
+        optimizers=tuple(sorted(c.describe() for c in costs)),
+        state_bytes=watch.state_bytes,
+        transient=watch.transient,
+        exact=all(c.exact for c in costs),
+        grads_bytes=watch.grads_at_step,
+        peaks=tuple(compiler.budget.iteration_peaks.items()),
     )
 
 

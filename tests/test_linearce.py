@@ -215,7 +215,10 @@ def _train_with_pass(model: nn.Module, steps: int = 3) -> list[torch.Tensor]:
 
 
 def _train(model: nn.Module, fn, steps: int) -> list[torch.Tensor]:
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    # Plain SGD: its step holds nothing beyond parameters and gradients, so a budget at the
+    # forward and backward's floor is the iteration's too (Adam's step needs more: its state,
+    # and temporaries the size of the largest parameter; tests/test_iteration.py).
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)

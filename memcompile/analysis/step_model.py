@@ -30,6 +30,10 @@ gradient arrives in the host tier (``rewrites/params.py``), but autograd's sum o
 gradients is a new device tensor: from the second contribution on, that parameter's gradient
 is device memory until its last contribution, when AccumulateGrad's hook sends it back to the
 host.
+A gradient that exists when the step begins (a later micro-batch of gradient accumulation,
+``zero_grad(set_to_none=False)``) is resident for the whole step; the step's contributions to it
+live as a new one would until the last, which AccumulateGrad adds into ``.grad`` in place and
+frees (``grads_present``).
 
 The outputs the caller still holds: a forward call's user outputs its backward does not read
 live as long as Python keeps them. A tree's encoder keeps every node's ``h`` and ``c`` in a list
@@ -48,7 +52,7 @@ are not visible to memcompile.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -281,6 +285,7 @@ def simulate_step(
     call_inputs: Sequence[Mapping[int, int] | None] | None = None,
     call_lives: Sequence[Sequence[OutputLife]] | None = None,
     call_kept_at: Sequence[Mapping[int, int]] | None = None,
+    grads_present: Collection[Hashable] = (),
 ) -> StepPrediction:
     """Replay ``sequence`` (fragment index, kind, block key) over ``profiles``.
 
@@ -341,6 +346,12 @@ def simulate_step(
             during it (the caller dropped it: the previous fragment's output), is counted up
             to its last reader in the backward, where autograd frees it, not through the
             whole call. ``None``: through the whole call.
+        grads_present: gradient keys (parameter storages, as ``call_storages`` name them)
+            whose ``.grad`` exists when the step begins (a later micro-batch of gradient
+            accumulation, or ``zero_grad(set_to_none=False)``); their bytes are in
+            ``resident_bytes``. A backward's contributions to one are held as for a new
+            gradient (the engine sums them in its input buffer) until the last, then added
+            into ``.grad`` in place and freed.
     """
     for name, per_call in (
         ("call_profiles", call_profiles),
@@ -549,8 +560,10 @@ def simulate_step(
                     input_grads[read] = nbytes
                     held_input_grads += nbytes
             for key, g in grads_of(i):
-                if last_use[key] == i and g.host and on_device[key]:
-                    grads -= on_device[key]  # summed on the device, now back to the host
+                if last_use[key] == i and (key in grads_present or g.host) and on_device[key]:
+                    # Added into the existing .grad in place (or, a host gradient summed on the
+                    # device, sent back to the host): freed after the call.
+                    grads -= on_device[key]
                     on_device[key] = 0
         call_peaks.append(p)
         own_peaks.append(own)

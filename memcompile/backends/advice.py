@@ -21,13 +21,14 @@ from memcompile.errors import MemoryBudgetError, MemoryBudgetWarning, format_byt
 from memcompile.pipeline.env import FragmentSpec
 from memcompile.planning.plan import FragmentPlan
 from memcompile.runtime.store import HOSTABLE_DEVICES
-from memcompile.step.budget import StepOver
+from memcompile.step.budget import OptimizerOver, StepOver
 
 __all__ = [
     "CPU_AUTO_PILOT_OFF",
     "CUDA_AUTO_PILOT_OFF",
     "check_budget",
     "infeasible",
+    "optimizer_over",
     "step_over",
 ]
 
@@ -238,6 +239,14 @@ def step_over(
         if host_param_bytes and not device and not sharded
         else "Its parameters, gradients and smallest saved sets"
     )
+    if over.state_bytes or over.grad_bytes:  # the training loop's share of the step
+        loop = []
+        if over.state_bytes:
+            loop.append(f"the optimizers' state ({format_bytes(over.state_bytes)})")
+        if over.grad_bytes:
+            loop.append(f"the gradients accumulated so far ({format_bytes(over.grad_bytes)})")
+        held += ", with " + " and ".join(loop) + ","
+
     options = tips[0] if len(tips) == 1 else ", ".join(tips[:-1]) + ", or " + tips[-1]
     warnings.warn(
         f"memcompile: a {over.calls}-call step is predicted to peak at "
@@ -245,4 +254,31 @@ def step_over(
         f"{held} need more ({options}; see memcompile.report())",
         MemoryBudgetWarning,
         stacklevel=3,
+    )
+
+
+def optimizer_over(over: OptimizerOver, config: MemConfig, *, sharded: bool) -> None:
+    """An optimizer step of the model is predicted over the budget: no plan of the forward and
+    backward lowers it. Raise MemoryBudgetError (``on_infeasible="error"``; from the optimizer's
+    ``step()``, after it) or warn."""
+    budget = config.budget
+    assert budget is not None
+    what = ", ".join(over.optimizers) or "the optimizers' state"
+    tips = ["raise the budget"]
+    if config.offload_params is not True and not sharded:
+        tips.append("set offload_params=True (parameters and gradients on the host)")
+    tips.append("use an optimizer with less state")
+    hint = (
+        f"during the optimizer step the parameters and buffers "
+        f"({format_bytes(over.resident)}), the gradients ({format_bytes(over.grads)}), "
+        f"{what} and the step's temporaries ({format_bytes(over.transient)}) are on the "
+        "device at once, which no plan of the forward and backward lowers: " + ", or ".join(tips)
+    )
+    if config.on_infeasible == "error":
+        raise MemoryBudgetError(budget, over.peak, hint)
+    warnings.warn(
+        f"memcompile: the optimizer step is predicted to peak at {format_bytes(over.peak)}, over "
+        f"budget={format_bytes(budget)} (on_infeasible='best_effort'): {hint}",
+        MemoryBudgetWarning,
+        stacklevel=5,
     )

@@ -24,19 +24,17 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from types import CodeType
 from typing import Any
 
 import torch
 import torch._dynamo
 from torch import fx
-from torch._dynamo.backends.common import aot_autograd
 
 from memcompile.analysis.costmodel import DeviceProfile, device_profile, resolve_profile_name
+from memcompile.analysis.optimizer_cost import OptimizerCost
 from memcompile.analysis.step_model import CallStorages, StepPrediction
 from memcompile.backends import advice
 from memcompile.backends.build_env import BuildEnv
-from memcompile.backends.call_wrapper import wrap_plain
 from memcompile.backends.dynamo_hooks import (
     calling_compiled_module,
     calling_dynamo_context,
@@ -50,9 +48,13 @@ from memcompile.backends.fallbacks import (
     dispatch_mode_fallback,
 )
 from memcompile.backends.fallbacks import monitor as fallback_monitor
-from memcompile.backends.fragment_build import FragmentBuild, device_of
+from memcompile.backends.fragment_build import (
+    FragmentBuild,
+    code_location,
+    compiling_code,
+    device_of,
+)
 from memcompile.backends.identity import fragment_identity
-from memcompile.backends.inner import decompositions
 from memcompile.backends.progress import slow_compile_notice
 from memcompile.backends.sharded import RankCheck, ShardedModel
 from memcompile.config import MemConfig
@@ -63,12 +65,12 @@ from memcompile.pipeline.env import FragmentEnv
 from memcompile.records import FragmentIdentity, FragmentRecord, StepEvent
 from memcompile.rewrites.context import PassContext
 from memcompile.rewrites.input_uses import InputSplit, split_inputs_pass
-from memcompile.runtime.measure import storage_sizes
 from memcompile.runtime.peakwatch import PeakWatch
 from memcompile.runtime.pinned import install_hooks as install_pinned_hooks
 from memcompile.runtime.store import HOSTABLE_DEVICES, TieredStore, register_store
 from memcompile.step.budget import StepBudget
 from memcompile.step.checks import StepChecks
+from memcompile.step.iteration import IterationWatch, grad_bytes
 from memcompile.step.monitor import BlockObserver, OutputsFound, StepMonitor
 from memcompile.step.resident import ResidentSet
 
@@ -89,26 +91,6 @@ def _apply_dynamo_settings() -> None:
     if not torch._dynamo.config.allow_empty_graphs:
         log.debug("setting torch._dynamo.config.allow_empty_graphs = True")
         torch._dynamo.config.allow_empty_graphs = True
-
-
-def _frame_location(frame: Any) -> str:
-    return f"{frame.name} ({frame.filename}:{frame.lineno})" if frame is not None else "<unknown>"
-
-
-def _code_location(code: CodeType | None) -> str:
-    if code is None:
-        return "<unknown>"
-    return f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
-
-
-def _compiling_code() -> CodeType | None:
-    """The code object Dynamo is compiling (``None`` outside a Dynamo compile)."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-
-    try:
-        return InstructionTranslator.current_tx().f_code
-    except AttributeError:  # no translator on this thread: the backend was called directly
-        return None
 
 
 class MemCompiler:
@@ -150,11 +132,32 @@ class MemCompiler:
         self.store = TieredStore(config.disk_path)
         self.store_key = register_store(self.store)
         self.fsdp = ShardedModel(check_ranks=config.check_ranks)
-        self.resident = ResidentSet(config, self.records, self._model, self.fsdp.is_sharded)
-        self.step_monitor = StepMonitor(
-            budgeted=config.budget is not None, records=self.records, listener=self
+        self.resident = ResidentSet(
+            config,
+            self.records,
+            self._model,
+            self.fsdp.is_sharded,
+            loop=lambda: self.iteration.resident_bytes,
         )
-        self.budget = StepBudget(config, self.records, self.step_monitor, self.resident)
+        # The compute device (the first fragment's) and the parameters fragments took.
+        self._device: torch.device | None = None
+        self._params: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self.step_monitor = StepMonitor(
+            budgeted=config.budget is not None,
+            records=self.records,
+            listener=self,
+            present_grads=self._present_grads,
+        )
+        self.iteration = IterationWatch(
+            self._loop_params,
+            self._compute_device,
+            self.step_monitor,
+            self._optimizer_stepped,
+            offload=config.offload_optimizer,
+        )
+        self.budget = StepBudget(
+            config, self.records, self.step_monitor, self.resident, self.iteration
+        )
         self.checks = StepChecks(
             config, self.records, self.step_monitor, self.budget, lambda: len(self.fallbacks)
         )
@@ -188,6 +191,21 @@ class MemCompiler:
     def _model(self) -> torch.nn.Module | None:
         return self.model() if self.model is not None else None
 
+    def _loop_params(self) -> list[torch.Tensor]:
+        """The parameters a training loop steps: the model's when known, else those the
+        fragments took as inputs."""
+        model = self._model()
+        return list(model.parameters()) if model is not None else list(self._params.values())
+
+    def _compute_device(self) -> torch.device:
+        return self._device or torch.device("cpu")
+
+    def _present_grads(self) -> dict[int, int]:
+        # At a step's first call: the gradients it begins with (a later micro-batch).
+        present = grad_bytes(self._loop_params(), self._compute_device())
+        self.iteration.step_began(sum(present.values()))
+        return present
+
     def __repr__(self) -> str:
         return f"MemCompiler({len(self.fragments)} fragments, inner={self.config.inner!r})"
 
@@ -217,6 +235,8 @@ class MemCompiler:
                     self.model = weakref.ref(model)
         self.checks.compiled_in_step = True
         self.checks.watch(device)
+        if self._device is None and device is not None:
+            self._device = device
         identity = fragment_identity(gm, example_inputs)
         old, resident, saved_cap = self.budget.take_awaiting(identity.id)
         # Dynamo compiles under its own global lock, so the next index cannot be taken meanwhile.
@@ -251,12 +271,16 @@ class MemCompiler:
             peak_watched=self.checks.peak_watch is not None,
             dynamic=self.dynamic,
         )
+        for t in real:
+            if isinstance(t, torch.nn.Parameter):
+                self._params[id(t)] = t
         build = self._build(index, split, real, identity, old, resident, saved_cap)
+        build.code = code_location(gm)
         self.note_dynamic_fragment(build.index, gm)
         with slow_compile_notice(f"F{index}", nodes=len(gm.graph.nodes), budget=self.config.budget):
-            compiled, record = self._compile_fragment(build, gm, compile_inputs, identity)
+            compiled, record = build.compile(gm, compile_inputs, identity)
         compiled = split.wrap(compiled)
-        self.budget.compiled(record.index, _compiling_code())
+        self.budget.compiled(record.index, compiling_code())
         with self._lock:
             # A re-planned fragment's record is replaced where its index is (the record it was
             # queued with may have been replaced since: a re-plan of a re-plan).
@@ -315,57 +339,6 @@ class MemCompiler:
     def _next_index(self) -> int:
         return max((r.index for r in self.fragments), default=-1) + 1
 
-    def _compile_fragment(
-        self,
-        build: FragmentBuild,
-        gm: fx.GraphModule,
-        example_inputs: Sequence[Any],
-        identity: FragmentIdentity,
-    ) -> tuple[Callable[..., Any], FragmentRecord]:
-        why = getattr(gm, "compile_subgraph_reason", None)
-        stack = list(getattr(why, "user_stack", None) or [])
-        reason = (getattr(why, "reason", "") or "").strip().splitlines()
-        compile_id = torch._guards.CompileContext.current_compile_id()
-        has_ops = any(
-            n.op in ("call_function", "call_method", "call_module") for n in gm.graph.nodes
-        )
-        if has_ops:
-            compiled = aot_autograd(
-                fw_compiler=build.forward_compiler,
-                bw_compiler=build.backward_compiler,
-                inference_compiler=build.inference_compiler,
-                partition_fn=build.partition,
-                decompositions=decompositions(self.config.inner),
-                keep_inference_input_mutations=True,
-            )(gm, example_inputs)
-        else:
-            # Nothing to plan or run through AOTAutograd (an empty resume graph).
-            compiled = wrap_plain(self.step_monitor, build, gm)
-        inputs = build.example_inputs
-        statics = [inputs[i] for i in build.static_inputs if i < len(inputs)]
-        record = FragmentRecord(
-            index=build.index,
-            identity=identity,
-            # Dynamo gives no user stack for some graphs (a return at the top level of a
-            # resume function): the code object it compiles still says where it is.
-            code=_frame_location(stack[0]) if stack else _code_location(_compiling_code()),
-            reason=reason[0] if reason else "",
-            break_at=_frame_location(stack[-1] if stack else None),
-            compile_id=str(compile_id) if compile_id is not None else "",
-            static_inputs=build.static_inputs,
-            static_storages=tuple(storage_sizes(statics).items()),
-            profile=build.profile,
-            plan=build.plan,
-            inner=self.config.inner,
-            stats=build.stats,
-            blocks=build.blocks,
-            block_inputs=build.block_inputs,
-            profile_at=build.profile_at if build.size_slots else None,
-            summed_inputs=build.summed_inputs,
-            hostable=frozenset(storage_sizes(t for t in statics if self.resident.may_host(t))),
-        )
-        return compiled, record
-
     def reset(self) -> None:
         """Forget fragments and steps (``torch._dynamo.reset()`` calls this: code is dropped)."""
         with self._lock:
@@ -375,6 +348,7 @@ class MemCompiler:
             self.budget.reset()
             self.checks.reset()
             self.resident.reset()
+            self.iteration.reset()
         for observer in self.step_monitor.observers:
             observer.reset()
         if self.prefetcher is not None:
@@ -462,6 +436,16 @@ class MemCompiler:
         self.checks.grad_order()
         if in_call and not self._hooked:
             self.budget.apply_replans()
+
+    def _optimizer_stepped(self, cost: OptimizerCost) -> None:
+        """An optimizer stepped the model's parameters: the iteration's last micro-batch is over
+        (its check now counts the optimizer's state), then the optimizer step's own peak; the
+        re-plans apply before the model's next call."""
+        self.step_monitor.end_step_if_done()
+        over = self.budget.optimizer_step()
+        self.budget.apply_replans()
+        if over is not None:
+            advice.optimizer_over(over, self.config, sharded=self.fsdp.sharded is not None)
 
     def first_backward(
         self, index: int, outputs: OutputsFound | None, held: frozenset[int]

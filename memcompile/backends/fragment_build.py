@@ -17,12 +17,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import CodeType
 from typing import Any
 
 import sympy
 import torch
 from torch import fx
+from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import default_partition
 from torch._logging._internal import trace_structured_artifact
 from torch.utils._python_dispatch import _disable_current_modes
@@ -32,15 +34,16 @@ from memcompile.analysis.graph import bound_sizes
 from memcompile.analysis.workspace import clone_workspace
 from memcompile.backends import advice
 from memcompile.backends.build_env import BuildEnv
-from memcompile.backends.call_wrapper import wrap
-from memcompile.backends.inner import BoxedCallable, compile_inner
+from memcompile.backends.call_wrapper import wrap, wrap_plain
+from memcompile.backends.inner import BoxedCallable, compile_inner, decompositions
 from memcompile.errors import format_bytes
 from memcompile.pipeline.built import profile_args
 from memcompile.pipeline.env import FragmentSpec
 from memcompile.pipeline.finish import early_reloads, pilot_op
 from memcompile.pipeline.fragment import Decided, plan_partition
 from memcompile.planning.plan import FragmentPlan
-from memcompile.records import FragmentStats, SizeKey
+from memcompile.records import FragmentIdentity, FragmentRecord, FragmentStats, SizeKey
+from memcompile.runtime.measure import storage_sizes
 from memcompile.runtime.store import is_host_placed
 
 __all__ = ["FragmentBuild", "device_of"]
@@ -77,6 +80,35 @@ def _size_slots(gm: fx.GraphModule) -> tuple[tuple[int, int, Any], ...]:
                 seen.add(expr)
                 slots.append((pos, dim, expr))
     return tuple(slots)
+
+
+def _frame_location(frame: Any) -> str:
+    return f"{frame.name} ({frame.filename}:{frame.lineno})" if frame is not None else "<unknown>"
+
+
+def _code_location(code: CodeType | None) -> str:
+    if code is None:
+        return "<unknown>"
+    return f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
+
+
+def code_location(gm: fx.GraphModule) -> str:
+    """Where the frame Dynamo cut ``gm`` from begins, ``function (file:line)``. Dynamo gives no
+    user stack for some graphs (a return at the top level of a resume function): the code object
+    it compiles still says where it is."""
+    why = getattr(gm, "compile_subgraph_reason", None)
+    stack = list(getattr(why, "user_stack", None) or [])
+    return _frame_location(stack[0]) if stack else _code_location(compiling_code())
+
+
+def compiling_code() -> CodeType | None:
+    """The code object Dynamo is compiling (``None`` outside a Dynamo compile)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        return InstructionTranslator.current_tx().f_code
+    except AttributeError:  # no translator on this thread: the backend was called directly
+        return None
 
 
 class FragmentBuild:
@@ -122,6 +154,8 @@ class FragmentBuild:
         self.dropped_outputs: frozenset[int] = frozenset()
         self.replan_start: tuple[str, ...] = ()
         self.released_tangents: frozenset[str] = frozenset()
+        #: Where its frame begins (``code_location``): recompiles of one code replace each other.
+        self.code = ""
 
     def spec(self) -> FragmentSpec:
         """This fragment as the pipeline plans it."""
@@ -136,7 +170,57 @@ class FragmentBuild:
             replan_saved_cap=self.replan_saved_cap,
             replan_start=self.replan_start,
             host_replan=self.host_replan,
+            code=self.code,
         )
+
+    # -- compiling ---------------------------------------------------------------------------
+    def compile(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], identity: FragmentIdentity
+    ) -> tuple[Callable[..., Any], FragmentRecord]:
+        """``gm`` compiled through AOTAutograd with this build's hooks, and its record."""
+        config = self.env.pipeline.config
+        why = getattr(gm, "compile_subgraph_reason", None)
+        stack = list(getattr(why, "user_stack", None) or [])
+        reason = (getattr(why, "reason", "") or "").strip().splitlines()
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        has_ops = any(
+            n.op in ("call_function", "call_method", "call_module") for n in gm.graph.nodes
+        )
+        if has_ops:
+            compiled = aot_autograd(
+                fw_compiler=self.forward_compiler,
+                bw_compiler=self.backward_compiler,
+                inference_compiler=self.inference_compiler,
+                partition_fn=self.partition,
+                decompositions=decompositions(config.inner),
+                keep_inference_input_mutations=True,
+            )(gm, example_inputs)
+        else:
+            # Nothing to plan or run through AOTAutograd (an empty resume graph).
+            compiled = wrap_plain(self.env.monitor, self, gm)
+        inputs = self.example_inputs
+        statics = [inputs[i] for i in self.static_inputs if i < len(inputs)]
+        may_host = self.env.pipeline.resident.may_host
+        record = FragmentRecord(
+            index=self.index,
+            identity=identity,
+            code=self.code,
+            reason=reason[0] if reason else "",
+            break_at=_frame_location(stack[-1] if stack else None),
+            compile_id=str(compile_id) if compile_id is not None else "",
+            static_inputs=self.static_inputs,
+            static_storages=tuple(storage_sizes(statics).items()),
+            profile=self.profile,
+            plan=self.plan,
+            inner=config.inner,
+            stats=self.stats,
+            blocks=self.blocks,
+            block_inputs=self.block_inputs,
+            profile_at=self.profile_at if self.size_slots else None,
+            summed_inputs=self.summed_inputs,
+            hostable=frozenset(storage_sizes(t for t in statics if may_host(t))),
+        )
+        return compiled, record
 
     # -- AOTAutograd hooks -------------------------------------------------------------------
     def partition(

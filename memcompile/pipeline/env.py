@@ -41,6 +41,8 @@ class FragmentSpec:
             outputs): the search starts from them too, so the new plan is no worse.
         host_replan: re-planned by the round that put the step's parameters on the host:
             planned as a new fragment, but the step's check says whether the step fits.
+        code: where its frame begins, ``function (file:line)``: fragments compiled from one
+            code (recompiles for new shapes) replace each other in a step.
     """
 
     index: int
@@ -53,6 +55,7 @@ class FragmentSpec:
     replan_saved_cap: int | None = None
     replan_start: tuple[str, ...] = ()
     host_replan: bool = False
+    code: str = ""
 
     @property
     def name(self) -> str:

@@ -70,6 +70,7 @@ __all__ = [
     "get_store",
     "host_empty",
     "host_storage_bytes",
+    "host_tier_copy",
     "is_host_placed",
     "place_on_host",
     "register_store",
@@ -143,6 +144,18 @@ def _host_copy(x: torch.Tensor) -> torch.Tensor:
 
 #: Device types whose parameters :func:`place_on_host` can move to the host tier.
 HOSTABLE_DEVICES = ("cpu", "cuda")
+
+
+def host_tier_copy(x: torch.Tensor) -> torch.Tensor:
+    """A copy of the CPU tensor ``x`` (covering its storage) in the host tier: the same values,
+    shape and strides, in memory outside torch's allocator (optimizer state, ``offload_optimizer``).
+
+    Raises:
+        ValueError: ``x`` is not a CPU tensor covering its storage.
+    """
+    if x.device.type != "cpu" or not can_host_place(x):
+        raise ValueError(f"the host tier takes a CPU tensor covering its storage; got {x.device}")
+    return _host_copy(x)
 
 
 def can_host_place(p: torch.Tensor) -> bool:

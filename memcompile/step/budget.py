@@ -36,10 +36,11 @@ from memcompile.errors import MemoryBudgetWarning, format_bytes
 from memcompile.planning.replan import MAX_REPLANS, MAX_ROUNDS, Replan, decide_replan
 from memcompile.records import FragmentRecord, StepEvent
 from memcompile.runtime.measure import storage_sizes
+from memcompile.step.iteration import IterationWatch
 from memcompile.step.monitor import OutputsFound, StepMonitor
 from memcompile.step.resident import ResidentSet
 
-__all__ = ["Awaited", "StepBudget", "StepOver"]
+__all__ = ["Awaited", "OptimizerOver", "StepBudget", "StepOver"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class StepOver:
         used: the step's fragments.
         several: whether to say so as a multi-fragment step (several fragments, or re-planned):
             else as a single fragment whose plan fit when it was made.
+        state_bytes: the optimizers' state the step held (``step/iteration.py``).
+        grad_bytes: the gradients the step began with (a later micro-batch).
     """
 
     peak: int
@@ -69,6 +72,29 @@ class StepOver:
     why: str
     used: frozenset[int]
     several: bool
+    state_bytes: int = 0
+    grad_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class OptimizerOver:
+    """An optimizer step predicted over the budget (to be raised or warned about).
+
+    Attributes:
+        peak: its predicted peak.
+        resident: the parameters and buffers on the device (and others' memory, on CUDA).
+        grads: the gradients on the device when it began.
+        state: the optimizers' state on the device.
+        transient: what the step allocates and frees again.
+        optimizers: each optimizer of the model, described (``AdamW (for-loop) state 1 MiB``).
+    """
+
+    peak: int
+    resident: int
+    grads: int
+    state: int
+    transient: int
+    optimizers: tuple[str, ...]
 
 
 def _cap_note(cap: int | None) -> str:
@@ -91,13 +117,21 @@ class StepBudget:
         records: Any,
         monitor: StepMonitor,
         resident: ResidentSet,
+        iteration: IterationWatch | None = None,
     ) -> None:
         self._config = config
         self._records = records
         self._monitor = monitor
         self._resident = resident
+        self._iteration = iteration
         self.replans: list[Replan] = []
         self.over_budget = False
+        #: The iteration's phases, as last predicted (``"first micro-batch"``, ``"later
+        #: micro-batches"``, ``"optimizer step"``) -> peak: what ``report().iteration`` shows.
+        self.iteration_peaks: dict[str, int] = {}
+        self._optimizer_warned: set[tuple[str, ...]] = set()
+        # An optimizer step over the budget asked for the host round: judged at the next one.
+        self._optimizer_hosting = False
         self._checked_steps: set[tuple[Any, ...]] = set()
         # Dynamo code object of each fragment (weakly): what reset_code drops to re-plan it.
         self._codes: dict[int, weakref.ref[CodeType]] = {}
@@ -129,6 +163,9 @@ class StepBudget:
         """Forget every check and queued re-plan (the fragments are gone)."""
         self.replans.clear()
         self.over_budget = False
+        self.iteration_peaks.clear()
+        self._optimizer_warned.clear()
+        self._optimizer_hosting = False
         self._checked_steps.clear()
         self._codes.clear()
         self._reserves.clear()
@@ -149,7 +186,14 @@ class StepBudget:
     def take_awaiting(self, identity: str) -> Awaited | tuple[None, None, None]:
         """The queued re-plan of a fragment with this identity, if one awaits its compile."""
         awaiting = self._awaiting.get(identity)
-        return awaiting.pop(0) if awaiting else (None, None, None)
+        if not awaiting:
+            return (None, None, None)
+        # The step changes with its fragment: every composition is checked again, and the
+        # micro-batches' predicted peaks are those of the steps checked from now on.
+        self._checked_steps.clear()
+        for phase in ("first micro-batch", "later micro-batches"):
+            self.iteration_peaks.pop(phase, None)
+        return awaiting.pop(0)
 
     def host_replan(self, index: int) -> bool:
         """Whether F{index} compiles again for the host round (then no longer awaited)."""
@@ -187,17 +231,23 @@ class StepBudget:
 
     # -- the step's prediction ---------------------------------------------------------------
     def predict(
-        self, extra_resident: Iterable[torch.Tensor] = ()
+        self, extra_resident: Iterable[torch.Tensor] = (), *, iteration: bool = False
     ) -> tuple[StepPrediction | None, tuple[StepEvent, ...], int, list[FragmentProfile | None]]:
         """(prediction, replayed calls, resident bytes, the profile each call was replayed
         with) of the most recent step.
 
         Resident: the parameters and buffers of every block that ran, of the compiled module when
-        known, and ``extra_resident``."""
+        known, and ``extra_resident``. With ``iteration``, as the training loop runs it: also
+        the state of the optimizers that step the model, and the gradients the step began with
+        (a later micro-batch; ``step/iteration.py``)."""
         records = self._records()
         static = self._resident.step_storages()
         static.update(storage_sizes(extra_resident))
         resident = sum(static.values()) + (self._resident.device_other_bytes or 0)
+        present: Mapping[int, int] = {}
+        if iteration and self._iteration is not None:
+            present = self._monitor.current_step_grads()
+            resident += self._iteration.state_bytes + sum(present.values())
         seq, sizes, kept = self._monitor.sequence_sizes_views()
         profiles = {r.index: r.profile for r in records}
         # A graph compiled for dynamic sizes (an expert's token count) is profiled at each
@@ -232,6 +282,7 @@ class StepBudget:
                 call_inputs=[c.inputs for c in kept] if kept is not None else None,
                 call_lives=[c.lives for c in kept] if kept is not None else None,
                 call_kept_at=[c.kept_at for c in kept] if kept is not None else None,
+                grads_present=frozenset(present),
             )
             if seq
             else None
@@ -251,13 +302,27 @@ class StepBudget:
             (i, k, n)
             for (i, k, _), n in zip(last_step, self._monitor.last_step_sizes, strict=False)
         )
-        if shape in self._checked_steps:
+        # The loop's state too: the optimizers' state, and the gradients the step began with.
+        grads = sum(self._monitor.last_step_grads.values())
+        state = self._iteration.state_bytes if self._iteration is not None else 0
+        key = (shape, state, grads)
+        if key in self._checked_steps:
             return None
         if len(self._checked_steps) >= MAX_CHECKED_STEPS:  # a dynamic model: new every step
             self._checked_steps.clear()
-        self._checked_steps.add(shape)
-        prediction, seq, _, call_profiles = self.predict()
+        self._checked_steps.add(key)
+        prediction, seq, _, call_profiles = self.predict(iteration=True)
         if prediction is None:
+            return None
+        if prediction.peak > budget and self._offload_state():
+            key = (shape, self._iteration.state_bytes if self._iteration else 0, grads)
+            self._checked_steps.add(key)
+            prediction, seq, _, call_profiles = self.predict(iteration=True)
+            assert prediction is not None
+        phase = "later micro-batches" if grads else "first micro-batch"
+        self.iteration_peaks[phase] = prediction.peak
+        if self._pending_codes:  # re-plans asked for since (what a backward showed): they tell
+            self._checked_steps.discard(key)
             return None
         # Rounds count per composition of calls; sizes may change once re-planned (a frame
         # Dynamo compiles again starts with the sizes it learned were dynamic).
@@ -305,12 +370,12 @@ class StepBudget:
             stuck, requested = self._replan_round(prediction, seq, call_profiles, records, rounds)
             if requested:
                 self._replan_rounds[calls] = len(self.replans) - 1
-                self._checked_steps.discard(shape)  # check it again, re-planned
+                self._checked_steps.discard(key)  # check it again, re-planned
                 return None
         if self._host_round(prediction.peak, seq, used, records, rounds + 1):
             self._replan_rounds[calls] = len(self.replans) - 1
             self._host_rounds[calls] = rounds + 1
-            self._checked_steps.discard(shape)
+            self._checked_steps.discard(key)
             return None
         self.over_budget = True
         if reported and not rounds:
@@ -336,6 +401,8 @@ class StepBudget:
             why=why,
             used=frozenset(used),
             several=len(used) > 1 or bool(rounds),
+            state_bytes=state,
+            grad_bytes=grads,
         )
 
     def _replan_round(
@@ -452,6 +519,17 @@ class StepBudget:
         )
         return True
 
+    def _offload_state(self) -> bool:
+        """``offload_optimizer="auto"`` on a step or optimizer step over the budget: the
+        optimizers' state to the host tier, first (on the CPU device it costs no step time: the
+        step updates it in place there). Returns whether any moved."""
+        watch = self._iteration
+        if watch is None or self._config.offload_optimizer != "auto" or watch.offloading:
+            return False
+        if not watch.state_bytes:
+            return False
+        return watch.offload_state() > 0
+
     def _code_of(self, index: int) -> CodeType | None:
         ref = self._codes.get(index)
         return ref() if ref is not None else None
@@ -497,6 +575,45 @@ class StepBudget:
             queued[:] = [q for q in queued if q[0].index != index]
             queued.append((r, resident, cap))
         self._pending_codes.extend(codes.values())
+
+    # -- the optimizer step ------------------------------------------------------------------
+    def optimizer_step(self) -> OptimizerOver | None:
+        """An optimizer of this model stepped (``step/iteration.py``): the optimizer step's
+        predicted peak. Over the budget, re-planning cannot lower it but by the host tier: with
+        ``offload_params="auto"`` the step's fragments are planned again with their parameters
+        (and so their gradients) on the host. Returns it when nothing pending or possible can
+        bring it under and it was not reported for this state yet."""
+        watch = self._iteration
+        if watch is None:
+            return None
+        base = sum(self._resident.step_storages().values())
+        base += self._resident.device_other_bytes or 0
+        grads, state, transient = watch.grads_at_step, watch.state_bytes, watch.transient
+        peak = base + grads + state + transient
+        budget = self._config.budget
+        if budget is not None and peak > budget and self._offload_state():
+            state = watch.state_bytes
+            peak = base + grads + state + transient
+        self.iteration_peaks["optimizer step"] = peak
+        if budget is None or peak <= budget:
+            return None
+        if self._optimizer_hosting:  # the host round it asked for had its iteration
+            self._optimizer_hosting = False
+        else:
+            records = {r.index: r for r in self._records()}
+            seq = self._monitor.last_step
+            used = {i for i, _, _ in seq}
+            round_ = max((r.round for r in self.replans), default=0) + 1
+            if self._host_round(peak, seq, used, records, round_):
+                self._optimizer_hosting = True  # the next optimizer step tells
+                return None
+        self.over_budget = True
+        costs = tuple(sorted(c.describe() for c in list(watch.optimizers.values())))
+        key = (*costs, str(grads))
+        if key in self._optimizer_warned:
+            return None
+        self._optimizer_warned.add(key)
+        return OptimizerOver(peak, base, grads, state, transient, costs)
 
     # -- what the step's first backward showed -----------------------------------------------
     def first_backward(

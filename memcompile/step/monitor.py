@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -146,6 +146,9 @@ class StepMonitor:
             the whole storages its backward reads measured (nothing is planned on them else).
         records: the compiled fragments (``MemCompiler.records``).
         listener: told when a step ends and after its first backward.
+        present_grads: under a budget, read at each step's first call: the gradients that
+            exist then (parameter storage address -> the gradient's device bytes; a later
+            micro-batch of gradient accumulation, ``zero_grad(set_to_none=False)``).
 
     Attributes:
         last_step: fragment calls of the last complete training step observed.
@@ -153,6 +156,9 @@ class StepMonitor:
         last_step_storages: each call's :class:`CallStorages` (empty but for forwards saving
             inputs or making gradients of activation inputs).
         steps_observed: complete steps so far.
+        steps_started: steps begun so far (an optimizer step counts the micro-batches of its
+            iteration by it).
+        last_step_grads: ``present_grads`` at the last complete step's first call.
         observers: told of every fragment call, in order (dynamic/: trace recorder, pilot).
     """
 
@@ -162,8 +168,10 @@ class StepMonitor:
         budgeted: bool,
         records: Callable[[], list[FragmentRecord]],
         listener: StepListener,
+        present_grads: Callable[[], Mapping[int, int]] = dict,
     ) -> None:
         self._budgeted = budgeted
+        self._present_grads = present_grads
         self._records = records
         self._listener = listener
         self.observers: list[BlockObserver] = []
@@ -171,6 +179,9 @@ class StepMonitor:
         self.last_step_sizes: tuple[SizeKey, ...] = ()
         self.last_step_storages: tuple[CallStorages, ...] = ()
         self.steps_observed = 0
+        self.steps_started = 0
+        self.last_step_grads: Mapping[int, int] = {}
+        self._step_grads: Mapping[int, int] = {}
         self._step: list[StepEvent] = []
         self._step_sizes: list[SizeKey] = []
         self._step_storages: list[CallStorages] = []
@@ -204,6 +215,9 @@ class StepMonitor:
         self.last_step_sizes = ()
         self.last_step_storages = ()
         self.steps_observed = 0
+        self.steps_started = 0
+        self.last_step_grads = {}
+        self._step_grads = {}
         self._step = []
         self._step_sizes = []
         self._step_storages = []
@@ -306,6 +320,9 @@ class StepMonitor:
         ):
             self._end_step(in_call=True)
             step = self._step
+        if not step:  # a step begins: the gradients it starts with (accumulation)
+            self.steps_started += 1
+            self._step_grads = self._present_grads() if self._budgeted else {}
         if kind == "forward":
             self._open_blocks.setdefault(index, []).append((block, sizes))
         elif kind == "backward":
@@ -475,6 +492,7 @@ class StepMonitor:
         self.last_step = tuple(self._step)
         self.last_step_sizes = tuple(self._step_sizes)
         self.last_step_storages = tuple(self._step_storages)
+        self.last_step_grads = self._step_grads
         self.steps_observed += 1
         self._step = []
         self._step_sizes = []
@@ -501,6 +519,13 @@ class StepMonitor:
         if step and (step[-1][1] == "backward" or not self.last_step):
             return tuple(step), tuple(self._step_sizes), tuple(self._step_storages)
         return self.last_step, self.last_step_sizes, self.last_step_storages
+
+    def current_step_grads(self) -> Mapping[int, int]:
+        """The gradients :meth:`current_step` began with (``present_grads``)."""
+        step = self._step
+        if step and (step[-1][1] == "backward" or not self.last_step):
+            return self._step_grads
+        return self.last_step_grads
 
     def step_sequence(self) -> tuple[StepEvent, ...]:
         """The step predictions replay: :meth:`current_step`, with the backward assumed (reverse

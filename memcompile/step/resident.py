@@ -6,6 +6,7 @@ figure::
     resident = its inputs (parameters, buffers, user inputs; not those on the host tier)
              + the model's parameters and buffers no fragment takes (eager frames read them)
              + other fragments' parameters, and what the other training fragments save
+             + the optimizers' state, and the gradients a micro-batch begins with
              + (CUDA) what was on the device at the first plan and is not memcompile's
 
 Parameters moved to the host tier (``offload_params``) leave it: :meth:`ResidentSet.move_to_host`
@@ -47,6 +48,9 @@ class Planned(Protocol):
     @property
     def replan_resident(self) -> int | None: ...
 
+    @property
+    def code(self) -> str: ...
+
 
 class ResidentSet:
     """The device's resident bytes and the host tier's accounting for one compiler.
@@ -57,6 +61,8 @@ class ResidentSet:
         model: the compiled module, when known.
         is_sharded: whether FSDP2 manages a tensor (FSDP's parameters stay where FSDP keeps
             them).
+        loop: the training loop's share of every step (``step/iteration.py``): the optimizers'
+            state and the gradients a micro-batch may begin with.
 
     Attributes:
         host_param_bytes: bytes of parameters this compiler moved to the host tier.
@@ -82,8 +88,10 @@ class ResidentSet:
         records: Callable[[], list[FragmentRecord]],
         model: Callable[[], torch.nn.Module | None],
         is_sharded: Callable[[torch.Tensor], bool],
+        loop: Callable[[], int] = int,
     ) -> None:
         self._config = config
+        self._loop = loop
         self._records = records
         self._model = model
         self._is_sharded = is_sharded
@@ -223,7 +231,10 @@ class ResidentSet:
             # splitter cuts from one compile too: counted, their saved bytes (an upper bound)
             # made the first step's pieces miss budgets the step fits once the step check
             # re-plans them (zoo GPT small at 0.3x eager DDP's peak: two pieces warned).
-            if r.compile_id.split("/")[0] == frame or r.index == index:
+            # Recompiles of one code count as one frame too, also once a re-plan had Dynamo
+            # compile the frame anew (a new frame id).
+            same_code = bool(fragment.code) and r.code == fragment.code
+            if r.compile_id.split("/")[0] == frame or r.index == index or same_code:
                 continue
             # A plan on the host tier for the whole step: the others' parameters move too (the
             # step's check re-plans if they do not).
@@ -232,7 +243,7 @@ class ResidentSet:
             if r.profile is not None and r.profile.training:
                 others += r.profile.saved_bytes + r.profile.saved_input_bytes
         known = sum(storages.values())
-        return known + others + self._device_other(fragment.device, known)
+        return known + others + self._loop() + self._device_other(fragment.device, known)
 
     def _device_other(self, device: torch.device | None, known: int) -> int:
         # The budget is what max_memory_allocated sees, so on CUDA it covers device memory that

@@ -1,0 +1,254 @@
+"""The training iteration as the user's loop runs it: micro-batches, then the optimizer step.
+
+The budget is the device peak of the whole iteration, not of one forward and backward::
+
+    micro-batch 1        the step the fragments were planned for, + the optimizer's state
+    micro-batches 2..k   the same, + the gradients accumulated so far (resident throughout)
+    optimizer step       parameters + buffers + gradients + state + the step's transient
+                         (analysis/optimizer_cost.py)
+
+Nothing in the loop changes: ``torch.optim``'s global step hooks say which optimizers step the
+compiled model's parameters, what their state holds and when an iteration ends (the steps begun
+since the last optimizer step are its micro-batches); a step that begins with gradients present
+is a later micro-batch (``StepMonitor``'s ``present_grads``). At each optimizer step of this
+model the watch tells its listener (the compiler), which checks the iteration against the budget
+and re-plans the fragments once the optimizer's state and the gradients are known.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import weakref
+from collections.abc import Callable, Collection
+from typing import Any
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from memcompile.analysis.optimizer_cost import OptimizerCost, on_device, plain, price_optimizer
+from memcompile.errors import format_bytes
+from memcompile.runtime.store import can_host_place, host_tier_copy
+from memcompile.step.monitor import StepMonitor
+
+__all__ = ["IterationWatch", "grad_bytes"]
+
+log = logging.getLogger(__name__)
+
+
+def grad_bytes(params: Collection[torch.Tensor], device: torch.device) -> dict[int, int]:
+    """Parameter storage address -> bytes of its ``.grad`` on the compute ``device``, for the
+    parameters that have one (a host-tier gradient is not device memory)."""
+    out: dict[int, int] = {}
+    for p in params:
+        g = p.grad
+        if g is None or not on_device(g, device):
+            continue
+        local, grad = plain(p), plain(g)
+        if local is not None and grad is not None:
+            out[local.untyped_storage().data_ptr()] = grad.untyped_storage().nbytes()
+    return out
+
+
+class IterationWatch:
+    """The optimizers that step one compiled model, seen through ``torch.optim``'s step hooks.
+
+    Args:
+        params: the compiled model's parameters (the model's, when known, else the fragments'
+            parameter inputs).
+        device: the model's compute device.
+        offload: the ``offload_optimizer`` option.
+        monitor: the model's steps (the micro-batches are counted by the steps it began).
+        on_step: called after each step of an optimizer of this model.
+
+    Attributes:
+        optimizers: each live optimizer of this model and its last step's cost.
+        micro_batches: steps begun between the last two optimizer steps (1 until accumulation
+            is seen).
+        grads_at_step: device bytes of the model's gradients when its last optimizer step began.
+        grads_at_start: the most device bytes of gradients a step of the last iteration began
+            with (a later micro-batch; ``zero_grad(set_to_none=False)``): what plans count as
+            resident beside the state.
+    """
+
+    def __init__(
+        self,
+        params: Callable[[], Collection[torch.Tensor]],
+        device: Callable[[], torch.device],
+        monitor: StepMonitor,
+        on_step: Callable[[OptimizerCost], None],
+        *,
+        offload: bool | str = "auto",
+    ) -> None:
+        self._offload_option = offload
+        #: The optimizers' state goes to the host tier after each of their steps
+        #: (``offload_optimizer=True``, or ``"auto"`` once the budget needed it).
+        self.offloading = offload is True
+        self._params = params
+        self._device = device
+        self._monitor = monitor
+        self._on_step = on_step
+        self.optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, OptimizerCost] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.micro_batches = 1
+        self.grads_at_step = 0
+        self.grads_at_start = 0
+        self._grads_seen = 0
+        self._started_at_step = 0
+        # Optimizer -> (its parameter count when decided, the ids of this model's among them).
+        self._mine: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, frozenset[int]]] = (
+            weakref.WeakKeyDictionary()
+        )
+        ref = weakref.ref(self)
+
+        def pre(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+            watch = ref()
+            if watch is not None:
+                watch._before(optimizer)
+
+        def post(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+            watch = ref()
+            if watch is not None:
+                watch._after(optimizer)
+
+        for handle in (
+            register_optimizer_step_pre_hook(pre),
+            register_optimizer_step_post_hook(post),
+        ):
+            weakref.finalize(self, handle.remove)
+
+    def reset(self) -> None:
+        """Forget the optimizers seen (the fragments are gone)."""
+        self.optimizers.clear()
+        self._mine.clear()
+        self.micro_batches = 1
+        self.grads_at_step = 0
+        self.grads_at_start = 0
+        self._grads_seen = 0
+        self._started_at_step = self._monitor.steps_started
+
+    def step_began(self, grads: int) -> None:
+        """A step of the model began with ``grads`` device bytes of gradients present."""
+        self._grads_seen = max(self._grads_seen, grads)
+        self.grads_at_start = max(self.grads_at_start, grads)
+
+    @property
+    def resident_bytes(self) -> int:
+        """What the loop holds through a step of the model: the optimizers' state and the
+        gradients a micro-batch begins with."""
+        return self.state_bytes + self.grads_at_start
+
+    @property
+    def state_bytes(self) -> int:
+        """Device bytes of the state of every live optimizer of this model."""
+        return sum(c.state_bytes for c in list(self.optimizers.values()))
+
+    @property
+    def transient(self) -> int:
+        """The largest transient of one optimizer step of this model (they step in turn)."""
+        return max((c.transient for c in list(self.optimizers.values())), default=0)
+
+    def offload_state(self) -> int:
+        """Move the state of this model's optimizers into the host tier, now and after each of
+        their steps from then on (state made anew: a first step, ``load_state_dict``). Returns
+        the device bytes it freed (0: none there, or a CUDA model, whose host-placed parameters'
+        state is host memory already)."""
+        self.offloading = True
+        freed = 0
+        for optimizer in list(self.optimizers):
+            freed += self._offload(optimizer, self._stepped(optimizer))
+            self.optimizers[optimizer] = price_optimizer(
+                optimizer, self._stepped(optimizer), self._device()
+            )
+        if freed:
+            log.info("memcompile: optimizer state (%s) moved to the host tier", format_bytes(freed))
+        return freed
+
+    def _offload(self, optimizer: torch.optim.Optimizer, mine: frozenset[int]) -> int:
+        device = self._device()
+        if device.type != "cpu":
+            return 0
+        freed = 0
+        for p, state in optimizer.state.items():
+            if id(p) not in mine:
+                continue
+            for key, t in list(state.items()):
+                if isinstance(t, torch.Tensor) and on_device(t, device):
+                    if can_host_place(t):
+                        state[key] = host_tier_copy(t)
+                        freed += t.untyped_storage().nbytes()
+        return freed
+
+    def _stepped(self, optimizer: torch.optim.Optimizer) -> frozenset[int]:
+        """Ids of the parameters of this model ``optimizer`` steps (empty: another model's)."""
+        ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
+        found = self._mine.get(optimizer)
+        if found is None or found[0] != len(ids):  # new, or a parameter group was added
+            model = {id(p) for p in self._params()}
+            found = (len(ids), frozenset(i for i in ids if i in model))
+            self._mine[optimizer] = found
+        return found[1]
+
+    def _before(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._stepped(optimizer):
+            return
+        if self._offload_option is True:
+            _check_offloadable(optimizer, self._device(), self._stepped(optimizer))
+        self.grads_at_step = sum(grad_bytes(list(self._params()), self._device()).values())
+
+    def _after(self, optimizer: torch.optim.Optimizer) -> None:
+        mine = self._stepped(optimizer)
+        if not mine:
+            return
+        if self.offloading:
+            self._offload(optimizer, mine)
+        cost = price_optimizer(optimizer, mine, self._device())
+        new = optimizer not in self.optimizers
+        self.optimizers[optimizer] = cost
+        started = self._monitor.steps_started
+        if started > self._started_at_step:  # the first optimizer of this iteration
+            self.micro_batches = started - self._started_at_step
+            self._started_at_step = started
+            self.grads_at_start, self._grads_seen = self._grads_seen, 0
+        if new:
+            log.info(
+                "memcompile: %s steps the model: %s, its step's transient %s%s; %d micro-batch(es) "
+                "an iteration",
+                cost.kind,
+                cost.describe(),
+                format_bytes(cost.transient),
+                "" if cost.exact else " (estimated)",
+                self.micro_batches,
+            )
+        self._on_step(cost)
+
+
+def _check_offloadable(
+    optimizer: torch.optim.Optimizer, device: torch.device, mine: frozenset[int]
+) -> None:
+    """``offload_optimizer=True`` before ``optimizer``'s step: refuse, with the reason, what it
+    cannot do (the step has run nothing yet)."""
+    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(
+            f"memcompile option offload_optimizer=True: {type(optimizer).__name__}.step needs a "
+            "closure that evaluates the model again (several forwards in one step), which "
+            "memcompile does not plan for; use offload_optimizer='auto' or False with it"
+        )
+    if device.type == "cuda":
+        on_gpu = [
+            p
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if id(p) in mine and p.device.type == "cuda"
+        ]
+        if on_gpu:
+            raise ValueError(
+                "memcompile option offload_optimizer=True on CUDA steps the optimizer on the "
+                "host, ZeRO-Offload's way: its parameters must be there too "
+                f"(offload_params=True); {len(on_gpu)} of them are on {device}"
+            )

@@ -1,0 +1,345 @@
+"""The budget covers the training iteration users run: micro-batches accumulating gradients, the
+optimizer's state and its step (``step/iteration.py``, ``analysis/optimizer_cost.py``)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import memcompile
+from memcompile import zoo
+from memcompile.analysis.optimizer_cost import price_optimizer
+from memcompile.report import find_compiler
+from memcompile.runtime.measure import storage_sizes
+from memcompile.runtime.store import is_host_placed
+
+from helpers import assert_same_state
+
+Loop = Callable[[int], list[torch.Tensor]]
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(256, 512),
+        torch.nn.GELU(),
+        torch.nn.Linear(512, 128),
+        torch.nn.LayerNorm(128),
+    )
+
+
+OPTIMIZERS: list[tuple[str, dict[str, Any]]] = [
+    ("Adam", {}),
+    ("Adam", {"foreach": True}),
+    ("Adam", {"weight_decay": 0.1}),
+    ("Adam", {"weight_decay": 0.1, "foreach": True}),
+    ("Adam", {"amsgrad": True}),
+    ("Adam", {"fused": True}),
+    ("AdamW", {}),
+    ("AdamW", {"foreach": True}),
+    ("SGD", {}),
+    ("SGD", {"momentum": 0.9}),
+    ("SGD", {"momentum": 0.9, "foreach": True}),
+    ("SGD", {"momentum": 0.9, "nesterov": True, "weight_decay": 0.1}),
+    ("SGD", {"momentum": 0.9, "nesterov": True, "weight_decay": 0.1, "foreach": True}),
+]
+
+
+@pytest.mark.parametrize(("kind", "options"), OPTIMIZERS)
+def test_an_optimizer_steps_transient_is_priced_as_the_allocator_measures_it(kind, options):
+    # The second step (the state exists): the allocator's peak above parameters, gradients and
+    # state is the step's transient; a few bytes more are its step counters' scalars.
+    model = _mlp()
+    opt = getattr(torch.optim, kind)(model.parameters(), lr=1e-3, **options)
+    params = {id(p) for p in model.parameters()}
+    for _ in range(2):
+        model(torch.randn(8, 256)).sum().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # state allocated in the step, freed nowhere
+            peak = memcompile.measure_peak(opt.step, resident=[model, opt])
+        cost = price_optimizer(opt, params, torch.device("cpu"))
+        opt.zero_grad(set_to_none=True)
+    held = sum(storage_sizes(model.parameters()).values()) * 2 + cost.state_bytes  # + grads
+    assert cost.exact and cost.kind == kind
+    assert 0 <= peak - held - cost.transient <= 64, (peak - held, cost.transient)
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    assert cost.state_bytes == sum(storage_sizes(state).values())
+
+
+def test_an_unknown_optimizer_is_priced_as_an_estimate():
+    model = _mlp()
+    opt = torch.optim.Adagrad(model.parameters())
+    model(torch.randn(8, 256)).sum().backward()
+    opt.step()
+    cost = price_optimizer(opt, {id(p) for p in model.parameters()}, torch.device("cpu"))
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    assert not cost.exact and cost.transient == 2 * largest
+
+
+def _loop(
+    wl: zoo.Workload,
+    model: Callable[..., torch.Tensor],
+    opt: torch.optim.Optimizer,
+    *,
+    micro: int,
+    set_to_none: bool = True,
+    scheduler: Any = None,
+    extra: torch.optim.Optimizer | None = None,
+) -> Loop:
+    """A training loop as users write it: ``micro`` micro-batches accumulating gradients, the
+    optimizer's step (and ``extra``'s), the scheduler's, then zero_grad."""
+
+    def iteration(k: int) -> list[torch.Tensor]:
+        losses = []
+        for j in range(micro):
+            loss = wl.loss(model, k * micro + j) / micro
+            loss.backward()
+            losses.append(loss.detach())
+        for o in (opt, extra):
+            if o is not None:
+                o.step()
+        if scheduler is not None:
+            scheduler.step()
+        for o in (opt, extra):
+            if o is not None:
+                o.zero_grad(set_to_none=set_to_none)
+        return losses
+
+    return iteration
+
+
+def _optimizer(kind: str, params: Any, **options: Any) -> torch.optim.Optimizer:
+    if kind == "SGD":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, **options)
+    return getattr(torch.optim, kind)(params, lr=1e-3, **options)
+
+
+def _iteration_peak(wl: zoo.Workload, run: Loop, k: int, opt: torch.optim.Optimizer) -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # measure_peak's note on freed grads
+        return memcompile.measure_peak(lambda: run(k), resident=[wl.model, opt])
+
+
+CASES = [
+    # (optimizer, its options, micro-batches, set_to_none, budget as a share of eager's peak)
+    ("SGD", {}, 1, True, 0.6),
+    ("Adam", {}, 1, True, 0.6),
+    ("AdamW", {}, 4, True, 0.6),
+    ("AdamW", {"foreach": True}, 4, True, 0.6),
+    ("Adam", {}, 4, False, 0.6),
+    ("AdamW", {}, 4, True, 0.3),
+]
+
+
+@pytest.mark.parametrize(("kind", "options", "micro", "set_to_none", "share"), CASES)
+def test_the_whole_iteration_trains_bit_identically_within_its_budget(
+    kind, options, micro, set_to_none, share
+):
+    # The tiny GPT as a user trains it: its whole iteration (every micro-batch, the optimizer's
+    # step) measured against the budget, a share of eager's measured iteration peak; the
+    # prediction within 3 %, parameters and optimizer state bit-identical to eager after 5
+    # iterations.
+    torch._dynamo.reset()
+    eager, comp = zoo.build("gpt", size="tiny"), zoo.build("gpt", size="tiny")
+    eager_opt = _optimizer(kind, eager.model.parameters(), **options)
+    opt = _optimizer(kind, comp.model.parameters(), **options)
+    eager_run = _loop(eager, eager.model, eager_opt, micro=micro, set_to_none=set_to_none)
+    torch.manual_seed(7)
+    eager_losses = [eager_run(k) for k in range(5)]
+    budget = int(share * _iteration_peak(eager, eager_run, 5, eager_opt))
+    compiled = memcompile.compile(comp.model, budget=budget, on_infeasible="best_effort")
+    run = _loop(comp, compiled, opt, micro=micro, set_to_none=set_to_none)
+    torch.manual_seed(7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memcompile.MemoryBudgetWarning)
+        losses = [run(k) for k in range(5)]
+        measured = _iteration_peak(comp, run, 5, opt)
+    pairs = [
+        (a, b)
+        for xs, ys in zip(eager_losses, losses, strict=True)
+        for a, b in zip(xs, ys, strict=True)
+    ]
+    assert all(torch.equal(a, b) for a, b in pairs)
+    assert_same_state(eager.model, comp.model)
+    assert all(
+        torch.equal(a, b)
+        for sa, sb in zip(eager_opt.state.values(), opt.state.values(), strict=True)
+        for a, b in zip(sa.values(), sb.values(), strict=True)
+    )
+    rep = memcompile.report(compiled)
+    assert rep.iteration is not None and rep.iteration.micro_batches == micro
+    assert measured <= budget * 1.02, (measured, budget)
+    predicted = rep.iteration.peak
+    assert predicted is not None and abs(predicted - measured) <= 0.03 * measured, (
+        predicted,
+        measured,
+    )
+    assert not rep.over_budget
+
+
+def test_the_loop_is_learned_with_an_lr_scheduler_and_two_optimizers_made_before_compiling():
+    # Two optimizers on two parameter groups, made before compiling, and a scheduler: both are
+    # seen stepping the model, their state counted once each.
+    torch._dynamo.reset()
+    wl = zoo.build("gpt", size="tiny")
+    params = list(wl.model.parameters())
+    first = torch.optim.AdamW(params[: len(params) // 2], lr=1e-3)
+    second = torch.optim.SGD(params[len(params) // 2 :], lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(first, step_size=1, gamma=0.5)
+    compiled = memcompile.compile(wl.model, budget="1GiB")
+    run = _loop(wl, compiled, first, micro=2, scheduler=scheduler, extra=second)
+    for k in range(3):
+        run(k)
+    it = memcompile.report(compiled).iteration
+    assert it is not None and it.micro_batches == 2
+    assert len(it.optimizers) == 2 and it.optimizers[0].startswith("AdamW")
+    state = sum(
+        storage_sizes(
+            t for o in (first, second) for s in o.state.values() for t in s.values()
+        ).values()
+    )
+    assert it.state_bytes == state
+    assert first.param_groups[0]["lr"] == pytest.approx(1e-3 / 8)  # the scheduler stepped
+
+
+def test_an_optimizer_of_another_model_is_not_counted():
+    torch._dynamo.reset()
+    wl = zoo.build("gpt", size="tiny")
+    other = _mlp()
+    other_opt = torch.optim.Adam(other.parameters())
+    compiled = memcompile.compile(wl.model, budget="1GiB")
+    wl.loss(compiled, 0).backward()
+    other(torch.randn(2, 256)).sum().backward()
+    other_opt.step()
+    assert memcompile.report(compiled).iteration is None
+
+
+def test_an_optimizer_step_over_the_budget_raises_with_its_state_named():
+    # The optimizer step alone needs parameters, gradients and Adam's state on the device: a
+    # budget under that, with parameters and state kept on the device, no plan can meet.
+    torch._dynamo.reset()
+    wl = zoo.build("gpt", size="tiny")
+    params = sum(storage_sizes(wl.model.parameters()).values())
+    compiled = memcompile.compile(
+        wl.model, budget=int(3.5 * params), offload_params=False, offload_optimizer=False
+    )
+    opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3)
+    wl.loss(compiled, 0).backward()
+    with pytest.raises(memcompile.MemoryBudgetError) as info:
+        opt.step()
+    message = str(info.value)
+    assert "during the optimizer step" in message and "Adam (for-loop) state" in message
+    assert info.value.min_feasible > 4 * params  # parameters, gradients, two state tensors
+
+
+def test_an_optimizer_step_over_the_budget_warns_in_best_effort():
+    torch._dynamo.reset()
+    wl = zoo.build("gpt", size="tiny")
+    params = sum(storage_sizes(wl.model.parameters()).values())
+    compiled = memcompile.compile(
+        wl.model,
+        budget=int(3.5 * params),
+        offload_params=False,
+        offload_optimizer=False,
+        on_infeasible="best_effort",
+    )
+    opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wl.loss(compiled, 0).backward()
+        opt.step()
+    said = [str(w.message) for w in caught if w.category is memcompile.MemoryBudgetWarning]
+    assert any("the optimizer step is predicted to peak at" in m for m in said), said
+    assert memcompile.report(compiled).over_budget
+
+
+def test_auto_keeps_the_optimizer_state_on_the_host_when_the_step_needs_it(tmp_path):
+    # The same budget with offload_optimizer="auto" (the default): Adam's state goes to the
+    # host tier after its first step (it updates it in place there), and the iteration fits;
+    # its state_dict still saves and loads.
+    torch._dynamo.reset()
+    eager, wl = zoo.build("gpt", size="tiny"), zoo.build("gpt", size="tiny")
+    params = sum(storage_sizes(wl.model.parameters()).values())
+    budget = int(3.5 * params)
+    compiled = memcompile.compile(wl.model, budget=budget, offload_params=False)
+    opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3)
+    eager_opt = torch.optim.Adam(eager.model.parameters(), lr=1e-3)
+    eager_run, run = (
+        _loop(eager, eager.model, eager_opt, micro=1),
+        _loop(wl, compiled, opt, micro=1),
+    )
+    torch.manual_seed(3)  # the same dropout masks for both
+    for k in range(4):
+        eager_run(k)
+    torch.manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memcompile.MemoryBudgetWarning)
+        for k in range(3):
+            run(k)
+        measured = _iteration_peak(wl, run, 3, opt)
+    assert_same_state(eager.model, wl.model)
+    rep = memcompile.report(compiled)
+    assert rep.iteration is not None and "on the host" in rep.iteration.optimizers[0]
+    assert rep.iteration.state_bytes == 0 and measured <= budget, (measured, budget)
+    assert all(is_host_placed(t) for s in opt.state.values() for t in s.values())
+    path = tmp_path / "opt.pt"
+    torch.save(opt.state_dict(), path)
+    again = torch.optim.Adam(wl.model.parameters(), lr=1e-3)
+    again.load_state_dict(torch.load(path))
+    for a, b in zip(again.state.values(), eager_opt.state.values(), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_an_optimizer_needing_a_closure_is_refused_with_offload_optimizer():
+    torch._dynamo.reset()
+    wl = zoo.build("gpt", size="tiny")
+    compiled = memcompile.compile(wl.model, offload_optimizer=True)
+    opt = torch.optim.LBFGS(wl.model.parameters())
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = wl.loss(compiled, 0)
+        loss.backward()
+        return loss
+
+    before = [p.detach().clone() for p in wl.model.parameters()]
+    with pytest.raises(ValueError, match=r"offload_optimizer=True: LBFGS.step needs a closure"):
+        opt.step(closure)
+    assert all(torch.equal(a, p) for a, p in zip(before, wl.model.parameters(), strict=True))
+
+
+def test_offload_optimizer_is_validated():
+    with pytest.raises(ValueError, match="'offload_optimizer' must be one of 'auto', True, False"):
+        memcompile.compile(torch.nn.Linear(2, 2), offload_optimizer="yes")
+
+
+def test_compiler_is_found_after_the_loop_and_resets_its_optimizers():
+    torch._dynamo.reset()
+    wl = zoo.build("gpt", size="tiny")
+    compiled = memcompile.compile(wl.model)
+    opt = torch.optim.SGD(wl.model.parameters(), lr=0.1)
+    wl.loss(compiled, 0).backward()
+    opt.step()
+    comp, _ = find_compiler(compiled)
+    assert comp.iteration.optimizers
+    torch._dynamo.reset()
+    assert not comp.iteration.optimizers
+
+
+def test_deepcopy_of_a_model_does_not_share_its_loop():
+    # The watch keys optimizers weakly: one made for a copy of the model is not this model's.
+    torch._dynamo.reset()
+    wl = zoo.build("gpt", size="tiny")
+    twin = copy.deepcopy(wl.model)
+    compiled = memcompile.compile(wl.model)
+    wl.loss(compiled, 0).backward()
+    opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    for p in twin.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert memcompile.report(compiled).iteration is None
