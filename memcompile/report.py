@@ -136,9 +136,10 @@ class MemReport:
         fallbacks: frames Dynamo ran eagerly while this model ran.
         over_budget: a budget is set and the step is predicted to exceed it, or (CUDA) a step was
             measured above it (memcompile warned).
-        measured_peak: CUDA with a budget: the highest device peak a training step was seen to
-            reach, ``torch.cuda.max_memory_allocated`` read at step boundaries
-            (``runtime/peakwatch.py``); ``None`` on the CPU, or before a step set a new peak.
+        measured_peak: with a budget, the highest device peak measured: CUDA, a training step's,
+            ``torch.cuda.max_memory_allocated`` read at step boundaries
+            (``runtime/peakwatch.py``); CPU, a whole iteration's, with the profiler, sampled
+            after each compile (``step/checks.py``); ``None`` before one was.
         host_param_bytes: parameter bytes memcompile moved to the host tier (``offload_params``);
             they are not in ``resident_bytes``.
         pilot: the pilot's predictions and prefetches (``None`` with ``pilot="off"``); see
@@ -488,7 +489,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
         dynamic=compiler.dynamic,
         recompile_limit_raised=compiler.recompile_limit_raised,
         replans=tuple(compiler.budget.replans),
-        measured_peak=watch.measured if watch is not None else None,
+        measured_peak=watch.measured if watch is not None else compiler.checks.sampled_peak,
         summed_grads=tuple(compiler.checks.summed_grads),
         sharded_param_bytes=compiler.fsdp.param_bytes,
         dropped_outputs=tuple(

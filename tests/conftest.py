@@ -13,6 +13,33 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
+#: The longest single tests (each over ~20 s alone on the 2-core VM; `pytest --durations`):
+#: deselected by default so that the README's test command stays within CI's 20 minutes; run
+#: them with `pytest -m long` (pyproject.toml). Each has faster siblings in the default run.
+LONG = frozenset(
+    {
+        "test_inplace.py::test_built_in_place_lowers_the_zoo_grus_smallest_plan",
+        "test_planner.py::test_the_smallest_budget_found_on_the_disk_tier_fits_when_it_is_the_budget",
+        "test_planner.py::test_min_feasible_is_the_same_below_the_resident_set_as_with_room",
+        "test_zoo_memcompile.py::test_bit_identical_to_eager_under_a_budget[gru-0.4]",
+        "test_rematerialize.py::test_a_budget_only_rematerialization_meets_fits_exactly_and_bit_identically[gpt]",
+        "test_compile_time_bench.py::test_a_tiny_run_times_the_first_step_and_each_plan",
+        "test_replan.py::test_a_fragment_that_does_not_fit_runs_its_smallest_plan_without_the_pilots_reserve",
+        "test_dropout.py::test_replayed_masks_lower_the_bench_gpts_smallest_budget",
+        "test_linearce.py::test_zoo_gpt_trains_bit_identically_at_a_floor_only_the_blocks_reach",
+        "test_tiling.py::test_a_swapping_plan_reloads_by_rows_below_the_recomputing_floor[disk]",
+        "test_cli.py::test_bench_dynamic_runs_the_pilot_accuracy_harness_with_progress",
+        "test_cli.py::test_bench_anchors_runs_a_tiny_anchor_table",
+    }
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.split("/")[-1] in LONG:
+            item.add_marker(pytest.mark.long)
+
+
 @pytest.fixture
 def fresh_dynamo() -> Iterator[None]:
     """A clean Dynamo cache and counters before and after the test."""

@@ -245,3 +245,9 @@ def train_side_by_side(
             opt.zero_grad(set_to_none=True)
             fn(*inputs).backward()
             opt.step()
+
+
+def examples(n: int) -> int:
+    """``max_examples`` for a random-network property test that draws ``n`` in full: a quarter
+    (at least 8) by default, ``n`` with ``MEMCOMPILE_FUZZ=full`` (conftest.py)."""
+    return n if os.environ.get("MEMCOMPILE_FUZZ") == "full" else max(8, n // 4)

@@ -21,6 +21,8 @@ from memcompile.rewrites.context import PassContext
 from memcompile.rewrites.input_uses import InputSplit, split_inputs_pass
 from memcompile.runtime.store import is_host_placed
 
+from helpers import examples
+
 # 1 + 2**-24 rounds to 1 (a tie, to even); 1 + 2**-23 is exact: which two add first shows.
 TINY = 2.0**-24
 
@@ -490,7 +492,7 @@ def _grads(model: nn.Module, fn: Any, x: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+@settings(max_examples=examples(40), deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 @given(
     segments=st.lists(segment, min_size=2, max_size=3),

@@ -23,7 +23,7 @@ from memcompile.rewrites.params import param_fetch_pass
 from memcompile.runtime.measure import resident_bytes
 from memcompile.runtime.store import TieredStore, is_host_placed, place_on_host, register_store
 
-from helpers import assert_same_state, capture_module, train_under_budget
+from helpers import assert_same_state, capture_module, examples, train_under_budget
 
 fetch_op = torch.ops.memcompile.reload.default
 offload_op = torch.ops.memcompile.offload.default
@@ -238,7 +238,7 @@ def test_host_placed_parameters_with_an_inference_call_in_between() -> None:
         assert torch.equal(got, eager.model(*eager.batch(5)))
 
 
-@settings(max_examples=30, deadline=None, derandomize=True, database=None,
+@settings(max_examples=examples(30), deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
 @given(program=programs, fraction=st.floats(0.2, 1.0), batch=st.sampled_from([16, 64]))
 def test_random_network_with_host_placed_parameters(program, fraction: float, batch: int) -> None:

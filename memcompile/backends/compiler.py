@@ -200,10 +200,20 @@ class MemCompiler:
     def _compute_device(self) -> torch.device:
         return self._device or torch.device("cpu")
 
-    def _present_grads(self) -> dict[int, int]:
-        # At a step's first call: the gradients it begins with (a later micro-batch).
-        present = grad_bytes(self._loop_params(), self._compute_device())
+    def _present_grads(self, args: Sequence[Any]) -> dict[int, int]:
+        # At a step's first call: the gradients it begins with (a later micro-batch); an
+        # iteration's first step may be sampled (CPU: step/checks.py).
+        params = self._loop_params()
+        present = grad_bytes(params, self._compute_device())
         self.iteration.step_began(sum(present.values()))
+        if self.iteration.begins_iteration:
+            model = self._model()
+            self.checks.iteration_began(
+                (model if model is not None else params, list(self.iteration.optimizers), args),
+                self.iteration.micro_batches,
+            )
+        else:
+            self.checks.step_began()
         return present
 
     def __repr__(self) -> str:
@@ -233,8 +243,7 @@ class MemCompiler:
                 model = calling_compiled_module(ctx)
                 if model is not None:
                     self.model = weakref.ref(model)
-        self.checks.compiled_in_step = True
-        self.checks.watch(device)
+        self.checks.compiling(device)
         if self._device is None and device is not None:
             self._device = device
         identity = fragment_identity(gm, example_inputs)
@@ -442,6 +451,8 @@ class MemCompiler:
         (its check now counts the optimizer's state), then the optimizer step's own peak; the
         re-plans apply before the model's next call."""
         self.step_monitor.end_step_if_done()
+        if self.iteration.iteration_done:
+            self.checks.iteration_ended(self.iteration.micro_batches, cost.kind)
         over = self.budget.optimizer_step()
         self.budget.apply_replans()
         if over is not None:

@@ -21,6 +21,7 @@ compiled frames eagerly while one is active.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import warnings
@@ -38,6 +39,7 @@ from memcompile.runtime.store import is_host_placed
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "CpuInterval",
     "MeasurementWarning",
     "PeakMeasurement",
     "allocation_events",
@@ -263,57 +265,89 @@ def allocation_events(
     return events, ranges
 
 
+class CpuInterval:
+    """The CPU profiler's peak over an interval that is not one function call: begun in one
+    place, ended in another (memcompile samples a training iteration this way, from its first
+    fragment call to its optimizer step: ``step/checks.py``). :func:`measure` runs a function
+    through one.
+
+    Args:
+        roots: what the resident bytes at the start are reachable from (see the module
+            docstring).
+    """
+
+    def __init__(self, *roots: Any) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._roots = roots
+        # Keep storage addresses only: holding the tensors would keep e.g. old gradients alive.
+        self._before = storage_sizes(reachable_tensors(*roots), "cpu")
+        self.resident = sum(self._before.values())
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        # A canary of a size nothing else allocates: if its event is missing, the profiler lost
+        # events and the peak cannot be trusted.
+        canary = torch.empty(_CANARY_BYTES, dtype=torch.uint8)
+        del canary
+
+    def cancel(self) -> None:
+        """Stop without reading (the session is dropped)."""
+        self._prof.__exit__(None, None, None)
+
+    def end(self) -> PeakMeasurement:
+        """Stop and read: the absolute peak since the start, per ``memcompile:*`` range too
+        (``complete`` False: the profiler lost events, e.g. another session stopped this one)."""
+        self._prof.__exit__(None, None, None)
+        events, ranges = allocation_events(self._prof)
+        # Drop the canary's two events (they cancel out); a missing canary means lost events.
+        sizes = [size for _, size, _ in events]
+        complete = _CANARY_BYTES in sizes and -_CANARY_BYTES in sizes
+        if complete:
+            events.pop(sizes.index(_CANARY_BYTES))
+        levels = [(t, level) for t, _, level in events]
+        above = max(0, max((level for _, level in levels), default=0))
+        resident = self.resident
+        per_range: dict[str, int] = {}
+        for name, t0, t1 in ranges:
+            # Level when the range opens (last event before it), then every event inside it.
+            inside = [lv for t, lv in levels if t0 <= t <= t1]
+            opening = [lv for t, lv in levels if t < t0]
+            level = max([opening[-1] if opening else 0, *inside])
+            per_range[name] = max(per_range.get(name, 0), resident + level)
+        # Reachable storages from before that are gone now were freed without a profiler event.
+        after = storage_sizes(reachable_tensors(*self._roots), "cpu")
+        vanished = sum(n for ptr, n in self._before.items() if ptr not in after)
+        return PeakMeasurement(
+            resident + above, resident, "cpu", per_range, vanished, None, complete
+        )
+
+
 def _measure_cpu(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], roots: tuple[Any, ...]
 ) -> PeakMeasurement:
-    from torch.profiler import ProfilerActivity, profile
-
-    # Keep storage addresses only: holding the tensors would keep e.g. old gradients alive.
-    before = storage_sizes(reachable_tensors(*roots), "cpu")
-    resident = sum(before.values())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        # A canary of a size nothing else allocates: if its event is missing, the profiler lost
-        # events and the peak below cannot be trusted.
-        canary = torch.empty(_CANARY_BYTES, dtype=torch.uint8)
-        del canary
+    interval = CpuInterval(*roots)
+    try:
         result = fn(*args, **kwargs)
-    events, ranges = allocation_events(prof)
-    # Drop the canary's two events (they cancel out); a missing canary means lost events.
-    sizes = [size for _, size, _ in events]
-    complete = _CANARY_BYTES in sizes and -_CANARY_BYTES in sizes
-    if complete:
-        events.pop(sizes.index(_CANARY_BYTES))
-    levels = [(t, level) for t, _, level in events]
-    if not complete:
+    except BaseException:
+        interval.cancel()
+        raise
+    m = interval.end()
+    if not m.complete:
         warnings.warn(
             "measure_peak: the CPU profiler lost allocation events during this measurement; the "
             "measured peak is unreliable (measure again)",
             MeasurementWarning,
             stacklevel=3,
         )
-    above = max((level for _, level in levels), default=0)
-    above = max(above, 0)
-
-    per_range: dict[str, int] = {}
-    for name, t0, t1 in ranges:
-        # Level when the range opens (last event before it), then every event inside it.
-        inside = [lv for t, lv in levels if t0 <= t <= t1]
-        opening = [lv for t, lv in levels if t < t0]
-        level = max([opening[-1] if opening else 0, *inside])
-        per_range[name] = max(per_range.get(name, 0), resident + level)
-
-    # Reachable storages from before that are gone now were freed without a profiler event.
-    after = storage_sizes(reachable_tensors(*roots), "cpu")
-    vanished = sum(n for ptr, n in before.items() if ptr not in after)
-    if vanished:
+    if m.unseen_free_bytes:
         warnings.warn(
-            f"measure_peak: {format_bytes(vanished)} of tensors allocated before the measurement "
-            "were freed during it; the CPU profiler does not see those frees, so the peak may be "
-            "overstated by up to that much. Free them before measuring "
+            f"measure_peak: {format_bytes(m.unseen_free_bytes)} of tensors allocated before the "
+            "measurement were freed during it; the CPU profiler does not see those frees, so the "
+            "peak may be overstated by up to that much. Free them before measuring "
             "(e.g. optimizer.zero_grad(set_to_none=True)).",
             stacklevel=3,
         )
-    return PeakMeasurement(resident + above, resident, "cpu", per_range, vanished, result, complete)
+    return dataclasses.replace(m, result=result)
 
 
 def measure(

@@ -3,6 +3,12 @@
     measured peak   CUDA: the allocator's peak over the step against the budget
                     (runtime/peakwatch.py); over it -> MemoryBudgetWarning, once (once more for
                     a step without compiles)
+                    CPU: the profiler's peak over a whole training iteration (its micro-batches
+                    and its optimizers' steps), sampled: the first iteration without a compile
+                    after each compile; over the budget and the iteration's prediction ->
+                    MemoryBudgetWarning, once. Between
+                    samples the CPU pays nothing; the user's own profiling is never disturbed
+                    (no sample begins while a profiler runs)
     gradient order  an input whose several contributions a fragment's backward sums, after
                     another call of the step added to its gradient first: the last bits may
                     differ from eager's -> GradientOrderWarning, once per fragment input
@@ -16,19 +22,24 @@ import functools
 import logging
 import warnings
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
 from memcompile.config import MemConfig
 from memcompile.errors import GradientOrderWarning, MemoryBudgetWarning, format_bytes
 from memcompile.records import FragmentRecord, StepEvent, parameter_name
-from memcompile.runtime.peakwatch import PeakWatch
+from memcompile.runtime.measure import CpuInterval
+from memcompile.runtime.peakwatch import TOLERANCE, PeakWatch
 from memcompile.step.budget import MAX_CHECKED_STEPS, StepBudget
 from memcompile.step.monitor import StepMonitor
 
-__all__ = ["StepChecks"]
+__all__ = ["SAMPLED_ITERATIONS", "StepChecks"]
 
 log = logging.getLogger(__name__)
+
+#: CPU: iterations measured with the profiler after each compile (a re-plan compiles).
+SAMPLED_ITERATIONS = 1
 
 
 class StepChecks:
@@ -43,6 +54,8 @@ class StepChecks:
 
     Attributes:
         peak_watch: CUDA with a budget: each step's measured peak against it.
+        sampled_peak: CPU with a budget: the highest peak a sampled iteration reached.
+        samples: CPU iterations measured so far.
         summed_grads: ``F{i}: source`` of each input whose gradient a step added up in another
             order than eager (summed in a fragment's backward after another call added to it).
     """
@@ -63,6 +76,14 @@ class StepChecks:
         self.peak_watch: PeakWatch | None = None
         self.summed_grads: list[str] = []
         self.compiled_in_step = False
+        self.sampled_peak: int | None = None
+        self.samples = 0
+        self._device: torch.device | None = None
+        self._sample: CpuInterval | None = None
+        self._compiled_in_sample = False
+        self._sample_steps = (0, 0)  # steps begun in the sample, the most it may have
+        self._samples_left = 0
+        self._sample_warned = False
         # Whether a step over the budget was warned about, for steps that compiled (planning
         # runs kernels on the device) and for those that did not: once each.
         self._peak_warned: set[bool] = set()
@@ -71,13 +92,25 @@ class StepChecks:
     def reset(self) -> None:
         """Forget what was checked (the fragments are gone)."""
         self.peak_watch = None
+        self.sampled_peak = None
+        self.samples = 0
+        self._device = None
+        self._cancel_sample()
+        self._samples_left = 0
+        self._sample_warned = False
         self._peak_warned.clear()
         self._order_checked_steps.clear()
         self.summed_grads.clear()
 
-    def watch(self, device: torch.device | None) -> None:
+    def compiling(self, device: torch.device | None) -> None:
         """A fragment compiles for ``device``: on CUDA with a budget, start reading the
-        allocator's peak at step boundaries (once)."""
+        allocator's peak at step boundaries (once); on the CPU, sample the next iteration
+        without a compile."""
+        self.compiled_in_step = True
+        self._compiled_in_sample = True
+        self._samples_left = SAMPLED_ITERATIONS
+        if self._device is None:
+            self._device = device
         budget = self._config.budget
         if self.peak_watch is None and budget is not None and device is not None:
             if device.type == "cuda":
@@ -120,6 +153,96 @@ class StepChecks:
             "highest step peak",
             MemoryBudgetWarning,
             stacklevel=3,
+        )
+
+    # -- the iteration's measured peak, sampled (CPU) ----------------------------------------
+    def iteration_began(self, roots: tuple[Any, ...], micro_batches: int) -> None:
+        """An iteration's first step begins (its first fragment call): on the CPU with a budget,
+        measure the iteration if this plan's have not been yet. ``roots``: what its resident
+        bytes are reachable from (the model, its optimizers, the call's arguments);
+        ``micro_batches``: the steps the last iteration had (a sample through more is dropped:
+        the loop ended, e.g. evaluation follows, and the profiler must not run on)."""
+        if (
+            self._sample is not None
+            or self._samples_left <= 0
+            or self._config.budget is None
+            or self._device is None
+            or self._device.type != "cpu"
+            or torch._C._autograd._profiler_enabled()  # the user's own: not disturbed
+        ):
+            return
+        self._compiled_in_sample = False
+        self._sample_steps = (1, micro_batches)
+        self._sample = CpuInterval(*roots)
+
+    def step_began(self) -> None:
+        """A later step of the iteration begins: a sample through more steps than the last
+        iteration had is dropped (no optimizer step came)."""
+        if self._sample is None:
+            return
+        steps, limit = self._sample_steps
+        self._sample_steps = (steps + 1, limit)
+        if steps + 1 > limit:
+            log.debug("memcompile: the sampled iteration ran past %d step(s); dropped", limit)
+            self._cancel_sample()
+
+    def _cancel_sample(self) -> None:
+        sample, self._sample = self._sample, None
+        if sample is not None and torch._C._autograd._profiler_enabled():
+            sample.cancel()
+
+    def iteration_ended(self, micro_batches: int, optimizer: str) -> None:
+        """The iteration's optimizer steps are done: read its sample, if one runs."""
+        sample, self._sample = self._sample, None
+        budget = self._config.budget
+        if sample is None or budget is None:
+            return
+        if not torch._C._autograd._profiler_enabled():
+            # Another profiling session began and ended meanwhile (it stops every other one):
+            # this sample is lost; the next iteration is sampled instead.
+            return
+        m = sample.end()
+        if not m.complete or self._compiled_in_sample:  # sample the next one instead
+            return
+        self._samples_left -= 1
+        self.samples += 1
+        self.sampled_peak = max(self.sampled_peak or 0, m.peak)
+        # A tensor from before the iteration freed during it is a free the profiler does not
+        # see: the peak may be overstated by that much, so that much is given the benefit of
+        # the doubt.
+        peak = m.peak - m.unseen_free_bytes
+        log.info(
+            "memcompile: a sampled iteration (%d micro-batch(es), %s) peaked at %s (budget %s)",
+            micro_batches,
+            optimizer,
+            format_bytes(m.peak),
+            format_bytes(budget),
+        )
+        if peak <= budget * (1 + TOLERANCE):
+            return
+        self._budget.over_budget = True
+        # A prediction over the budget was told already: the sample tells only what no plan
+        # predicted (the loop's own memory).
+        predicted = max(self._budget.iteration_peaks.values(), default=0)
+        if self._sample_warned or peak <= predicted * (1 + TOLERANCE):
+            return
+        self._sample_warned = True
+        eager = self._eager_frames()
+        why = (
+            f"{eager} frame(s) Dynamo runs eagerly (report(...).fallbacks), whose memory no plan "
+            "manages, or "
+            if eager
+            else ""
+        )
+        warnings.warn(
+            f"memcompile: a training iteration ({micro_batches} micro-batch(es) and the "
+            f"{optimizer} step) reached {format_bytes(m.peak)} on the CPU (profiler, sampled "
+            f"after a compile), above budget={format_bytes(budget)}; what the plans do not see "
+            f"exceeds it: {why}memory the loop's Python code allocates between the compiled "
+            "fragments, or tensors it holds across them. Warned once; "
+            "report(...).measured_peak keeps the highest sampled peak",
+            MemoryBudgetWarning,
+            stacklevel=4,
         )
 
     # -- the gradients' order ----------------------------------------------------------------

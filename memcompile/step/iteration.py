@@ -99,6 +99,8 @@ class IterationWatch:
         self.grads_at_start = 0
         self._grads_seen = 0
         self._started_at_step = 0
+        # The optimizers of this model that stepped since the iteration's first optimizer step.
+        self._stepped_now: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         # Optimizer -> (its parameter count when decided, the ids of this model's among them).
         self._mine: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, frozenset[int]]] = (
             weakref.WeakKeyDictionary()
@@ -130,6 +132,18 @@ class IterationWatch:
         self.grads_at_start = 0
         self._grads_seen = 0
         self._started_at_step = self._monitor.steps_started
+        self._stepped_now = weakref.WeakSet()
+
+    @property
+    def begins_iteration(self) -> bool:
+        """The step just begun is an iteration's first (its optimizers known: one has stepped
+        before, and none since this step's last one began)."""
+        return bool(self.optimizers) and self._monitor.steps_started == self._started_at_step + 1
+
+    @property
+    def iteration_done(self) -> bool:
+        """Every live optimizer of this model stepped since the iteration's steps ended."""
+        return all(o in self._stepped_now for o in list(self.optimizers))
 
     def step_began(self, grads: int) -> None:
         """A step of the model began with ``grads`` device bytes of gradients present."""
@@ -214,6 +228,8 @@ class IterationWatch:
             self.micro_batches = started - self._started_at_step
             self._started_at_step = started
             self.grads_at_start, self._grads_seen = self._grads_seen, 0
+            self._stepped_now = weakref.WeakSet()
+        self._stepped_now.add(optimizer)
         if new:
             log.info(
                 "memcompile: %s steps the model: %s, its step's transient %s%s; %d micro-batch(es) "

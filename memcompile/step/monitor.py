@@ -146,9 +146,10 @@ class StepMonitor:
             the whole storages its backward reads measured (nothing is planned on them else).
         records: the compiled fragments (``MemCompiler.records``).
         listener: told when a step ends and after its first backward.
-        present_grads: under a budget, read at each step's first call: the gradients that
-            exist then (parameter storage address -> the gradient's device bytes; a later
-            micro-batch of gradient accumulation, ``zero_grad(set_to_none=False)``).
+        present_grads: under a budget, called at each step's first call with its arguments:
+            the gradients that exist then (parameter storage address -> the gradient's device
+            bytes; a later micro-batch of gradient accumulation,
+            ``zero_grad(set_to_none=False)``).
 
     Attributes:
         last_step: fragment calls of the last complete training step observed.
@@ -168,7 +169,7 @@ class StepMonitor:
         budgeted: bool,
         records: Callable[[], list[FragmentRecord]],
         listener: StepListener,
-        present_grads: Callable[[], Mapping[int, int]] = dict,
+        present_grads: Callable[[Sequence[Any]], Mapping[int, int]] = lambda args: {},
     ) -> None:
         self._budgeted = budgeted
         self._present_grads = present_grads
@@ -322,7 +323,7 @@ class StepMonitor:
             step = self._step
         if not step:  # a step begins: the gradients it starts with (accumulation)
             self.steps_started += 1
-            self._step_grads = self._present_grads() if self._budgeted else {}
+            self._step_grads = self._present_grads(args) if self._budgeted else {}
         if kind == "forward":
             self._open_blocks.setdefault(index, []).append((block, sizes))
         elif kind == "backward":
