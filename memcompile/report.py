@@ -134,8 +134,8 @@ class MemReport:
         step: the fragment calls of the step the prediction replays, e.g. ``("F0.fw", "F0.bw")``.
         steps_observed: complete training steps the backend has seen.
         fallbacks: frames Dynamo ran eagerly while this model ran.
-        over_budget: a budget is set and the step is predicted to exceed it, or (CUDA) a step was
-            measured above it (memcompile warned).
+        over_budget: a budget is set and the step is predicted to exceed it, or a step (CUDA) or
+            a sampled iteration (CPU) was measured above it (memcompile warned).
         measured_peak: with a budget, the highest device peak measured: CUDA, a training step's,
             ``torch.cuda.max_memory_allocated`` read at step boundaries
             (``runtime/peakwatch.py``); CPU, a whole iteration's, with the profiler, sampled

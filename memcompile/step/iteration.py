@@ -136,8 +136,8 @@ class IterationWatch:
 
     @property
     def begins_iteration(self) -> bool:
-        """The step just begun is an iteration's first (its optimizers known: one has stepped
-        before, and none since this step's last one began)."""
+        """The step just begun is an iteration's first: an optimizer of the model has stepped,
+        and this is the first step begun since its last step."""
         return bool(self.optimizers) and self._monitor.steps_started == self._started_at_step + 1
 
     @property
