@@ -36,6 +36,9 @@ LONG = frozenset(
         "test_zoo_memcompile.py::test_bit_identical_to_eager_under_a_budget[gru-0.7]",
         "test_backend.py::test_fragment_ids_are_stable_across_processes_and_compile_order",
         "test_liveness.py::test_every_replay_of_a_search_on_a_zoo_model_answers_as_the_loop[gru]",
+        "test_params.py::test_offload_params_false_never_moves_them_and_the_error_says_so",
+        "test_rematerialize.py::test_the_compilers_trial_profiles_of_a_backward_are_the_whole_fragments",
+        "test_zoo_memcompile.py::test_bit_identical_to_eager_under_a_budget[treelstm-0.4]",
     }
 )
 
@@ -44,6 +47,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.nodeid.split("/")[-1] in LONG:
             item.add_marker(pytest.mark.long)
+
+
+#: Test modules that keep the CPU's sampled iteration check (step/checks.py) on. Elsewhere it
+#: is off: it profiles one iteration per compile, ~0.5-1.5 s a budgeted training test, which
+#: over the suite would cost CI a minute; these modules test it (the benchmark's children, in
+#: their own processes, keep it too).
+SAMPLED_MODULES = frozenset({"test_iteration"})
+
+
+@pytest.fixture(autouse=True)
+def _sampled_iterations(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.module.__name__ not in SAMPLED_MODULES:
+        from memcompile.step import checks
+
+        monkeypatch.setattr(checks, "SAMPLED_ITERATIONS", 0)
 
 
 @pytest.fixture
