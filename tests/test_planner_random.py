@@ -141,7 +141,7 @@ def _check_case(
 
 # Random graphs x budgets: 100 here, 40 + 30 with dropouts, 30 at tight budgets (row tiling)
 # and 30 with a classifier head below, 30 with host-placed parameters (test_params.py): 260
-# examples with MEMCOMPILE_FUZZ=full (~1.7 s each now); a sixth of each, 42, in the default
+# examples with MEMCOMPILE_FUZZ=full (~1.7 s each now); a tenth of each, 26, in the default
 # run, which CI's 20 minutes bound (helpers.examples).
 @settings(max_examples=examples(100), deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
