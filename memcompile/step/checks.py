@@ -132,13 +132,7 @@ class StepChecks:
         if compiled in self._peak_warned:
             return
         self._peak_warned.add(compiled)
-        eager = self._eager_frames()
-        why = (
-            f"{eager} frame(s) Dynamo runs eagerly (report(...).fallbacks), whose memory no plan "
-            "manages, or "
-            if eager
-            else ""
-        )
+        why = self._eager_note()
         compiling = (
             " (fragments were compiled during that step: planning measures kernels on the device)"
             if compiled
@@ -153,6 +147,16 @@ class StepChecks:
             "highest step peak",
             MemoryBudgetWarning,
             stacklevel=3,
+        )
+
+    def _eager_note(self) -> str:
+        """The eager frames, as a reason a measured peak passes the budget ("" if none)."""
+        eager = self._eager_frames()
+        if not eager:
+            return ""
+        return (
+            f"{eager} frame(s) Dynamo runs eagerly (report(...).fallbacks), whose memory no plan "
+            "manages, or "
         )
 
     # -- the iteration's measured peak, sampled (CPU) ----------------------------------------
@@ -227,13 +231,7 @@ class StepChecks:
         if self._sample_warned or peak <= predicted * (1 + TOLERANCE):
             return
         self._sample_warned = True
-        eager = self._eager_frames()
-        why = (
-            f"{eager} frame(s) Dynamo runs eagerly (report(...).fallbacks), whose memory no plan "
-            "manages, or "
-            if eager
-            else ""
-        )
+        why = self._eager_note()
         warnings.warn(
             f"memcompile: a training iteration ({micro_batches} micro-batch(es) and the "
             f"{optimizer} step) reached {format_bytes(m.peak)} on the CPU (profiler, sampled "
