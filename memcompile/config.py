@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEVICE_PROFILES", "MemConfig", "parse_bytes"]
+__all__ = ["DEVICE_PROFILES", "MemConfig", "parse_bytes", "parse_fraction"]
 
 #: Cost-model profiles ``device_profile`` may name.
 DEVICE_PROFILES: tuple[str, ...] = ("auto", "cpu", "h100", "h200", "a100")
@@ -78,6 +78,28 @@ def parse_bytes(value: int | str, *, key: str = "budget") -> int:
     if n <= 0:
         raise ValueError(f"memcompile option {key!r} must be a positive size; got {value!r}")
     return n
+
+
+def parse_fraction(value: str, *, key: str = "budget") -> float | None:
+    """The fraction a percentage such as ``"60%"`` gives (0.6); ``None`` for a string that is
+    not one.
+
+    Raises:
+        ValueError: a percentage that is not a number in (0, 100].
+    """
+    text = value.strip()
+    if not text.endswith("%"):
+        return None
+    try:
+        percent = float(text[:-1])
+    except ValueError:
+        percent = math.nan
+    if not 0 < percent <= 100:  # nan fails both
+        raise ValueError(
+            f"memcompile option {key!r}: {value!r} is not a percentage in (0, 100]; a percentage "
+            "budget is that share of the peak an iteration without a plan measures, e.g. '60%'"
+        )
+    return percent / 100
 
 
 def _nearest_existing_dir(path: str) -> str:
@@ -144,6 +166,9 @@ class MemConfig:
     """
 
     budget: int | None = None
+    #: ``budget="60%"``: this fraction of the peak of an iteration run without a plan, measured
+    #: once the loop runs (``step/fraction.py``); ``budget`` is ``None`` until then.
+    budget_fraction: float | None = None
     recompute: bool = True
     swap: bool = True
     reorder: bool = True
@@ -186,7 +211,8 @@ class MemConfig:
             return options
         if not isinstance(options, Mapping):
             raise TypeError(f"memcompile options must be a dict; got {type(options).__name__}")
-        names = [f.name for f in dataclasses.fields(cls)]
+        # budget_fraction is what budget="60%" becomes, not an option of its own.
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "budget_fraction"]
         for key in options:
             if key not in names:
                 close = difflib.get_close_matches(str(key), names, n=1)
@@ -212,8 +238,10 @@ class MemConfig:
             raise TypeError(
                 f"memcompile option 'device_profile' must be a string; got {device_profile!r}"
             )
+        fraction = parse_fraction(budget) if isinstance(budget, str) else None
         cfg = cls(
-            budget=None if budget is None else parse_bytes(budget, key="budget"),
+            budget=None if budget is None or fraction else parse_bytes(budget, key="budget"),
+            budget_fraction=fraction,
             recompute=_bool("recompute", o.get("recompute", True)),
             swap=_bool("swap", o.get("swap", True)),
             reorder=_bool("reorder", o.get("reorder", True)),

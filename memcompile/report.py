@@ -29,6 +29,7 @@ from memcompile.config import MemConfig
 from memcompile.errors import format_bytes
 from memcompile.planning.plan import FragmentPlan, MemoryPlan
 from memcompile.planning.replan import Replan
+from memcompile.step.fraction import MeasuredBudget
 
 if TYPE_CHECKING:  # the pilot imports LightGBM: only when a model uses it
     from memcompile.dynamic.prefetch import PilotReport
@@ -163,6 +164,8 @@ class MemReport:
             else holds them: AOTAutograd's zeros for an output that got no gradient).
         iteration: the training iteration, once an optimizer stepped the model's parameters
             (:class:`IterationReport`; ``None`` before).
+        measured_budget: ``budget="60%"``: the iteration measured without a plan and the budget
+            it gave (``None`` before it is measured, and for a budget in bytes).
         sharded_param_bytes: the model's parameters at their unsharded size (in the sharded
             parameters' dtype, as far as compiles saw them sharded) when FSDP2 (``fully_shard``)
             manages them, else 0. FSDP's all-gathered parameters, gradients before
@@ -190,6 +193,7 @@ class MemReport:
     released_tangents: tuple[str, ...] = ()
     sharded_param_bytes: int = 0
     iteration: IterationReport | None = None
+    measured_budget: MeasuredBudget | None = None
 
     @property
     def eager_frames(self) -> int:
@@ -237,6 +241,9 @@ class MemReport:
             "released_tangents": list(self.released_tangents),
             "sharded_param_bytes": self.sharded_param_bytes,
             "iteration": self.iteration.to_dict() if self.iteration is not None else None,
+            "measured_budget": (
+                asdict(self.measured_budget) if self.measured_budget is not None else None
+            ),
         }
 
     def __str__(self) -> str:
@@ -246,6 +253,11 @@ class MemReport:
         if self.budget is not None:
             budget = f", budget {format_bytes(self.budget)}" + (
                 " EXCEEDED" if self.over_budget else ""
+            )
+        elif self.config.budget_fraction is not None:
+            budget = (
+                f", budget {self.config.budget_fraction:.0%} (an iteration without a plan is "
+                "measured first)"
             )
         if self.measured_peak is not None:
             budget += f", measured step peak {format_bytes(self.measured_peak)}"
@@ -263,6 +275,8 @@ class MemReport:
             )
         if self.host_param_bytes:
             lines.append(f"  parameters on the host: {format_bytes(self.host_param_bytes)}")
+        if self.measured_budget is not None:
+            lines.append(f"  budget: {self.measured_budget.describe()}")
         if self.iteration is not None:
             lines.append(_iteration_line(self.iteration))
         for f in self.fragments:
@@ -503,6 +517,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
             if budget.released_tangents(r.id)
         ),
         iteration=iteration,
+        measured_budget=compiler.fraction.resolved if compiler.fraction is not None else None,
         over_budget=budget.over_budget
         or (
             compiler.config.budget is not None

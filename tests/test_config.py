@@ -41,8 +41,8 @@ def test_defaults_match_design_table() -> None:
     assert cfg.offload_optimizer == "auto"
     assert cfg.on_infeasible == "error" and cfg.device_profile == "auto"
     assert set(cfg.to_dict()) == {
-        "budget", "recompute", "swap", "reorder", "offload_to", "disk_path", "offload_params",
-        "offload_optimizer", "pilot", "prefetch_depth", "inner", "device_profile",
+        "budget", "budget_fraction", "recompute", "swap", "reorder", "offload_to", "disk_path",
+        "offload_params", "offload_optimizer", "pilot", "prefetch_depth", "inner", "device_profile",
         "on_infeasible", "trace_path", "split_param_reads", "check_ranks",
     }  # fmt: skip
     assert cfg.split_param_reads is False and cfg.check_ranks is False

@@ -18,6 +18,7 @@ replays the step and re-plans, the checks run at its end) and the frames Dynamo 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
@@ -70,6 +71,7 @@ from memcompile.runtime.pinned import install_hooks as install_pinned_hooks
 from memcompile.runtime.store import HOSTABLE_DEVICES, TieredStore, register_store
 from memcompile.step.budget import StepBudget
 from memcompile.step.checks import StepChecks
+from memcompile.step.fraction import BudgetFraction
 from memcompile.step.iteration import IterationWatch, grad_bytes
 from memcompile.step.monitor import BlockObserver, OutputsFound, StepMonitor
 from memcompile.step.resident import ResidentSet
@@ -107,6 +109,11 @@ class MemCompiler:
         resident: the device's resident bytes and the host tier (``step/resident.py``).
         budget: the step against the budget, and its re-plans (``step/budget.py``).
         checks: the end-of-step checks (``step/checks.py``).
+        iteration: the optimizers that step the model, and the loop's micro-batches
+            (``step/iteration.py``).
+        fraction: ``budget="60%"``: the unplanned iteration measured, then the budget
+            (``step/fraction.py``); ``None`` for a budget in bytes or none. Once resolved,
+            ``config.budget`` holds its bytes.
         fsdp: the model's FSDP2 units (``backends/sharded.py``).
         prefetcher: the pilot: predicts the next blocks and prefetches their host-placed
             parameters (dynamic/prefetch.py); ``None`` with ``pilot="off"``.
@@ -116,6 +123,8 @@ class MemCompiler:
         model: the compiled module, when known (memcompile.compile): its parameters are
             resident.
     """
+
+    iteration: IterationWatch
 
     def __init__(self, options: Mapping[str, Any] | MemConfig | None = None) -> None:
         self.config = config = MemConfig.from_options(options)
@@ -132,6 +141,29 @@ class MemCompiler:
         self.store = TieredStore(config.disk_path)
         self.store_key = register_store(self.store)
         self.fsdp = ShardedModel(check_ranks=config.check_ranks)
+        # The compute device (the first fragment's) and the parameters fragments took.
+        self._device: torch.device | None = None
+        self._params: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        #: ``budget="60%"``: the unplanned iteration measured, then the budget (step/fraction.py).
+        self.fraction = (
+            BudgetFraction(config.budget_fraction)
+            if config.budget is None and config.budget_fraction is not None
+            else None
+        )
+        observers: list[BlockObserver] = []
+        if config.trace_path is not None:
+            observers.append(
+                TraceRecorder(config.trace_path, records=self.records, model=self._model)
+            )
+        self._fraction_told = self._fraction_warned = False
+        self._components(config, observers)
+        _apply_dynamo_settings()
+        install_pinned_hooks()  # before this model's first trace (pinned.py)
+        _all_compilers.add(self)
+
+    def _components(self, config: MemConfig, observers: Sequence[BlockObserver]) -> None:
+        """The step's watchers and the fragments' build environment under ``config`` (again
+        when a fractional budget is resolved: :meth:`_rebudget`)."""
         self.resident = ResidentSet(
             config,
             self.records,
@@ -139,22 +171,22 @@ class MemCompiler:
             self.fsdp.is_sharded,
             loop=lambda: self.iteration.resident_bytes,
         )
-        # The compute device (the first fragment's) and the parameters fragments took.
-        self._device: torch.device | None = None
-        self._params: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self.step_monitor = StepMonitor(
-            budgeted=config.budget is not None,
+            budgeted=config.budget is not None or self.fraction is not None,
             records=self.records,
             listener=self,
             present_grads=self._present_grads,
         )
-        self.iteration = IterationWatch(
-            self._loop_params,
-            self._compute_device,
-            self.step_monitor,
-            self._optimizer_stepped,
-            offload=config.offload_optimizer,
-        )
+        if hasattr(self, "iteration"):  # its optimizer hooks may be running: kept
+            self.iteration.reset(self.step_monitor)
+        else:
+            self.iteration = IterationWatch(
+                self._loop_params,
+                self._compute_device,
+                self.step_monitor,
+                self._optimizer_stepped,
+                offload=config.offload_optimizer,
+            )
         self.budget = StepBudget(
             config, self.records, self.step_monitor, self.resident, self.iteration
         )
@@ -171,10 +203,7 @@ class MemCompiler:
                 gate=self._pilot_gate if config.pilot == "auto" else None,
             )
             self.store.prefetched = self.prefetcher.cache
-        if config.trace_path is not None:
-            self.step_monitor.observers.append(
-                TraceRecorder(config.trace_path, records=self.records, model=self._model)
-            )
+        self.step_monitor.observers.extend(observers)
         self._env = BuildEnv(
             pipeline=FragmentEnv(config, self.cost_profile, self.resident, self.store_key),
             store=self.store,
@@ -184,9 +213,6 @@ class MemCompiler:
             fsdp=self.fsdp,
             note_dynamic=self.note_dynamic,
         )
-        _apply_dynamo_settings()
-        install_pinned_hooks()  # before this model's first trace (pinned.py)
-        _all_compilers.add(self)
 
     def _model(self) -> torch.nn.Module | None:
         return self.model() if self.model is not None else None
@@ -206,15 +232,67 @@ class MemCompiler:
         params = self._loop_params()
         present = grad_bytes(params, self._compute_device())
         self.iteration.step_began(sum(present.values()))
+        model = self._model()
+        roots = (model if model is not None else params, list(self.iteration.optimizers), args)
         if self.iteration.begins_iteration:
-            model = self._model()
-            self.checks.iteration_began(
-                (model if model is not None else params, list(self.iteration.optimizers), args),
-                self.iteration.micro_batches,
-            )
+            self.checks.iteration_began(roots, self.iteration.micro_batches)
         else:
             self.checks.step_began()
+        if self.fraction is not None:
+            self._measure_fraction(roots, begins=not present and not self.iteration.optimizers)
         return present
+
+    def _measure_fraction(self, roots: tuple[Any, ...], *, begins: bool) -> None:
+        """``budget="60%"``, a step begins: an iteration after the first (which compiles) is
+        measured; ``begins``: a loop without an optimizer begins an iteration (no gradients)."""
+        fraction = self.fraction
+        assert fraction is not None
+        if fraction.resolved is not None:
+            return
+        if self.iteration.begins_iteration or begins:
+            if fraction.measuring:
+                # No optimizer and no call hook: nowhere to start over between model calls.
+                fraction.cancel()
+                if not self._fraction_warned:
+                    self._fraction_warned = True
+                    warnings.warn(
+                        f"memcompile: budget={self.config.budget_fraction:.0%} is resolved at an "
+                        "optimizer step or between two calls of a compiled module; this loop "
+                        "has neither, so it runs without a budget. Give the budget in bytes",
+                        MemoryBudgetWarning,
+                        stacklevel=5,
+                    )
+                return
+            if self.step_monitor.steps_observed >= 1:  # the first iteration compiles
+                fraction.iteration_began(roots, self._compute_device())
+        else:
+            fraction.step_began()
+
+    def _rebudget(self) -> None:
+        """Start over with the measured budget, once it is: forget the fragments and the steps,
+        and drop every frame compiled so far, which Dynamo then compiles again. Between two
+        model calls (no compiled frame runs, and no optimizer hook, which must not register
+        more while they run), or where re-plans apply without a call hook."""
+        resolved = self.fraction.resolved if self.fraction is not None else None
+        if resolved is None or self.config.budget is not None:
+            return
+        codes = self.budget.compiled_codes()
+        self.checks.reset()
+        observers = list(self.step_monitor.observers)
+        for observer in observers:
+            observer.reset()
+        with self._lock:
+            self.fragments.clear()
+        self.config = dataclasses.replace(self.config, budget=resolved.budget)
+        self._components(self.config, observers)
+        with torch._dynamo.convert_frame.compile_lock:
+            for code in codes:
+                torch._dynamo.reset_code(code)
+        log.warning(
+            "memcompile: budget %s; the model is compiled again under it (%d frame(s) dropped)",
+            resolved.describe(),
+            len(codes),
+        )
 
     def __repr__(self) -> str:
         return f"MemCompiler({len(self.fragments)} fragments, inner={self.config.inner!r})"
@@ -244,6 +322,17 @@ class MemCompiler:
                 if model is not None:
                     self.model = weakref.ref(model)
         self.checks.compiling(device)
+        if self.fraction is not None and self.fraction.resolved is None:
+            self.fraction.compiling()
+            if not self.fragments and not self._fraction_told:
+                self._fraction_told = True
+                log.warning(
+                    "memcompile: budget=%s: the first iterations run without a plan; the first "
+                    "one that compiles nothing is measured, and the model is compiled again "
+                    "with %s of its peak as the budget",
+                    f"{self.config.budget_fraction:.0%}",
+                    f"{self.config.budget_fraction:.0%}",
+                )
         if self._device is None and device is not None:
             self._device = device
         identity = fragment_identity(gm, example_inputs)
@@ -444,6 +533,7 @@ class MemCompiler:
             )
         self.checks.grad_order()
         if in_call and not self._hooked:
+            self._rebudget()
             self.budget.apply_replans()
 
     def _optimizer_stepped(self, cost: OptimizerCost) -> None:
@@ -452,6 +542,8 @@ class MemCompiler:
         re-plans apply before the model's next call."""
         self.step_monitor.end_step_if_done()
         if self.iteration.iteration_done:
+            if self.fraction is not None and self.fraction.measuring:
+                self.fraction.iteration_ended()  # applies at the model's next call
             self.checks.iteration_ended(self.iteration.micro_batches, cost.kind)
         over = self.budget.optimizer_step()
         self.budget.apply_replans()
@@ -488,6 +580,15 @@ class MemCompiler:
         # is done (so its check runs now, not in the next step's first fragment) and to drop the
         # code of the fragments to re-plan, which Dynamo then compiles again in this call.
         self.step_monitor.end_step_if_done()
+        if (
+            self.fraction is not None
+            and self.fraction.measuring
+            and not self.iteration.optimizers
+            and not grad_bytes(self._loop_params(), self._compute_device())
+        ):
+            # A loop without an optimizer: the measured iteration ended with its step.
+            self.fraction.iteration_ended()
+        self._rebudget()
         self.budget.apply_replans()
 
     def _dispatch_mode_call(self) -> None:

@@ -209,6 +209,11 @@ class StepBudget:
         if reserve is not None:
             self._reserves[index] = reserve
 
+    def compiled_codes(self) -> list[CodeType]:
+        """The Dynamo code of every fragment compiled (and still alive), by index."""
+        codes = (self._codes[i]() for i in sorted(self._codes))
+        return [c for c in codes if c is not None]
+
     def dropped_outputs(self, identity: str) -> frozenset[int]:
         """Output positions a fragment's plan counts as dropped by the caller before the
         backward (as steps showed); empty: all held."""

@@ -123,8 +123,12 @@ class IterationWatch:
         ):
             weakref.finalize(self, handle.remove)
 
-    def reset(self) -> None:
-        """Forget the optimizers seen (the fragments are gone)."""
+    def reset(self, monitor: StepMonitor | None = None) -> None:
+        """Forget the optimizers seen (the fragments are gone); ``monitor``: the steps to count
+        from now on (the compiler started over: ``step/fraction.py``). It keeps its hooks:
+        this may run inside one, while ``torch.optim`` iterates over them."""
+        if monitor is not None:
+            self._monitor = monitor
         self.optimizers.clear()
         self._mine.clear()
         self.micro_batches = 1

@@ -1,0 +1,143 @@
+"""``budget="60%"``: a fraction of the peak of the user's iteration without a plan.
+
+The budget cannot be known before the loop runs, so the first iterations run without one::
+
+    iteration 1        compiles without a budget (its peak includes compiling: not measured)
+    iteration 2        the first without a compile: measured, from its first fragment call to
+                       its last optimizer step (a loop without an optimizer: to the next step
+                       that begins with no gradients; CPU: the profiler, as ``measure_peak``;
+                       CUDA: the allocator's peak counter, reset at its start)
+                       -> budget = floor(fraction x peak); every frame compiled so far is
+                       dropped and the compiler starts over with that budget
+    iteration 3        compiles with the budget (re-plans once the loop is known, as always)
+    iteration 4        sampled against the budget (step/checks.py)
+
+The measured iteration must fit the device unplanned: to train a model that does not fit
+without a plan, give the budget in bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memcompile.errors import format_bytes
+from memcompile.runtime.measure import CpuInterval
+
+__all__ = ["BudgetFraction", "MeasuredBudget"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MeasuredBudget:
+    """A budget given as a fraction, resolved.
+
+    Attributes:
+        fraction: the fraction of the unplanned peak (``"60%"``: 0.6).
+        unplanned_peak: the measured peak of an iteration without a plan, bytes.
+        budget: ``floor(fraction * unplanned_peak)``, bytes.
+        micro_batches: the measured iteration's steps (forward and backward).
+        device: ``"cpu"`` or ``"cuda"``.
+    """
+
+    fraction: float
+    unplanned_peak: int
+    budget: int
+    micro_batches: int
+    device: str
+
+    def describe(self) -> str:
+        return (
+            f"{format_bytes(self.budget)} ({100 * self.fraction:g}% of the "
+            f"{format_bytes(self.unplanned_peak)} an iteration without a plan measured on the "
+            f"{self.device}, {self.micro_batches} micro-batch(es))"
+        )
+
+
+class BudgetFraction:
+    """Measures one unplanned iteration and resolves ``fraction`` of its peak to bytes.
+
+    Args:
+        fraction: in (0, 1].
+
+    Attributes:
+        resolved: the measured budget, once an iteration was measured (``None`` until then).
+        attempts: iterations sampled so far (a sample that saw a compile is measured again).
+    """
+
+    def __init__(self, fraction: float) -> None:
+        self.fraction = fraction
+        self.resolved: MeasuredBudget | None = None
+        self.attempts = 0
+        self._sample: CpuInterval | None = None
+        self._cuda: torch.device | None = None
+        self._dirty = False
+        self._steps = 0
+
+    @property
+    def measuring(self) -> bool:
+        """An iteration is being measured now."""
+        return self._sample is not None or self._cuda is not None
+
+    def iteration_began(self, roots: tuple[Any, ...], device: torch.device) -> None:
+        """An iteration's first step begins: measure it, unless the budget is known already, a
+        measurement runs, or the user's profiler does (CPU: never disturbed)."""
+        if self.resolved is not None or self.measuring:
+            return
+        self._dirty = False
+        self._steps = 1
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self._cuda = device
+        elif device.type == "cpu" and not torch._C._autograd._profiler_enabled():
+            self._sample = CpuInterval(*roots)
+
+    def step_began(self) -> None:
+        """A later micro-batch of the measured iteration begins."""
+        if self.measuring:
+            self._steps += 1
+
+    def compiling(self) -> None:
+        """A fragment compiles: the iteration being measured is not a steady one."""
+        self._dirty = True
+
+    def cancel(self) -> None:
+        """Stop measuring without a result."""
+        sample, self._sample, self._cuda = self._sample, None, None
+        if sample is not None and torch._C._autograd._profiler_enabled():
+            sample.cancel()
+
+    def iteration_ended(self) -> MeasuredBudget | None:
+        """The measured iteration ended: the budget, or ``None`` when this iteration cannot
+        tell it (it compiled, or the profiler lost events) and the next one is measured."""
+        sample, cuda = self._sample, self._cuda
+        if sample is None and cuda is None:
+            return None
+        self._sample = self._cuda = None
+        if cuda is not None:
+            peak = torch.cuda.max_memory_allocated(cuda)
+            complete = True
+            device = "cuda"
+        else:
+            assert sample is not None
+            if not torch._C._autograd._profiler_enabled():
+                return None  # another profiling session stopped this one
+            m = sample.end()
+            peak, complete, device = m.peak, m.complete, "cpu"
+        self.attempts += 1
+        if self._dirty or not complete:
+            log.info(
+                "memcompile: budget %g%%: the measured iteration %s; measuring the next one",
+                100 * self.fraction,
+                "compiled" if self._dirty else "lost profiler events",
+            )
+            return None
+        budget = max(1, math.floor(self.fraction * peak))
+        self.resolved = MeasuredBudget(self.fraction, peak, budget, self._steps, device)
+        log.info("memcompile: budget resolved to %s", self.resolved.describe())
+        return self.resolved
