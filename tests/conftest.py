@@ -18,6 +18,7 @@ torch.set_num_threads(1)
 #: them with `pytest -m long` (pyproject.toml). Each has faster siblings in the default run.
 LONG = frozenset(
     {
+        "test_iteration.py::test_a_thousand_iterations_hold_host_memory_and_the_device_peak_flat",
         "test_inplace.py::test_built_in_place_lowers_the_zoo_grus_smallest_plan",
         "test_planner.py::test_the_smallest_budget_found_on_the_disk_tier_fits_when_it_is_the_budget",
         "test_planner.py::test_min_feasible_is_the_same_below_the_resident_set_as_with_room",

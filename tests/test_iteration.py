@@ -4,6 +4,7 @@ optimizer's state and its step (``step/iteration.py``, ``analysis/optimizer_cost
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,14 @@ from memcompile import zoo
 from memcompile.analysis.optimizer_cost import price_optimizer
 from memcompile.report import find_compiler
 from memcompile.runtime.measure import storage_sizes
-from memcompile.runtime.store import is_host_placed
+from memcompile.runtime.store import (
+    OffloadError,
+    TieredStore,
+    is_disk_placed,
+    is_host_placed,
+    is_off_device,
+)
+from memcompile.step.iteration import DISK_MIN_BYTES
 
 from helpers import assert_same_state
 
@@ -396,6 +404,119 @@ def test_auto_keeps_the_optimizer_state_on_the_host_when_the_step_needs_it(tmp_p
         assert all(torch.equal(a[k], b[k]) for k in b)
 
 
+def test_gradients_accumulate_in_the_host_tier_with_offload_params():
+    # offload_params=True, AdamW, 4 micro-batches, a budget below the parameters and their
+    # gradients together: between micro-batches every gradient is in the host tier (only the
+    # micro-batch's own pieces are on the device), the iteration fits, and training is
+    # bit-identical to eager.
+    torch._dynamo.reset()
+    eager, wl = zoo.build("gpt", size="tiny"), zoo.build("gpt", size="tiny")
+    params = sum(storage_sizes(wl.model.parameters()).values())
+    eager_opt = torch.optim.AdamW(eager.model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(wl.model.parameters(), lr=1e-3)
+    eager_run = _loop(eager, eager.model, eager_opt, micro=4)
+    torch.manual_seed(5)
+    for k in range(4):
+        eager_run(k)
+    budget = int(0.15 * _iteration_peak(eager, eager_run, 4, eager_opt))
+    assert budget < 2 * params  # the parameters and their gradients do not fit together
+    compiled = memcompile.compile(wl.model, budget=budget, offload_params=True)
+    run = _loop(wl, compiled, opt, micro=4)
+    torch.manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memcompile.MemoryBudgetWarning)
+        for k in range(4):
+            run(k)
+        measured = _iteration_peak(wl, run, 4, opt)
+        assert_same_state(eager.model, wl.model)
+        (wl.loss(compiled, 0) / 4).backward()  # a micro-batch: its gradients are hosted
+    grads = [p.grad for p in wl.model.parameters()]
+    assert all(g is not None and is_host_placed(g) for g in grads)
+    assert measured <= budget * 1.02, (measured, budget)
+    rep = memcompile.report(compiled)
+    assert rep.iteration is not None and rep.iteration.micro_batches == 4
+    assert rep.iteration.peak is not None and abs(rep.iteration.peak - measured) <= 0.03 * measured
+
+
+def _same_optimizer_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
+    return all(
+        torch.equal(x, y)
+        for sa, sb in zip(a.state.values(), b.state.values(), strict=True)
+        for x, y in zip(sa.values(), sb.values(), strict=True)
+    )
+
+
+def test_optimizer_state_on_the_disk_tier_is_updated_in_place_bit_identically(tmp_path):
+    # offload_to="disk": the state goes to file mappings the step updates in place (written back
+    # and dropped after each step); Adam's step counters, under a page, to the host tier.
+    torch._dynamo.reset()
+    eager, wl = zoo.build("gpt", size="tiny"), zoo.build("gpt", size="tiny")
+    eager_opt = torch.optim.AdamW(eager.model.parameters(), lr=1e-3, foreach=True)
+    opt = torch.optim.AdamW(wl.model.parameters(), lr=1e-3, foreach=True)
+    eager_run = _loop(eager, eager.model, eager_opt, micro=2)
+    torch.manual_seed(2)
+    for k in range(4):
+        eager_run(k)
+    compiled = memcompile.compile(
+        wl.model, budget="1GiB", offload_optimizer=True, offload_to="disk", disk_path=tmp_path
+    )
+    run = _loop(wl, compiled, opt, micro=2)
+    torch.manual_seed(2)
+    for k in range(4):
+        run(k)
+    assert_same_state(eager.model, wl.model)
+    assert _same_optimizer_state(eager_opt, opt)
+    tensors = [t for s in opt.state.values() for t in s.values()]
+    assert all(is_disk_placed(t) == (t.nbytes >= DISK_MIN_BYTES) for t in tensors)
+    assert all(is_off_device(t) for t in tensors)
+    it = memcompile.report(compiled).iteration
+    assert it is not None and it.state_bytes == 0 and "on disk" in it.optimizers[0]
+
+
+def test_a_disk_tier_failing_in_the_optimizer_step_loses_no_state(tmp_path, monkeypatch):
+    # The disk fails while the first step's state moves there: the error names the tier, every
+    # state entry keeps the step's values (moved or still on the device), and once the disk
+    # works again training goes on bit-identically to eager.
+    torch._dynamo.reset()
+    eager, wl = zoo.build("gpt", size="tiny"), zoo.build("gpt", size="tiny")
+    eager_opt = torch.optim.Adam(eager.model.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3)
+    eager_run = _loop(eager, eager.model, eager_opt, micro=1)
+    compiled = memcompile.compile(
+        wl.model, budget="1GiB", offload_optimizer=True, offload_to="disk", disk_path=tmp_path
+    )
+    run = _loop(wl, compiled, opt, micro=1)
+    writes = [0]
+    to_disk = TieredStore._to_disk
+
+    def failing(self: TieredStore, x: torch.Tensor, nbytes: int) -> torch.Tensor:
+        writes[0] += 1
+        if writes[0] > 3:
+            raise OffloadError(f"disk tier: writing {nbytes} bytes failed: no space left")
+        return to_disk(self, x, nbytes)
+
+    monkeypatch.setattr(TieredStore, "_to_disk", failing)
+    torch.manual_seed(4)
+    eager_run(0)
+    torch.manual_seed(4)
+    with pytest.raises(OffloadError, match="disk tier"):
+        run(0)
+    opt.zero_grad(set_to_none=True)  # the loop's own, which the error skipped
+    assert_same_state(eager.model, wl.model)
+    assert _same_optimizer_state(eager_opt, opt)
+    tensors = [t for s in opt.state.values() for t in s.values()]
+    assert 0 < sum(map(is_disk_placed, tensors)) < len(tensors)
+    monkeypatch.setattr(TieredStore, "_to_disk", to_disk)
+    for k in range(1, 3):
+        torch.manual_seed(k)
+        eager_run(k)
+        torch.manual_seed(k)
+        run(k)
+    assert_same_state(eager.model, wl.model)
+    assert _same_optimizer_state(eager_opt, opt)
+    assert all(is_off_device(t) for s in opt.state.values() for t in s.values())
+
+
 def test_an_optimizer_needing_a_closure_is_refused_with_offload_optimizer():
     torch._dynamo.reset()
     wl = zoo.build("gpt", size="tiny")
@@ -444,3 +565,51 @@ def test_deepcopy_of_a_model_does_not_share_its_loop():
         p.grad = torch.zeros_like(p)
     opt.step()
     assert memcompile.report(compiled).iteration is None
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc (Linux)")
+def test_a_thousand_iterations_hold_host_memory_and_the_device_peak_flat():
+    # The soak: a tiny model, AdamW, parameters, gradients and optimizer state in the host tier,
+    # 1,000 iterations. After warm-up neither the process's resident memory nor the
+    # iteration's device peak grows (nothing is kept per step, per call or per swap).
+    torch._dynamo.reset()
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    params = sum(storage_sizes(model.parameters()).values())
+    # The for-loop AdamW step's temporaries (two of the largest parameter's size) are CPU
+    # allocations wherever its tensors live.
+    compiled = memcompile.compile(
+        model, budget=3 * params, offload_params=True, offload_optimizer=True
+    )
+    x = torch.randn(64, 256)
+
+    def run(k: int) -> None:
+        for _ in range(2):
+            (compiled(x).square().mean() / 2).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memcompile.MemoryBudgetWarning)
+        for k in range(50):
+            run(k)
+        early = _peak_of(run, opt, model)
+        rss = _rss()
+        for k in range(1000):
+            run(k)
+        late = _peak_of(run, opt, model)
+    grown = _rss() - rss
+    assert late == early and late <= 3 * params, (early, late, params)
+    assert grown < 4 * 2**20, f"resident memory grew {grown} bytes over 1,000 iterations"
+    assert all(is_host_placed(t) for s in opt.state.values() for t in s.values() if t.dim())
+
+
+def _peak_of(run: Callable[[int], None], opt: torch.optim.Optimizer, model: Any) -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # measure_peak's note on freed grads
+        return memcompile.measure_peak(lambda: run(0), resident=[model, opt])

@@ -22,7 +22,7 @@ torch's default for the parameters' device (foreach on CUDA, the for-loop on the
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +30,7 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memcompile.errors import format_bytes
-from memcompile.runtime.store import is_host_placed
+from memcompile.runtime.store import is_disk_placed, is_host_placed, is_off_device
 
 __all__ = ["OptimizerCost", "on_device", "plain", "price_optimizer", "state_bytes"]
 
@@ -47,6 +47,8 @@ class OptimizerCost:
         param_bytes: bytes of the parameters it steps.
         state_bytes: bytes of its state on the device (after a step; 0 before the first).
         host_state_bytes: bytes of its state in the host tier (``offload_optimizer``).
+        disk_state_bytes: bytes of its state in the disk tier (``offload_optimizer`` with
+            ``offload_to="disk"``).
         transient: bytes its step allocates and frees again, at most.
         exact: the transient is priced for this kind (else an estimate).
     """
@@ -58,12 +60,20 @@ class OptimizerCost:
     transient: int
     exact: bool
     host_state_bytes: int = 0
+    disk_state_bytes: int = 0
 
     def describe(self) -> str:
-        """``AdamW (for-loop) state 41.80 MiB`` (``... on the host`` where it is there)."""
-        where = f" ({format_bytes(self.host_state_bytes)} on the host)" * bool(
-            self.host_state_bytes
-        )
+        """``AdamW (for-loop) state 41.80 MiB`` (``... on the host`` / ``on disk`` where it is
+        there)."""
+        tiers = [
+            f"{format_bytes(n)} {name}"
+            for n, name in (
+                (self.host_state_bytes, "on the host"),
+                (self.disk_state_bytes, "on disk"),
+            )
+            if n
+        ]
+        where = f" ({', '.join(tiers)})" if tiers else ""
         return f"{self.kind} ({self.implementation}) state {format_bytes(self.state_bytes)}{where}"
 
 
@@ -126,7 +136,7 @@ def on_device(t: torch.Tensor, device: torch.device) -> bool:
     """Whether ``t`` is memory of the compute ``device`` (a CUDA model's CPU tensors are not;
     nor, on either, the host tier's)."""
     local = plain(t)
-    return local is not None and local.device.type == device.type and not is_host_placed(local)
+    return local is not None and local.device.type == device.type and not is_off_device(local)
 
 
 def _computes_on(p: torch.Tensor, device: torch.device) -> bool:
@@ -151,13 +161,17 @@ def state_bytes(
     return sum(_storages(tensors).values())
 
 
-def _host_state_bytes(optimizer: torch.optim.Optimizer, params: Collection[int]) -> int:
+def _tier_state_bytes(
+    optimizer: torch.optim.Optimizer,
+    params: Collection[int],
+    placed: Callable[[torch.Tensor], bool],
+) -> int:
     tensors = [
         t
         for p, state in optimizer.state.items()
         if id(p) in params
         for t in state.values()
-        if isinstance(t, torch.Tensor) and (local := plain(t)) is not None and is_host_placed(local)
+        if isinstance(t, torch.Tensor) and (local := plain(t)) is not None and placed(local)
     ]
     return sum(_storages(tensors).values())
 
@@ -189,7 +203,8 @@ def price_optimizer(
         implementation=implementation,
         param_bytes=sum(_storages(mine).values()),
         state_bytes=state_bytes(optimizer, params, device),
-        host_state_bytes=_host_state_bytes(optimizer, params),
+        host_state_bytes=_tier_state_bytes(optimizer, params, is_host_placed),
+        disk_state_bytes=_tier_state_bytes(optimizer, params, is_disk_placed),
         transient=transient,
         exact=exact,
     )

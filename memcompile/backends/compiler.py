@@ -186,6 +186,8 @@ class MemCompiler:
                 self.step_monitor,
                 self._optimizer_stepped,
                 offload=config.offload_optimizer,
+                store=self.store,
+                tier=config.offload_to,
             )
         self.budget = StepBudget(
             config, self.records, self.step_monitor, self.resident, self.iteration

@@ -71,9 +71,12 @@ __all__ = [
     "host_empty",
     "host_storage_bytes",
     "host_tier_copy",
+    "is_disk_placed",
     "is_host_placed",
+    "is_off_device",
     "place_on_host",
     "register_store",
+    "release_pages",
 ]
 
 Tier = Literal["host", "disk"]
@@ -119,6 +122,49 @@ def is_host_placed(t: torch.Tensor) -> bool:
     if t.device.type != "cpu" or isinstance(t, torch._subclasses.FakeTensor):
         return False
     return t.untyped_storage().data_ptr() in _host_storages or is_pinned_host(t)
+
+
+#: Storage address of each live disk-tier tensor -> its file mapping (weakly: the tensor's
+#: buffer owns it).
+_disk_maps: dict[int, weakref.ref[mmap.mmap]] = {}
+
+
+def _forget_disk(address: int) -> None:
+    with _host_lock:
+        _disk_maps.pop(address, None)
+
+
+def is_disk_placed(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage is a disk-tier file mapping (``TieredStore.put(x, "disk")``)."""
+    if t.device.type != "cpu" or isinstance(t, torch._subclasses.FakeTensor):
+        return False
+    return t.untyped_storage().data_ptr() in _disk_maps
+
+
+def is_off_device(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory is a tier's, host or disk, not the device's."""
+    return is_host_placed(t) or is_disk_placed(t)
+
+
+def release_pages(t: torch.Tensor) -> int:
+    """Write a disk-tier tensor's changed pages to its file and drop its pages from memory (an
+    optimizer updated it in place). Returns the bytes released (0: not a disk-tier tensor).
+
+    Raises:
+        OffloadError: writing the pages failed (their values stay readable in memory).
+    """
+    with _host_lock:
+        ref = _disk_maps.get(t.untyped_storage().data_ptr())
+    mapped = ref() if ref is not None else None
+    if mapped is None:
+        return 0
+    try:
+        mapped.flush()
+    except OSError as e:
+        raise OffloadError(f"disk tier: writing a tensor's pages back failed: {e}") from e
+    if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        mapped.madvise(mmap.MADV_DONTNEED)
+    return t.untyped_storage().nbytes()
 
 
 def host_storage_bytes(t: torch.Tensor) -> int:
@@ -377,11 +423,13 @@ class TieredStore:
             mapped.madvise(mmap.MADV_DONTNEED)
         # The array references the mapping, which unmaps when the last tensor view is gone.
         buffer = np.frombuffer(mapped, dtype=np.uint8, count=nbytes)
-        return (
-            _as_torch(buffer, x)
-            if nbytes
-            else torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
-        )
+        if not nbytes:
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
+        address = buffer.ctypes.data
+        with _host_lock:
+            _disk_maps[address] = weakref.ref(mapped)
+        weakref.finalize(buffer, _forget_disk, address)
+        return _as_torch(buffer, x)
 
     def close(self) -> None:
         """Remove the temporary disk folder (files of live tensors stay until they are freed)."""

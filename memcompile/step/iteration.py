@@ -31,12 +31,23 @@ from torch.optim.optimizer import (
 
 from memcompile.analysis.optimizer_cost import OptimizerCost, on_device, plain, price_optimizer
 from memcompile.errors import format_bytes
-from memcompile.runtime.store import can_host_place, host_tier_copy
+from memcompile.runtime.store import (
+    Tier,
+    TieredStore,
+    can_host_place,
+    host_tier_copy,
+    is_disk_placed,
+    release_pages,
+)
 from memcompile.step.monitor import StepMonitor
 
-__all__ = ["IterationWatch", "grad_bytes"]
+__all__ = ["DISK_MIN_BYTES", "IterationWatch", "grad_bytes"]
 
 log = logging.getLogger(__name__)
+
+#: Optimizer state smaller than a page (Adam's ``step`` counters) stays in the host tier with
+#: ``offload_to="disk"``: a file per scalar would cost more than it saves.
+DISK_MIN_BYTES = 4096
 
 
 def grad_bytes(params: Collection[torch.Tensor], device: torch.device) -> dict[int, int]:
@@ -61,6 +72,10 @@ class IterationWatch:
             parameter inputs).
         device: the model's compute device.
         offload: the ``offload_optimizer`` option.
+        store: the model's tiers; ``tier``: where offloaded state goes (``offload_to``). The
+            disk tier's state is a file mapping the step updates in place; after each step its
+            pages are written back and dropped (tensors under :data:`DISK_MIN_BYTES` go to the
+            host tier).
         monitor: the model's steps (the micro-batches are counted by the steps it began).
         on_step: called after each step of an optimizer of this model.
 
@@ -82,9 +97,13 @@ class IterationWatch:
         on_step: Callable[[OptimizerCost], None],
         *,
         offload: bool | str = "auto",
+        store: TieredStore | None = None,
+        tier: Tier = "host",
     ) -> None:
         self._offload_option = offload
-        #: The optimizers' state goes to the host tier after each of their steps
+        self._store = store
+        self._tier: Tier = tier if store is not None else "host"
+        #: The optimizers' state goes to the host (or disk) tier after each of their steps
         #: (``offload_optimizer=True``, or ``"auto"`` once the budget needed it).
         self.offloading = offload is True
         self._params = params
@@ -171,10 +190,14 @@ class IterationWatch:
         return max((c.transient for c in list(self.optimizers.values())), default=0)
 
     def offload_state(self) -> int:
-        """Move the state of this model's optimizers into the host tier, now and after each of
-        their steps from then on (state made anew: a first step, ``load_state_dict``). Returns
-        the device bytes it freed (0: none there, or a CUDA model, whose host-placed parameters'
-        state is host memory already)."""
+        """Move the state of this model's optimizers into the host tier (the disk tier with
+        ``offload_to="disk"``), now and after each of their steps from then on (state made
+        anew: a first step, ``load_state_dict``). Returns the device bytes it freed (0: none
+        there, or a CUDA model, whose host-placed parameters' state is host memory already).
+
+        Raises:
+            OffloadError: a tier failed; each state entry is whole, moved or still on the
+                device (the step that made it is done)."""
         self.offloading = True
         freed = 0
         for optimizer in list(self.optimizers):
@@ -183,7 +206,11 @@ class IterationWatch:
                 optimizer, self._stepped(optimizer), self._device()
             )
         if freed:
-            log.info("memcompile: optimizer state (%s) moved to the host tier", format_bytes(freed))
+            log.info(
+                "memcompile: optimizer state (%s) moved to the %s tier",
+                format_bytes(freed),
+                self._tier,
+            )
         return freed
 
     def _offload(self, optimizer: torch.optim.Optimizer, mine: frozenset[int]) -> int:
@@ -195,11 +222,22 @@ class IterationWatch:
             if id(p) not in mine:
                 continue
             for key, t in list(state.items()):
-                if isinstance(t, torch.Tensor) and on_device(t, device):
-                    if can_host_place(t):
-                        state[key] = host_tier_copy(t)
-                        freed += t.untyped_storage().nbytes()
+                if not isinstance(t, torch.Tensor):
+                    continue
+                if is_disk_placed(t):
+                    release_pages(t)  # the step updated it in place: back to its file
+                elif on_device(t, device) and can_host_place(t):
+                    # One entry at a time: a tier failing (OffloadError) leaves each entry
+                    # whole, moved or not.
+                    state[key] = self._put(t)
+                    freed += t.untyped_storage().nbytes()
         return freed
+
+    def _put(self, t: torch.Tensor) -> torch.Tensor:
+        nbytes = t.untyped_storage().nbytes()
+        if self._tier == "disk" and self._store is not None and nbytes >= DISK_MIN_BYTES:
+            return self._store.put(t, "disk")
+        return host_tier_copy(t)
 
     def _stepped(self, optimizer: torch.optim.Optimizer) -> frozenset[int]:
         """Ids of the parameters of this model ``optimizer`` steps (empty: another model's)."""
