@@ -136,7 +136,11 @@ def _forget_disk(address: int) -> None:
 
 def is_disk_placed(t: torch.Tensor) -> bool:
     """Whether ``t``'s storage is a disk-tier file mapping (``TieredStore.put(x, "disk")``)."""
-    if t.device.type != "cpu" or isinstance(t, torch._subclasses.FakeTensor):
+    if (
+        t.device.type != "cpu"
+        or isinstance(t, torch._subclasses.FakeTensor)
+        or is_traceable_wrapper_subclass(t)  # a DTensor: its shard's storage is its owner's
+    ):
         return False
     return t.untyped_storage().data_ptr() in _disk_maps
 
