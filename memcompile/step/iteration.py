@@ -13,6 +13,13 @@ since the last optimizer step are its micro-batches); a step that begins with gr
 is a later micro-batch (``StepMonitor``'s ``present_grads``). At each optimizer step of this
 model the watch tells its listener (the compiler), which checks the iteration against the budget
 and re-plans the fragments once the optimizer's state and the gradients are known.
+
+Offloaded state (``offload_optimizer``) lives in the host tier, or the disk tier's file mappings
+(``offload_to="disk"``), and the step updates it in place there::
+
+    pre-hook    Adam/AdamW, first step: their state made in the tier (torch's values)
+    step        torch.optim, unchanged
+    post-hook   state made on the device -> the tier; disk state's pages written back, dropped
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Any
 
 import torch
 from torch.optim.optimizer import (
+    _get_scalar_dtype,
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
@@ -35,8 +43,10 @@ from memcompile.runtime.store import (
     Tier,
     TieredStore,
     can_host_place,
+    host_empty,
     host_tier_copy,
     is_disk_placed,
+    is_host_placed,
     release_pages,
 )
 from memcompile.step.monitor import StepMonitor
@@ -237,7 +247,7 @@ class IterationWatch:
         nbytes = t.untyped_storage().nbytes()
         if self._tier == "disk" and self._store is not None and nbytes >= DISK_MIN_BYTES:
             return self._store.put(t, "disk")
-        return host_tier_copy(t)
+        return t if is_host_placed(t) else host_tier_copy(t)
 
     def _stepped(self, optimizer: torch.optim.Optimizer) -> frozenset[int]:
         """Ids of the parameters of this model ``optimizer`` steps (empty: another model's)."""
@@ -255,6 +265,40 @@ class IterationWatch:
         if self._offload_option is True:
             _check_offloadable(optimizer, self._device(), self._stepped(optimizer))
         self.grads_at_step = sum(grad_bytes(list(self._params()), self._device()).values())
+        if self.offloading and self._device().type == "cpu":
+            self._make_state_in_tier(optimizer, self._stepped(optimizer))
+
+    def _make_state_in_tier(self, optimizer: torch.optim.Optimizer, mine: frozenset[int]) -> None:
+        """Adam's and AdamW's state, made in the tier before their first step does it on the
+        device (its peak would hold all of it): the same values torch's lazy initialization
+        gives, so the step finds it and uses it. Other optimizers' state moves after their
+        step."""
+        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+            return
+        made = 0
+        for group in optimizer.param_groups:
+            if group.get("fused") or group.get("capturable") or group.get("differentiable"):
+                continue  # their step counter lives on the device: left to torch
+            for p in group["params"]:
+                if id(p) not in mine or p.grad is None or p.grad.is_sparse:
+                    continue
+                state = optimizer.state[p]
+                if len(state) != 0:
+                    continue
+                # torch.optim.adam's _init_group, with the moments in the tier; a parameter's
+                # state is set whole or not at all (a tier failing leaves it to torch).
+                keys = ("exp_avg", "exp_avg_sq") + ("max_exp_avg_sq",) * bool(group["amsgrad"])
+                new = {"step": torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")}
+                new.update((key, self._put(_host_zeros(p))) for key in keys)
+                state.update(new)
+                made += len(keys) * p.untyped_storage().nbytes()
+        if made:
+            log.info(
+                "memcompile: %s state (%s) made in the %s tier before its first step",
+                type(optimizer).__name__,
+                format_bytes(made),
+                self._tier,
+            )
 
     def _after(self, optimizer: torch.optim.Optimizer) -> None:
         mine = self._stepped(optimizer)
@@ -310,3 +354,11 @@ def _check_offloadable(
                 "host, ZeRO-Offload's way: its parameters must be there too "
                 f"(offload_params=True); {len(on_gpu)} of them are on {device}"
             )
+
+
+def _host_zeros(p: torch.Tensor) -> torch.Tensor:
+    """``zeros_like(p, memory_format=torch.preserve_format)``, in the host tier where ``p`` is
+    dense and contiguous (no device memory at all), else made on the device."""
+    if p.is_contiguous() and p.layout == torch.strided:
+        return host_empty(tuple(p.shape), p.dtype).zero_()
+    return torch.zeros_like(p, memory_format=torch.preserve_format)
