@@ -517,6 +517,44 @@ def test_adams_first_step_makes_its_state_in_the_tier_not_on_the_device(tier, tm
     assert _same_optimizer_state(eager_opt, opt)
 
 
+def test_auto_decides_before_adams_first_step_when_its_state_would_not_fit():
+    # offload_optimizer="auto": Adam's first step would make two moments a parameter on the
+    # device, over the budget, so they are made in the host tier before it; that step's
+    # measured peak is within the budget, and training is bit-identical to eager.
+    torch._dynamo.reset()
+    eager, wl = zoo.build("gpt", size="tiny"), zoo.build("gpt", size="tiny")
+    params = sum(storage_sizes(wl.model.parameters()).values())
+    budget = int(3.5 * params)
+    compiled = memcompile.compile(wl.model, budget=budget, offload_params=False)
+    opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3)
+    eager_opt = torch.optim.Adam(eager.model.parameters(), lr=1e-3)
+    torch.manual_seed(1)
+    eager.loss(eager.model, 0).backward()
+    torch.manual_seed(1)
+    wl.loss(compiled, 0).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # measure_peak's note on freed grads
+        first = memcompile.measure_peak(opt.step, resident=[wl.model, opt])
+    eager_opt.step()
+    assert first <= budget, (first, budget)
+    assert all(is_host_placed(t) for s in opt.state.values() for t in s.values())
+    for o in (opt, eager_opt):
+        o.zero_grad(set_to_none=True)
+    run, eager_run = (
+        _loop(wl, compiled, opt, micro=1),
+        _loop(eager, eager.model, eager_opt, micro=1),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memcompile.MemoryBudgetWarning)
+        for k in range(1, 3):
+            torch.manual_seed(k)
+            eager_run(k)
+            torch.manual_seed(k)
+            run(k)
+    assert_same_state(eager.model, wl.model)
+    assert _same_optimizer_state(eager_opt, opt)
+
+
 def test_a_disk_tier_failing_in_the_optimizer_step_loses_no_state(tmp_path, monkeypatch):
     # The disk fails while Adam's first state is made there, before its step: the error names
     # the tier, the parameters are exactly as before the iteration, each parameter's state is

@@ -188,6 +188,7 @@ class MemCompiler:
                 offload=config.offload_optimizer,
                 store=self.store,
                 tier=config.offload_to,
+                first_step_over=lambda new, transient: self.budget.first_step_over(new, transient),
             )
         self.budget = StepBudget(
             config, self.records, self.step_monitor, self.resident, self.iteration

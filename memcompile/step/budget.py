@@ -582,6 +582,17 @@ class StepBudget:
         self._pending_codes.extend(codes.values())
 
     # -- the optimizer step ------------------------------------------------------------------
+    def first_step_over(self, new_state: int, transient: int) -> bool:
+        """Whether an optimizer's first step, about to make ``new_state`` bytes of state on the
+        device, with this ``transient``, would pass the budget (``offload_optimizer="auto"``
+        then makes the state in the tier: ``step/iteration.py``)."""
+        budget, watch = self._config.budget, self._iteration
+        if budget is None or watch is None:
+            return False
+        base = sum(self._resident.step_storages().values())
+        base += self._resident.device_other_bytes or 0
+        return base + watch.grads_at_step + watch.state_bytes + new_state + transient > budget
+
     def optimizer_step(self) -> OptimizerOver | None:
         """An optimizer of this model stepped (``step/iteration.py``): the optimizer step's
         predicted peak. Over the budget, re-planning cannot lower it but by the host tier: with

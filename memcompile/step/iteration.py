@@ -86,6 +86,8 @@ class IterationWatch:
             disk tier's state is a file mapping the step updates in place; after each step its
             pages are written back and dropped (tensors under :data:`DISK_MIN_BYTES` go to the
             host tier).
+        first_step_over: ``offload_optimizer="auto"``: whether a first step that makes this
+            many bytes of state on the device, with this transient, would pass the budget.
         monitor: the model's steps (the micro-batches are counted by the steps it began).
         on_step: called after each step of an optimizer of this model.
 
@@ -109,8 +111,10 @@ class IterationWatch:
         offload: bool | str = "auto",
         store: TieredStore | None = None,
         tier: Tier = "host",
+        first_step_over: Callable[[int, int], bool] | None = None,
     ) -> None:
         self._offload_option = offload
+        self._first_step_over = first_step_over
         self._store = store
         self._tier: Tier = tier if store is not None else "host"
         #: The optimizers' state goes to the host (or disk) tier after each of their steps
@@ -260,38 +264,46 @@ class IterationWatch:
         return found[1]
 
     def _before(self, optimizer: torch.optim.Optimizer) -> None:
-        if not self._stepped(optimizer):
+        mine = self._stepped(optimizer)
+        if not mine:
             return
+        device = self._device()
         if self._offload_option is True:
-            _check_offloadable(optimizer, self._device(), self._stepped(optimizer))
-        self.grads_at_step = sum(grad_bytes(list(self._params()), self._device()).values())
-        if self.offloading and self._device().type == "cpu":
-            self._make_state_in_tier(optimizer, self._stepped(optimizer))
+            _check_offloadable(optimizer, device, mine)
+        self.grads_at_step = sum(grad_bytes(list(self._params()), device).values())
+        if device.type != "cpu":
+            return
+        if not self.offloading and self._offload_option == "auto" and self._first_step_over:
+            # "auto" decides before a first step that would make its state on the device:
+            # known for Adam/AdamW, whose state torch makes lazily from the parameters alone.
+            lazy = _lazy_adam_state(optimizer, mine)
+            new = sum(len(keys) * p.untyped_storage().nbytes() for p, keys in lazy)
+            transient = price_optimizer(optimizer, mine, device).transient
+            if new and self._first_step_over(new, transient):
+                log.info(
+                    "memcompile: %s's first step would make %s of state on the device, over the "
+                    "budget: it is made in the %s tier (offload_optimizer='auto')",
+                    type(optimizer).__name__,
+                    format_bytes(new),
+                    self._tier,
+                )
+                self.offloading = True
+        if self.offloading:
+            self._make_state_in_tier(optimizer, mine)
 
     def _make_state_in_tier(self, optimizer: torch.optim.Optimizer, mine: frozenset[int]) -> None:
         """Adam's and AdamW's state, made in the tier before their first step does it on the
         device (its peak would hold all of it): the same values torch's lazy initialization
         gives, so the step finds it and uses it. Other optimizers' state moves after their
         step."""
-        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-            return
         made = 0
-        for group in optimizer.param_groups:
-            if group.get("fused") or group.get("capturable") or group.get("differentiable"):
-                continue  # their step counter lives on the device: left to torch
-            for p in group["params"]:
-                if id(p) not in mine or p.grad is None or p.grad.is_sparse:
-                    continue
-                state = optimizer.state[p]
-                if len(state) != 0:
-                    continue
-                # torch.optim.adam's _init_group, with the moments in the tier; a parameter's
-                # state is set whole or not at all (a tier failing leaves it to torch).
-                keys = ("exp_avg", "exp_avg_sq") + ("max_exp_avg_sq",) * bool(group["amsgrad"])
-                new = {"step": torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")}
-                new.update((key, self._put(_host_zeros(p))) for key in keys)
-                state.update(new)
-                made += len(keys) * p.untyped_storage().nbytes()
+        for p, keys in _lazy_adam_state(optimizer, mine):
+            # torch.optim.adam's _init_group, with the moments in the tier; a parameter's
+            # state is set whole or not at all (a tier failing leaves it to torch).
+            new = {"step": torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")}
+            new.update((key, self._put(_host_zeros(p))) for key in keys)
+            optimizer.state[p].update(new)
+            made += len(keys) * p.untyped_storage().nbytes()
         if made:
             log.info(
                 "memcompile: %s state (%s) made in the %s tier before its first step",
@@ -362,3 +374,25 @@ def _host_zeros(p: torch.Tensor) -> torch.Tensor:
     if p.is_contiguous() and p.layout == torch.strided:
         return host_empty(tuple(p.shape), p.dtype).zero_()
     return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _lazy_adam_state(
+    optimizer: torch.optim.Optimizer, mine: frozenset[int]
+) -> list[tuple[torch.Tensor, tuple[str, ...]]]:
+    """The parameters of this model whose state an ``Adam``/``AdamW`` step is about to make
+    (a gradient, no state yet), each with the keys of its moments; empty for other optimizers
+    and for fused, capturable or differentiable groups (their step counter lives on the device:
+    left to torch)."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return []
+    out = []
+    for group in optimizer.param_groups:
+        if group.get("fused") or group.get("capturable") or group.get("differentiable"):
+            continue
+        keys = ("exp_avg", "exp_avg_sq") + ("max_exp_avg_sq",) * bool(group["amsgrad"])
+        for p in group["params"]:
+            if id(p) not in mine or p.grad is None or p.grad.is_sparse:
+                continue
+            if len(optimizer.state.get(p, ())) == 0:
+                out.append((p, keys))
+    return out
