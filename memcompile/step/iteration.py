@@ -393,6 +393,8 @@ def _lazy_adam_state(
         for p in group["params"]:
             if id(p) not in mine or p.grad is None or p.grad.is_sparse:
                 continue
+            if not can_host_place(p):  # a DTensor (FSDP2): its state is a DTensor too
+                continue
             if len(optimizer.state.get(p, ())) == 0:
                 out.append((p, keys))
     return out
