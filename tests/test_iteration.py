@@ -316,6 +316,28 @@ def test_a_sample_the_loop_leaves_without_an_optimizer_step_is_dropped():
     assert _sampled(compiled) == 0
 
 
+def test_a_model_call_that_raises_stops_the_iterations_sample():
+    # The loop ends with an exception in the middle of a sampled iteration (a bad batch): the
+    # CPU profiler must not run on after it.
+    torch._dynamo.reset()
+    wl = zoo.build("gpt", size="tiny")
+    opt = torch.optim.AdamW(wl.model.parameters(), lr=1e-3)
+    compiled = memcompile.compile(wl.model, budget="1GiB")
+    for k in range(5):  # until an iteration without a compile begins: it is sampled
+        (wl.loss(compiled, 2 * k) / 2).backward()
+        if torch._C._autograd._profiler_enabled():
+            break
+        (wl.loss(compiled, 2 * k + 1) / 2).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert torch._C._autograd._profiler_enabled()
+    tokens, targets = wl.batch(3)
+    with pytest.raises(IndexError):
+        compiled(tokens + 10_000, targets)  # out of the embedding's range
+    assert not torch._C._autograd._profiler_enabled()
+    assert _sampled(compiled) == 0
+
+
 def test_an_optimizer_of_another_model_is_not_counted():
     torch._dynamo.reset()
     wl = zoo.build("gpt", size="tiny")

@@ -573,10 +573,24 @@ class MemCompiler:
             # says so nowhere the monitor reads.
             self._dispatch_mode_call()
             cursor = fallback_monitor.cursor()
-            return lambda: self._claim(fallback_monitor.claim_since(cursor))
+
+            def leave() -> None:
+                self._claim(fallback_monitor.claim_since(cursor))
+                if sys.exc_info()[0] is not None:  # Dynamo runs this in a `finally`
+                    self._call_failed()
+
+            return leave
 
         self._hooked = True
         return install_call_hook(ctx, enter)
+
+    def _call_failed(self) -> None:
+        """A model call raised: the iteration it was part of will not end as measured, so a
+        profiler sample of it stops now (a loop that ends here must not leave the CPU profiler
+        running)."""
+        self.checks.cancel_sample()
+        if self.fraction is not None:
+            self.fraction.cancel()
 
     def _between_calls(self) -> None:
         # A model call starts and none of its frames runs: the place to end a step whose backward

@@ -95,7 +95,7 @@ class StepChecks:
         self.sampled_peak = None
         self.samples = 0
         self._device = None
-        self._cancel_sample()
+        self.cancel_sample()
         self._samples_left = 0
         self._sample_warned = False
         self._peak_warned.clear()
@@ -188,9 +188,10 @@ class StepChecks:
         self._sample_steps = (steps + 1, limit)
         if steps + 1 > limit:
             log.debug("memcompile: the sampled iteration ran past %d step(s); dropped", limit)
-            self._cancel_sample()
+            self.cancel_sample()
 
-    def _cancel_sample(self) -> None:
+    def cancel_sample(self) -> None:
+        """Stop the iteration's sample, if one runs, without reading it."""
         sample, self._sample = self._sample, None
         if sample is not None and torch._C._autograd._profiler_enabled():
             sample.cancel()
