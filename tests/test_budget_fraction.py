@@ -104,6 +104,23 @@ def test_a_percentage_budget_resolves_in_a_loop_without_an_optimizer():
     assert measured <= rep.budget * 1.02, (measured, rep.budget)
 
 
+def test_a_loop_that_never_ends_an_iteration_is_told_and_left_unprofiled(monkeypatch):
+    # No optimizer and gradients never zeroed: no iteration ends, so the budget cannot be
+    # measured; after MAX_MEASURED_STEPS steps the user is told and the profiler stops.
+    from memcompile.step import fraction
+
+    monkeypatch.setattr(fraction, "MAX_MEASURED_STEPS", 3)
+    torch._dynamo.reset()
+    wl = zoo.build("gpt", size="tiny")
+    compiled = memcompile.compile(wl.model, budget="60%")
+    wl.loss(compiled, 0).backward()  # compiles
+    with pytest.warns(memcompile.MemoryBudgetWarning, match="runs without a budget"):
+        for k in range(1, 6):
+            wl.loss(compiled, k).backward()
+    assert not torch._C._autograd._profiler_enabled()
+    assert memcompile.report(compiled).budget is None
+
+
 def test_a_percentage_is_read_as_a_fraction_of_the_unplanned_peak():
     config = MemConfig.from_options({"budget": " 60% "})
     assert config.budget is None and config.budget_fraction == 0.6

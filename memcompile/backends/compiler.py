@@ -71,7 +71,7 @@ from memcompile.runtime.pinned import install_hooks as install_pinned_hooks
 from memcompile.runtime.store import HOSTABLE_DEVICES, TieredStore, register_store
 from memcompile.step.budget import StepBudget
 from memcompile.step.checks import StepChecks
-from memcompile.step.fraction import BudgetFraction
+from memcompile.step.fraction import MAX_MEASURED_STEPS, BudgetFraction
 from memcompile.step.iteration import IterationWatch, grad_bytes
 from memcompile.step.monitor import BlockObserver, OutputsFound, StepMonitor
 from memcompile.step.resident import ResidentSet
@@ -250,26 +250,34 @@ class MemCompiler:
         measured; ``begins``: a loop without an optimizer begins an iteration (no gradients)."""
         fraction = self.fraction
         assert fraction is not None
-        if fraction.resolved is not None:
+        if fraction.resolved is not None or fraction.gave_up:
             return
         if self.iteration.begins_iteration or begins:
             if fraction.measuring:
                 # No optimizer and no call hook: nowhere to start over between model calls.
                 fraction.cancel()
-                if not self._fraction_warned:
-                    self._fraction_warned = True
-                    warnings.warn(
-                        f"memcompile: budget={self.config.budget_fraction:.0%} is resolved at an "
-                        "optimizer step or between two calls of a compiled module; this loop "
-                        "has neither, so it runs without a budget. Give the budget in bytes",
-                        MemoryBudgetWarning,
-                        stacklevel=5,
-                    )
+                self._fraction_unresolved("nor between two calls of a compiled module")
                 return
             if self.step_monitor.steps_observed >= 1:  # the first iteration compiles
                 fraction.iteration_began(roots, self._compute_device())
-        else:
-            fraction.step_began()
+        elif not fraction.step_began():
+            self._fraction_unresolved(
+                f"nor with a step that begins with no gradients ({MAX_MEASURED_STEPS} steps seen)"
+            )
+
+    def _fraction_unresolved(self, where: str) -> None:
+        """``budget="60%"`` cannot be measured in this loop: say so, once."""
+        if self._fraction_warned:
+            return
+        self._fraction_warned = True
+        warnings.warn(
+            f"memcompile: budget={self.config.budget_fraction:.0%} is measured over one "
+            "iteration, which ends at an optimizer step of the model or, in a loop without "
+            f"one, where a call begins with no gradients; this loop ends none there, {where}, "
+            "so it runs without a budget. Give the budget in bytes",
+            MemoryBudgetWarning,
+            stacklevel=6,
+        )
 
     def _rebudget(self) -> None:
         """Start over with the measured budget, once it is: forget the fragments and the steps,

@@ -28,9 +28,13 @@ import torch
 from memcompile.errors import format_bytes
 from memcompile.runtime.measure import CpuInterval
 
-__all__ = ["BudgetFraction", "MeasuredBudget"]
+__all__ = ["MAX_MEASURED_STEPS", "BudgetFraction", "MeasuredBudget"]
 
 log = logging.getLogger(__name__)
+
+#: Steps the measured iteration may have: a loop that never ends one (no optimizer step, the
+#: gradients never zeroed) is given up on there, not profiled forever.
+MAX_MEASURED_STEPS = 64
 
 
 @dataclass(frozen=True)
@@ -68,12 +72,15 @@ class BudgetFraction:
     Attributes:
         resolved: the measured budget, once an iteration was measured (``None`` until then).
         attempts: iterations sampled so far (a sample that saw a compile is measured again).
+        gave_up: the loop ended no iteration where it can be seen (:meth:`step_began`).
     """
 
     def __init__(self, fraction: float) -> None:
         self.fraction = fraction
         self.resolved: MeasuredBudget | None = None
         self.attempts = 0
+        #: No iteration end was seen in :data:`MAX_MEASURED_STEPS` steps: not measured.
+        self.gave_up = False
         self._sample: CpuInterval | None = None
         self._cuda: torch.device | None = None
         self._dirty = False
@@ -87,20 +94,26 @@ class BudgetFraction:
     def iteration_began(self, roots: tuple[Any, ...], device: torch.device) -> None:
         """An iteration's first step begins: measure it, unless the budget is known already, a
         measurement runs, or the user's profiler does (CPU: never disturbed)."""
-        if self.resolved is not None or self.measuring:
+        self._steps = 1
+        if self.resolved is not None or self.measuring or self.gave_up:
             return
         self._dirty = False
-        self._steps = 1
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             self._cuda = device
         elif device.type == "cpu" and not torch._C._autograd._profiler_enabled():
             self._sample = CpuInterval(*roots)
 
-    def step_began(self) -> None:
-        """A later micro-batch of the measured iteration begins."""
-        if self.measuring:
-            self._steps += 1
+    def step_began(self) -> bool:
+        """A step that does not begin an iteration begins (a later micro-batch). Returns
+        ``False`` once :data:`MAX_MEASURED_STEPS` such steps came in a row: the loop ends no
+        iteration where it can be seen, and the measurement is given up for good."""
+        self._steps += 1
+        if self.gave_up or self._steps <= MAX_MEASURED_STEPS:
+            return not self.gave_up
+        self.cancel()
+        self.gave_up = True
+        return False
 
     def compiling(self) -> None:
         """A fragment compiles: the iteration being measured is not a steady one."""
