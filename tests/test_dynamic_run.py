@@ -305,6 +305,20 @@ def test_recompile_limit_is_raised_for_a_dynamic_model() -> None:
     assert rep.eager_frames == 0 and "recompile limit raised 8 -> 64" in str(rep)
 
 
+def test_an_evaluation_under_no_grad_does_not_make_the_model_dynamic() -> None:
+    # Dynamo compiles the frame again for inference (it guards on grad mode): a training loop
+    # with evaluations between its steps is still a static model.
+    torch._dynamo.reset()
+    model = _Repeat()
+    compiled = memcompile.compile(model)
+    for _ in range(2):
+        compiled(torch.ones(2, 4), "m").backward()
+        with torch.no_grad():
+            compiled(torch.ones(2, 4), "m")
+    rep = memcompile.report(compiled)
+    assert len(rep.fragments) == 2 and rep.dynamic == "" and rep.recompile_limit_raised is None
+
+
 def test_a_limit_the_user_set_is_kept_and_its_fallback_reported() -> None:
     torch._dynamo.reset()
     model = _Repeat()

@@ -512,8 +512,8 @@ class MemCompiler:
             )
 
     def note_dynamic_fragment(self, index: int, gm: fx.GraphModule) -> None:
-        """A fragment with symbolic input shapes, or a recompiled frame, makes the model
-        dynamic."""
+        """A fragment with symbolic input shapes, or a frame recompiled for training, makes the
+        model dynamic."""
         for p in gm.graph.find_nodes(op="placeholder"):
             v = p.meta.get("example_value", p.meta.get("val"))
             if isinstance(v, torch.SymInt) or (
@@ -522,7 +522,13 @@ class MemCompiler:
                 self.note_dynamic(f"F{index} has symbolic shapes")
                 break
         compile_id = torch._guards.CompileContext.current_compile_id()
-        if compile_id is not None and getattr(compile_id, "frame_compile_id", None):
+        # A frame compiled again for inference (an evaluation under torch.no_grad between
+        # training steps: Dynamo guards on grad mode) is not a dynamic model.
+        if (
+            compile_id is not None
+            and getattr(compile_id, "frame_compile_id", None)
+            and torch.is_grad_enabled()
+        ):
             self.note_dynamic(f"F{index} recompiles a frame")
 
     # -- what the step monitor tells (StepListener) ----------------------------------------------
