@@ -136,3 +136,16 @@ def test_a_percentage_outside_zero_to_a_hundred_is_refused(bad):
 def test_the_fraction_is_not_an_option_of_its_own():
     with pytest.raises(ValueError, match="unknown memcompile option 'budget_fraction'"):
         MemConfig.from_options({"budget_fraction": 0.5})
+
+
+def test_a_percentage_works_through_torch_compiles_options():
+    torch._dynamo.reset()
+    wl = zoo.build("gpt", size="tiny")
+    compiled = torch.compile(wl.model, backend="memcompile", options={"budget": "60%"})
+    opt = torch.optim.SGD(wl.model.parameters(), lr=0.1, momentum=0.9)
+    for k in range(4):
+        wl.loss(compiled, k).backward()
+        opt.step()
+        opt.zero_grad()
+    rep = memcompile.report(compiled)
+    assert rep.measured_budget is not None and rep.budget == rep.measured_budget.budget
