@@ -6,6 +6,8 @@ memcompile itself cannot do raises a subclass of :class:`MemcompileError`.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch._dynamo.exc import ShortenTraceback
 
 __all__ = [
@@ -45,25 +47,38 @@ class MemoryBudgetError(MemcompileError):
 
     Attributes:
         budget: the requested device peak, bytes.
-        min_feasible: the smallest peak any plan found reaches, bytes.
+        min_feasible: the smallest peak any plan found reaches, bytes; with ``bound``, a lower
+            bound on every plan's peak instead (told before any search: the smallest feasible
+            budget is at least this).
         hint: what would help (e.g. ``offload_params=True``), or ``""``.
+        bound: ``min_feasible`` is a lower bound, not a plan's peak.
     """
 
-    def __init__(self, budget: int, min_feasible: int, hint: str = "") -> None:
+    def __init__(
+        self, budget: int, min_feasible: int, hint: str = "", *, bound: bool = False
+    ) -> None:
         self.budget = budget
         self.min_feasible = min_feasible
         self.hint = hint
-        msg = (
-            f"no memory plan fits budget={format_bytes(budget)} ({budget} bytes); the smallest "
-            f"peak found is {format_bytes(min_feasible)} ({min_feasible} bytes)"
+        self.bound = bound
+        found = (
+            f"every plan peaks at {format_bytes(min_feasible)} ({min_feasible} bytes) or more "
+            "(a bound: no plan was searched)"
+            if bound
+            else f"the smallest peak found is {format_bytes(min_feasible)} ({min_feasible} bytes)"
         )
+        msg = f"no memory plan fits budget={format_bytes(budget)} ({budget} bytes); {found}"
         if hint:
             msg += f"; {hint}"
         super().__init__(msg)
 
-    def __reduce__(self) -> tuple[type, tuple[int, int, str]]:
+    def __reduce__(self) -> tuple[Any, ...]:
         # Keep the attributes through pickling (multiprocessing, pytest-xdist).
-        return (type(self), (self.budget, self.min_feasible, self.hint))
+        return (_budget_error, (self.budget, self.min_feasible, self.hint, self.bound))
+
+
+def _budget_error(budget: int, min_feasible: int, hint: str, bound: bool) -> MemoryBudgetError:
+    return MemoryBudgetError(budget, min_feasible, hint, bound=bound)
 
 
 class RankDivergenceError(MemcompileError):

@@ -209,9 +209,10 @@ def test_an_option_typo_names_the_option(capsys: pytest.CaptureFixture[str]) -> 
     assert_one_line_error(code, err, "unknown memcompile option 'swop'")
 
 
-def test_an_infeasible_budget_states_the_smallest_peak(capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_infeasible_budget_states_the_bound(capsys: pytest.CaptureFixture[str]) -> None:
+    # Below every plan's lower bound: told at once, with the bound (the fast "no").
     code, _, err = run(capsys, "inspect", TARGET, "--budget", "1KiB", "--no-measure")
-    assert_one_line_error(code, err, "no memory plan fits budget=1.00 KiB", "smallest peak")
+    assert_one_line_error(code, err, "no memory plan fits budget=1.00 KiB", "or more (a bound")
 
 
 def test_an_unreadable_plan_file_is_one_line_on_stderr(

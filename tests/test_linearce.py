@@ -248,7 +248,7 @@ def _compile_and_train(budget, blocks: bool, **options):
     model, ref = _Classifier(), _Classifier()
     ref.load_state_dict(model.state_dict())
     old = features.FEATURES
-    features.FEATURES = old.replace(linear_ce_blocks=blocks)
+    features.FEATURES = old.replace(linear_ce_blocks=blocks, fast_no=False)
     try:
         compiled = memcompile.compile(model, budget=budget, on_infeasible="error", **options)
         losses = _train(model, compiled, 3)
@@ -274,7 +274,8 @@ def head_op_calls(compiled, model) -> collections.Counter[str]:
 
 
 def _smallest(blocks: bool, **options) -> int:
-    with pytest.raises(memcompile.MemoryBudgetError) as info:
+    # The searched floor: no fast "no" (its bound would come first at a 1-byte budget).
+    with features.patch(fast_no=False), pytest.raises(memcompile.MemoryBudgetError) as info:
         _compile_and_train(1, blocks, **options)
     return info.value.min_feasible
 
@@ -317,7 +318,7 @@ def _zoo_floor(name: str, blocks: bool, **options) -> int:
     torch._dynamo.reset()
     wl = zoo.build(name, size="tiny")
     old = features.FEATURES
-    features.FEATURES = old.replace(linear_ce_blocks=blocks)
+    features.FEATURES = old.replace(linear_ce_blocks=blocks, fast_no=False)
     try:
         compiled = memcompile.compile(wl.model, budget=1, on_infeasible="error", **options)
         with pytest.raises(memcompile.MemoryBudgetError) as info:

@@ -549,7 +549,10 @@ def test_tiles_exactly_tells_different_bits_apart():
 
 
 def _floor(monkeypatch, tiled: bool, **options) -> int:
-    monkeypatch.setattr(features, "FEATURES", features.FEATURES.replace(row_tiling=tiled))
+    # The searched floor: no fast "no" (its bound would come first at a 1-byte budget).
+    monkeypatch.setattr(
+        features, "FEATURES", features.FEATURES.replace(row_tiling=tiled, fast_no=False)
+    )
     torch._dynamo.reset()
     wl = zoo.build("branchy", size="tiny")
     compiled = memcompile.compile(wl.model, budget=1, **options)

@@ -19,6 +19,7 @@ from memcompile.analysis.fragment_profile import FragmentProfile
 from memcompile.config import MemConfig
 from memcompile.errors import MemoryBudgetError, MemoryBudgetWarning, format_bytes
 from memcompile.pipeline.env import FragmentSpec
+from memcompile.pipeline.fragment import BelowBound
 from memcompile.planning.plan import FragmentPlan
 from memcompile.runtime.store import HOSTABLE_DEVICES
 from memcompile.step.budget import OptimizerOver, StepOver
@@ -79,17 +80,7 @@ def infeasible(
     budget = config.budget
     assert budget is not None
     tips = _resident_tips(config, spec, plan, hosted=hosted, host_peak=host_peak, sharded=sharded)
-    if device_other:
-        tips.append(
-            f"of which {format_bytes(device_other)} was already allocated on the "
-            "device by others (other tensors, optimizer state, library workspaces)"
-        )
-    if untaken:
-        tips.append(
-            f"of which {format_bytes(untaken)} is the model's parameters and buffers that no "
-            "fragment compiled so far reads (those of frames Dynamo runs eagerly stay on "
-            "the device: see the EagerFallbackWarning)"
-        )
+    tips += _others_tips(device_other, untaken)
     if held_outputs >= plan.predicted_peak // 100 and not spec.dropped_outputs:
         # Step 1 cannot know what the caller keeps; the first backward shows it.
         tips.append(
@@ -133,6 +124,58 @@ def infeasible(
         MemoryBudgetWarning,
         stacklevel=2,
     )
+
+
+def _others_tips(device_other: int | None, untaken: int) -> list[str]:
+    """What of the resident bytes is not this fragment's: others' device memory, and the
+    model's parameters no fragment reads."""
+    tips = []
+    if device_other:
+        tips.append(
+            f"of which {format_bytes(device_other)} was already allocated on the "
+            "device by others (other tensors, optimizer state, library workspaces)"
+        )
+    if untaken:
+        tips.append(
+            f"of which {format_bytes(untaken)} is the model's parameters and buffers that no "
+            "fragment compiled so far reads (those of frames Dynamo runs eagerly stay on "
+            "the device: see the EagerFallbackWarning)"
+        )
+    return tips
+
+
+def below_bound(
+    config: MemConfig,
+    spec: FragmentSpec,
+    below: BelowBound,
+    *,
+    device_other: int | None,
+    untaken: int,
+) -> None:
+    """The budget is below every plan's lower bound (pipeline/fragment.py's fast no): raise
+    ``MemoryBudgetError`` with the bound, before any search.
+
+    Raises:
+        MemoryBudgetError: always (``bound=True``).
+    """
+    budget = config.budget
+    assert budget is not None
+    what = (
+        "buffers, inputs and other fragments' memory"
+        if below.hostable
+        else "parameters, buffers, inputs and other fragments' memory"
+    )
+    tips = [f"{format_bytes(below.resident)} of it is {what}, on the device whatever the plan"]
+    tips += _others_tips(device_other, untaken)
+    if below.largest:
+        tips.append(
+            f"{format_bytes(below.largest)} is {spec.name}'s largest parameter, fetched whole "
+            "from the host for the op that reads it"
+        )
+    if config.offload_params is False:
+        tips.append("offload_params=True (or 'auto') keeps parameters on the host")
+    tips.append("on_infeasible='best_effort' searches anyway and runs the smallest plan found")
+    raise MemoryBudgetError(budget, below.bound, "; ".join(tips), bound=True)
 
 
 def _resident_tips(

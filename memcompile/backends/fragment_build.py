@@ -40,7 +40,7 @@ from memcompile.errors import format_bytes
 from memcompile.pipeline.built import profile_args
 from memcompile.pipeline.env import FragmentSpec
 from memcompile.pipeline.finish import early_reloads, pilot_op
-from memcompile.pipeline.fragment import Decided, plan_partition
+from memcompile.pipeline.fragment import BelowBound, Decided, plan_partition
 from memcompile.planning.plan import FragmentPlan
 from memcompile.records import FragmentIdentity, FragmentRecord, FragmentStats, SizeKey
 from memcompile.runtime.measure import storage_sizes
@@ -252,13 +252,24 @@ class FragmentBuild:
             )
         else:
             spec = self.spec()
-            decided = plan_partition(
-                joint,
-                num_fwd_outputs,
-                static_lifetime_input_indices or [],
-                spec,
-                self.env.pipeline,
-            )
+            try:
+                decided = plan_partition(
+                    joint,
+                    num_fwd_outputs,
+                    static_lifetime_input_indices or [],
+                    spec,
+                    self.env.pipeline,
+                )
+            except BelowBound as below:
+                resident = self.env.pipeline.resident
+                advice.below_bound(
+                    config,
+                    spec,
+                    below,
+                    device_other=resident.device_other_bytes,
+                    untaken=resident.untaken_bytes(self.example_inputs),
+                )
+                raise
             self._apply(spec, decided)
             fw, bw = decided.fw, decided.bw
         self.bw_gm = bw

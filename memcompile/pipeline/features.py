@@ -53,6 +53,10 @@ class Features:
         pilot_in_graph: the pilot predicts and prefetches inside each forward graph
             (rewrites/pilot_prefetch.py); ``False`` leaves the prediction at the fragment's
             tail.
+        fast_no: a budget below every plan's lower bound raises ``MemoryBudgetError`` with
+            that bound before any search (pipeline/fragment.py); ``False`` searches anyway, so
+            the error's ``min_feasible`` is the smallest peak found (tests and benchmarks
+            that need that floor).
     """
 
     dropout_rewrite: Literal["auto", "always", "replay", "never"] = "auto"
@@ -63,6 +67,7 @@ class Features:
     rematerialize: bool = True
     linear_ce_blocks: bool = True
     pilot_in_graph: bool = True
+    fast_no: bool = True
 
     def replace(self, **changes: Any) -> Features:
         """These switches with ``changes`` (``TypeError`` for an unknown name)."""

@@ -7,6 +7,7 @@ and their plan. It changes nothing outside the graphs; the backend then applies 
 
     1  in place         loss heads, dying gradients' elementwise ops  rewrites/losshead, inplace
     2  aligned?         may this fragment's parameters move to the host
+       fast no          a budget below every plan's lower bound: BelowBound, at once
     3  fetch placed     parameters an earlier fragment put on the host    rewrites/params
     4  plan             the planner, for budget - resident                planning/planner
     5  heads by blocks  kept aside: tried only where nothing else fits    rewrites/linearce
@@ -40,7 +41,7 @@ from memcompile.rewrites.context import PassContext
 from memcompile.rewrites.dropout import dropout_pass, saved_after
 from memcompile.rewrites.linearce import find_linear_ce, linear_ce_pass
 
-__all__ = ["Decided", "plan_partition"]
+__all__ = ["BelowBound", "Decided", "plan_partition"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ def plan_partition(
     joint = search.in_place(traced)  # 1
     aligned = _aligned(joint, spec, env)  # 2
     placed = search.host_placed() if aligned else []
+    _fast_no(search, placed, aligned)
     if placed:  # 3: another fragment moved some of these parameters: fetch them here too
         joint = search.fetch(joint, placed)
     cand = search.plan(joint, start=spec.replan_start)  # 4
@@ -92,6 +94,49 @@ def plan_partition(
     if not built.plan.feasible and spec.replan_resident is None:  # 10
         built = _alternatives(search, built, blocked, hosted)
     return _decided(built, search, hosted, placed, host_peak)
+
+
+class BelowBound(Exception):
+    """The budget is below every plan's lower bound (:meth:`FragmentSearch.lower_bound`): no
+    plan was searched. The backend tells the user (``backends/advice.below_bound``).
+
+    Attributes:
+        bound: no plan peaks below it, bytes.
+        resident: what stays on the device whatever the plan, bytes.
+        largest: the largest parameter fetched whole from the host tier, bytes.
+        hostable: the parameters may move to the host tier (else they are in ``resident``).
+    """
+
+    def __init__(self, bound: int, resident: int, largest: int, hostable: bool) -> None:
+        super().__init__(f"budget below every plan's peak ({bound} bytes)")
+        self.bound, self.resident, self.largest, self.hostable = bound, resident, largest, hostable
+
+
+def _fast_no(search: FragmentSearch, placed: Sequence[int], aligned: bool) -> None:
+    """A budget below what no plan can go under is told at once, before any plan is searched
+    (the search would end in the same error, minutes later on a large graph): with
+    ``on_infeasible="error"``, for a fragment's first plan.
+
+    Raises:
+        BelowBound: the budget is below the bound.
+    """
+    config, spec = search.env.config, search.spec
+    budget = config.budget
+    if (
+        budget is None
+        or not features.current().fast_no
+        or config.on_infeasible != "error"
+        or spec.replan_resident is not None
+        or spec.host_replan
+    ):
+        return
+    hostable = aligned and config.offload_params is not False
+    bound, resident, largest = search.lower_bound(placed, hostable=hostable)
+    if budget < bound:
+        log.info(
+            "F%d: budget %d is below every plan's peak (%d): no search", spec.index, budget, bound
+        )
+        raise BelowBound(bound, resident, largest, hostable)
 
 
 def _aligned(joint: fx.GraphModule, spec: FragmentSpec, env: FragmentEnv) -> bool:

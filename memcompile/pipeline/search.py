@@ -126,6 +126,21 @@ class FragmentSearch:
                     out.append(i)
         return self.spec.with_aliases(out)
 
+    def lower_bound(self, placed: Sequence[int], *, hostable: bool) -> tuple[int, int, int]:
+        """(bound, resident, largest): no plan of this fragment peaks below ``bound`` bytes, as
+        the plans count it. ``resident``: what stays on the device whatever the plan (buffers,
+        inputs, other fragments' memory; parameters too unless ``hostable``: they may move to
+        the host tier); ``largest``: the largest parameter a plan fetches from the host
+        (``placed`` ones, and with ``hostable`` every candidate), read whole on the device by
+        its reader, so on it beside the resident bytes then. Any plan's resident count hosts
+        at most these parameters, and keeps on the device any it does not host."""
+        host = self.host_candidates() if hostable else []
+        resident = self.env.resident.resident_bytes(self.spec, host=host)
+        inputs = self.spec.example_inputs
+        fetched = [inputs[i] for i in (*host, *placed) if isinstance(inputs[i], torch.Tensor)]
+        largest = max((t.untyped_storage().nbytes() for t in fetched), default=0)
+        return resident + largest, resident, largest
+
     def fetch(self, joint: fx.GraphModule, primals: Sequence[int]) -> fx.GraphModule:
         """``joint`` reading the inputs at ``primals`` from the host tier (rewrites/params.py)."""
         return param_fetch_pass(

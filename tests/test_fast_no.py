@@ -1,0 +1,62 @@
+"""A fast "no": a budget below every plan's lower bound raises ``MemoryBudgetError`` at once,
+with the bound, before any plan is searched (``pipeline/fragment.py``, ``search.lower_bound``)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+import memcompile
+from memcompile import MemoryBudgetError, zoo
+from memcompile.pipeline import search
+from memcompile.runtime.measure import storage_sizes
+
+
+def _error(wl: zoo.Workload, budget: int, **options) -> MemoryBudgetError:
+    torch._dynamo.reset()
+    compiled = memcompile.compile(wl.model, budget=budget, **options)
+    with pytest.raises(MemoryBudgetError) as info:
+        wl.loss(compiled, 0).backward()
+    return info.value
+
+
+def test_a_budget_below_every_plans_bound_is_told_without_a_search(monkeypatch):
+    # 1 KiB for the tiny GPT: parameters may go to the host, but its largest (64 KiB: the
+    # embedding, the head) is read whole on the device, beside the batch.
+    searched = []
+    monkeypatch.setattr(search.FragmentSearch, "plan", lambda *a, **k: searched.append(1))
+    wl = zoo.build("gpt", size="tiny")
+    err = _error(wl, 1024)
+    assert not searched and err.bound
+    largest = max(storage_sizes([p]).popitem()[1] for p in wl.model.parameters())
+    assert largest <= err.min_feasible < 2 * largest, err.min_feasible
+    message = str(err)
+    assert "every plan peaks at" in message and "(a bound: no plan was searched)" in message
+    assert "64.00 KiB is F0's largest parameter, fetched whole from the host" in message
+    assert "on_infeasible='best_effort' searches anyway" in message
+    again = pickle.loads(pickle.dumps(err))  # through pytest-xdist and multiprocessing
+    assert again.bound and again.min_feasible == err.min_feasible and again.hint == err.hint
+
+
+def test_the_bound_counts_the_parameters_where_they_may_not_leave_the_device():
+    wl = zoo.build("gpt", size="tiny")
+    params = sum(storage_sizes(wl.model.parameters()).values())
+    err = _error(wl, 1024, offload_params=False)
+    assert err.bound and err.min_feasible >= params
+    assert "offload_params=True (or 'auto') keeps parameters on the host" in str(err)
+
+
+def test_the_bound_is_never_above_the_searched_floor_which_best_effort_still_finds():
+    # best_effort searches (the bound only ever answers "no" for on_infeasible="error") and
+    # runs the smallest plan found: the bound is at or under that plan's peak.
+    wl = zoo.build("gpt", size="tiny")
+    bound = _error(wl, 1).min_feasible
+    torch._dynamo.reset()
+    wl = zoo.build("gpt", size="tiny")
+    compiled = memcompile.compile(wl.model, budget=1, on_infeasible="best_effort")
+    with pytest.warns(memcompile.MemoryBudgetWarning, match="running the smallest plan found"):
+        wl.loss(compiled, 0).backward()
+    floor = memcompile.report(compiled).predicted_peak
+    assert floor is not None and bound <= floor, (bound, floor)
