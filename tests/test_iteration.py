@@ -460,6 +460,14 @@ def test_gradients_accumulate_in_the_host_tier_with_offload_params():
     assert rep.iteration.peak is not None and abs(rep.iteration.peak - measured) <= 0.03 * measured
 
 
+def _side_by_side(eager_run: Loop, run: Loop, iterations: range) -> None:
+    """Each iteration of eager's loop, then memcompile's, from the same seed (dropout)."""
+    for k in iterations:
+        for loop in (eager_run, run):
+            torch.manual_seed(k)
+            loop(k)
+
+
 def _same_optimizer_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
     # Parameter by parameter, key by key (not in the order the states were made).
     pairs = [
@@ -530,11 +538,7 @@ def test_adams_first_step_makes_its_state_in_the_tier_not_on_the_device(tier, tm
         _loop(wl, compiled, opt, micro=1),
         _loop(eager, eager.model, eager_opt, micro=1),
     )
-    for k in range(1, 3):
-        torch.manual_seed(k)
-        eager_run(k)
-        torch.manual_seed(k)
-        run(k)
+    _side_by_side(eager_run, run, range(1, 3))
     assert_same_state(eager.model, wl.model)
     assert _same_optimizer_state(eager_opt, opt)
 
@@ -568,11 +572,7 @@ def test_auto_decides_before_adams_first_step_when_its_state_would_not_fit():
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error", memcompile.MemoryBudgetWarning)
-        for k in range(1, 3):
-            torch.manual_seed(k)
-            eager_run(k)
-            torch.manual_seed(k)
-            run(k)
+        _side_by_side(eager_run, run, range(1, 3))
     assert_same_state(eager.model, wl.model)
     assert _same_optimizer_state(eager_opt, opt)
 
@@ -611,11 +611,7 @@ def test_a_disk_tier_failing_in_the_optimizer_step_loses_no_state(tmp_path, monk
     assert all(set(s) in (set(), {"step", "exp_avg", "exp_avg_sq"}) for s in states)
     assert 0 < sum(bool(s) for s in states) < len(states)
     monkeypatch.setattr(TieredStore, "_to_disk", to_disk)
-    for k in range(3):
-        torch.manual_seed(k)
-        eager_run(k)
-        torch.manual_seed(k)
-        run(k)
+    _side_by_side(eager_run, run, range(3))
     assert_same_state(eager.model, wl.model)
     assert _same_optimizer_state(eager_opt, opt)
     assert all(is_off_device(t) for s in opt.state.values() for t in s.values())
