@@ -278,8 +278,9 @@ class IterationWatch:
             # known for Adam/AdamW, whose state torch makes lazily from the parameters alone.
             lazy = _lazy_adam_state(optimizer, mine)
             new = sum(len(keys) * p.untyped_storage().nbytes() for p, keys in lazy)
-            transient = price_optimizer(optimizer, mine, device).transient
-            if new and self._first_step_over(new, transient):
+            if new and self._first_step_over(
+                new, price_optimizer(optimizer, mine, device).transient
+            ):
                 log.info(
                     "memcompile: %s's first step would make %s of state on the device, over the "
                     "budget: it is made in the %s tier (offload_optimizer='auto')",
