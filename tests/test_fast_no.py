@@ -60,3 +60,19 @@ def test_the_bound_is_never_above_the_searched_floor_which_best_effort_still_fin
         wl.loss(compiled, 0).backward()
     floor = memcompile.report(compiled).predicted_peak
     assert floor is not None and bound <= floor, (bound, floor)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("name", ["resnet", "gru", "branchy", "moe", "early_exit", "treelstm"])
+def test_the_bound_is_at_or_under_the_first_fragments_smallest_plan_on_the_zoo(name):
+    # The bound of F0 (the fragment that raises) against the smallest plan best_effort finds
+    # for it (pytest -m long: a search per model).
+    wl = zoo.build(name, size="tiny")
+    bound = _error(wl, 1).min_feasible
+    torch._dynamo.reset()
+    wl = zoo.build(name, size="tiny")
+    compiled = memcompile.compile(wl.model, budget=1, on_infeasible="best_effort")
+    with pytest.warns(memcompile.MemoryBudgetWarning):
+        wl.loss(compiled, 0).backward()
+    first = memcompile.report(compiled).fragments[0].plan
+    assert first is not None and bound <= first.predicted_peak, (bound, first.predicted_peak)
