@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import NoReturn
 
 from memcompile.analysis.fragment_profile import FragmentProfile
 from memcompile.config import MemConfig
@@ -151,7 +152,7 @@ def below_bound(
     *,
     device_other: int | None,
     untaken: int,
-) -> None:
+) -> NoReturn:
     """The budget is below every plan's lower bound (pipeline/fragment.py's fast no): raise
     ``MemoryBudgetError`` with the bound, before any search.
 

@@ -269,7 +269,6 @@ class FragmentBuild:
                     device_other=resident.device_other_bytes,
                     untaken=resident.untaken_bytes(self.example_inputs),
                 )
-                raise
             self._apply(spec, decided)
             fw, bw = decided.fw, decided.bw
         self.bw_gm = bw
