@@ -274,7 +274,18 @@ class CpuInterval:
     Args:
         roots: what the resident bytes at the start are reachable from (see the module
             docstring).
+
+    Another profiling session stops every other one: an interval stopped that way is not
+    stopped again, and reads as incomplete.
     """
+
+    @classmethod
+    def start(cls, *roots: Any) -> CpuInterval | None:
+        """An interval from now, or ``None`` while another profiler runs (the user's own
+        profiling is never disturbed: memcompile samples another time)."""
+        if torch._C._autograd._profiler_enabled():
+            return None
+        return cls(*roots)
 
     def __init__(self, *roots: Any) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -292,11 +303,14 @@ class CpuInterval:
 
     def cancel(self) -> None:
         """Stop without reading (the session is dropped)."""
-        self._prof.__exit__(None, None, None)
+        if torch._C._autograd._profiler_enabled():
+            self._prof.__exit__(None, None, None)
 
     def end(self) -> PeakMeasurement:
         """Stop and read: the absolute peak since the start, per ``memcompile:*`` range too
         (``complete`` False: the profiler lost events, e.g. another session stopped this one)."""
+        if not torch._C._autograd._profiler_enabled():  # stopped by another session: lost
+            return PeakMeasurement(self.resident, self.resident, "cpu", complete=False)
         self._prof.__exit__(None, None, None)
         events, ranges = allocation_events(self._prof)
         # Drop the canary's two events (they cancel out); a missing canary means lost events.

@@ -172,12 +172,11 @@ class StepChecks:
             or self._config.budget is None
             or self._device is None
             or self._device.type != "cpu"
-            or torch._C._autograd._profiler_enabled()  # the user's own: not disturbed
         ):
             return
         self._compiled_in_sample = False
         self._sample_steps = (1, micro_batches)
-        self._sample = CpuInterval(*roots)
+        self._sample = CpuInterval.start(*roots)  # None while the user's profiler runs
 
     def step_began(self) -> None:
         """A later step of the iteration begins: a sample through more steps than the last
@@ -193,7 +192,7 @@ class StepChecks:
     def cancel_sample(self) -> None:
         """Stop the iteration's sample, if one runs, without reading it."""
         sample, self._sample = self._sample, None
-        if sample is not None and torch._C._autograd._profiler_enabled():
+        if sample is not None:
             sample.cancel()
 
     def iteration_ended(self, micro_batches: int, optimizer: str) -> None:
@@ -202,12 +201,10 @@ class StepChecks:
         budget = self._config.budget
         if sample is None or budget is None:
             return
-        if not torch._C._autograd._profiler_enabled():
-            # Another profiling session began and ended meanwhile (it stops every other one):
-            # this sample is lost; the next iteration is sampled instead.
-            return
         m = sample.end()
-        if not m.complete or self._compiled_in_sample:  # sample the next one instead
+        # Incomplete (lost events; another session stopped it) or compiled in: the next
+        # iteration is sampled instead.
+        if not m.complete or self._compiled_in_sample:
             return
         self._samples_left -= 1
         self.samples += 1

@@ -101,8 +101,8 @@ class BudgetFraction:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             self._cuda = device
-        elif device.type == "cpu" and not torch._C._autograd._profiler_enabled():
-            self._sample = CpuInterval(*roots)
+        elif device.type == "cpu":
+            self._sample = CpuInterval.start(*roots)  # None while the user's profiler runs
 
     def step_began(self) -> bool:
         """A step that does not begin an iteration begins (a later micro-batch). Returns
@@ -122,7 +122,7 @@ class BudgetFraction:
     def cancel(self) -> None:
         """Stop measuring without a result."""
         sample, self._sample, self._cuda = self._sample, None, None
-        if sample is not None and torch._C._autograd._profiler_enabled():
+        if sample is not None:
             sample.cancel()
 
     def iteration_ended(self) -> MeasuredBudget | None:
@@ -138,9 +138,7 @@ class BudgetFraction:
             device = "cuda"
         else:
             assert sample is not None
-            if not torch._C._autograd._profiler_enabled():
-                return None  # another profiling session stopped this one
-            m = sample.end()
+            m = sample.end()  # incomplete if another profiling session stopped it
             peak, complete, device = m.peak, m.complete, "cpu"
         self.attempts += 1
         if self._dirty or not complete:
