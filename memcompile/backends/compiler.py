@@ -71,7 +71,7 @@ from memcompile.runtime.pinned import install_hooks as install_pinned_hooks
 from memcompile.runtime.store import HOSTABLE_DEVICES, TieredStore, register_store
 from memcompile.step.budget import StepBudget
 from memcompile.step.checks import StepChecks
-from memcompile.step.fraction import MAX_MEASURED_STEPS, BudgetFraction
+from memcompile.step.fraction import BudgetFraction
 from memcompile.step.iteration import IterationWatch, grad_bytes
 from memcompile.step.monitor import BlockObserver, OutputsFound, StepMonitor
 from memcompile.step.resident import ResidentSet
@@ -155,7 +155,6 @@ class MemCompiler:
             observers.append(
                 TraceRecorder(config.trace_path, records=self.records, model=self._model)
             )
-        self._fraction_told = self._fraction_warned = False
         self._components(config, observers)
         _apply_dynamo_settings()
         install_pinned_hooks()  # before this model's first trace (pinned.py)
@@ -235,49 +234,35 @@ class MemCompiler:
         params = self._loop_params()
         present = grad_bytes(params, self._compute_device())
         self.iteration.step_began(sum(present.values()))
-        model = self._model()
-        roots = (model if model is not None else params, list(self.iteration.optimizers), args)
         if self.iteration.begins_iteration:
-            self.checks.iteration_began(roots, self.iteration.micro_batches)
+            self.checks.iteration_began(self._roots(args), self.iteration.micro_batches)
         else:
             self.checks.step_began()
         if self.fraction is not None:
-            self._measure_fraction(roots, begins=not present and not self.iteration.optimizers)
+            self._measure_fraction(args, begins=not present and not self.iteration.optimizers)
         return present
 
-    def _measure_fraction(self, roots: tuple[Any, ...], *, begins: bool) -> None:
+    def _roots(self, args: Sequence[Any]) -> tuple[Any, ...]:
+        """What an iteration's resident bytes are reachable from: the model (else its
+        parameters), its optimizers, the call's arguments."""
+        model = self._model()
+        params = model if model is not None else self._loop_params()
+        return (params, list(self.iteration.optimizers), args)
+
+    def _measure_fraction(self, args: Sequence[Any], *, begins: bool) -> None:
         """``budget="60%"``, a step begins: an iteration after the first (which compiles) is
         measured; ``begins``: a loop without an optimizer begins an iteration (no gradients)."""
         fraction = self.fraction
         assert fraction is not None
         if fraction.resolved is not None or fraction.gave_up:
             return
-        if self.iteration.begins_iteration or begins:
-            if fraction.measuring:
-                # No optimizer and no call hook: nowhere to start over between model calls.
-                fraction.cancel()
-                self._fraction_unresolved("nor between two calls of a compiled module")
-                return
-            if self.step_monitor.steps_observed >= 1:  # the first iteration compiles
-                fraction.iteration_began(roots, self._compute_device())
-        elif not fraction.step_began():
-            self._fraction_unresolved(
-                f"nor with a step that begins with no gradients ({MAX_MEASURED_STEPS} steps seen)"
-            )
-
-    def _fraction_unresolved(self, where: str) -> None:
-        """``budget="60%"`` cannot be measured in this loop: say so, once."""
-        if self._fraction_warned:
-            return
-        self._fraction_warned = True
-        warnings.warn(
-            f"memcompile: budget={self.config.budget_fraction:.0%} is measured over one "
-            "iteration, which ends at an optimizer step of the model or, in a loop without "
-            f"one, where a call begins with no gradients; this loop ends none there, {where}, "
-            "so it runs without a budget. Give the budget in bytes",
-            MemoryBudgetWarning,
-            stacklevel=6,
-        )
+        if not (self.iteration.begins_iteration or begins):
+            fraction.step_began()
+        elif fraction.measuring:
+            # No optimizer and no call hook: nowhere to start over between model calls.
+            fraction.give_up("nor between two calls of a compiled module")
+        elif self.step_monitor.steps_observed >= 1:  # the first iteration compiles
+            fraction.iteration_began(self._roots(args), self._compute_device())
 
     def _rebudget(self) -> None:
         """Start over with the measured budget, once it is: forget the fragments and the steps,
@@ -333,17 +318,8 @@ class MemCompiler:
                 if model is not None:
                     self.model = weakref.ref(model)
         self.checks.compiling(device)
-        if self.fraction is not None and self.fraction.resolved is None:
+        if self.fraction is not None:
             self.fraction.compiling()
-            if not self.fragments and not self._fraction_told:
-                self._fraction_told = True
-                log.warning(
-                    "memcompile: budget=%s: the first iterations run without a plan; the first "
-                    "one that compiles nothing is measured, and the model is compiled again "
-                    "with %s of its peak as the budget",
-                    f"{self.config.budget_fraction:.0%}",
-                    f"{self.config.budget_fraction:.0%}",
-                )
         if self._device is None and device is not None:
             self._device = device
         identity = fragment_identity(gm, example_inputs)

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from memcompile.errors import format_bytes
+from memcompile.errors import MemoryBudgetWarning, format_bytes
 from memcompile.runtime.measure import CpuInterval
 
 __all__ = ["MAX_MEASURED_STEPS", "BudgetFraction", "MeasuredBudget"]
@@ -77,6 +78,7 @@ class BudgetFraction:
 
     def __init__(self, fraction: float) -> None:
         self.fraction = fraction
+        self._told = False  # how the budget is found: said at the first compile
         self.resolved: MeasuredBudget | None = None
         self.attempts = 0
         #: No iteration end was seen in :data:`MAX_MEASURED_STEPS` steps: not measured.
@@ -104,19 +106,46 @@ class BudgetFraction:
         elif device.type == "cpu":
             self._sample = CpuInterval.start(*roots)  # None while the user's profiler runs
 
-    def step_began(self) -> bool:
-        """A step that does not begin an iteration begins (a later micro-batch). Returns
-        ``False`` once :data:`MAX_MEASURED_STEPS` such steps came in a row: the loop ends no
-        iteration where it can be seen, and the measurement is given up for good."""
+    def step_began(self) -> None:
+        """A step that does not begin an iteration begins (a later micro-batch). After
+        :data:`MAX_MEASURED_STEPS` such steps in a row the loop ends no iteration where it can
+        be seen: the measurement is given up."""
         self._steps += 1
-        if self.gave_up or self._steps <= MAX_MEASURED_STEPS:
-            return not self.gave_up
+        if self._steps > MAX_MEASURED_STEPS:
+            self.give_up(
+                f"nor with a step that begins with no gradients ({MAX_MEASURED_STEPS} steps seen)"
+            )
+
+    def give_up(self, where: str) -> None:
+        """This loop ends no iteration where it can be measured (``where``: what it lacks): stop,
+        for good, and tell the user (once: the loop runs without a budget)."""
         self.cancel()
+        if self.gave_up:
+            return
         self.gave_up = True
-        return False
+        warnings.warn(
+            f"memcompile: budget={self.fraction:.0%} is measured over one iteration, which ends "
+            "at an optimizer step of the model or, in a loop without one, where a call begins "
+            f"with no gradients; this loop ends none there, {where}, so it runs without a "
+            "budget. Give the budget in bytes",
+            MemoryBudgetWarning,
+            stacklevel=6,
+        )
 
     def compiling(self) -> None:
-        """A fragment compiles: the iteration being measured is not a steady one."""
+        """A fragment compiles: the iteration being measured is not a steady one. At the first,
+        the user is told how the budget will be found."""
+        if self.resolved is not None:
+            return
+        if not self._told:
+            self._told = True
+            log.warning(
+                "memcompile: budget=%s: the first iterations run without a plan; the first one "
+                "that compiles nothing is measured, and the model is compiled again with %s of "
+                "its peak as the budget",
+                f"{self.fraction:.0%}",
+                f"{self.fraction:.0%}",
+            )
         self._dirty = True
 
     def cancel(self) -> None:
