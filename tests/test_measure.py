@@ -82,6 +82,23 @@ def test_gradients_and_optimizer_state_are_resident() -> None:
     assert resident_bytes(opt) == 4 * n * 4 + 2 * 4
 
 
+def test_an_object_first_reached_deep_is_walked_again_from_nearer() -> None:
+    # A function's closure reaches the optimizer four levels down, where its state is past the
+    # depth limit; the optimizer given as resident itself must still count its state (it once
+    # did not: the first, deep visit marked it seen, and measure_peak missed Adam's moments).
+    model = torch.nn.Linear(100, 100)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 100)).sum().backward()
+    opt.step()
+    deep = {"a": {"b": [opt]}}
+
+    def fn() -> object:
+        return deep
+
+    state = {id(t) for s in opt.state.values() for t in s.values()}
+    assert state <= {id(t) for t in reachable_tensors(fn, [opt])}
+
+
 def test_shared_storages_are_counted_once() -> None:
     base = _alloc(1 * MB)
     views = [base[:10], base[10:], base.view(2, -1)]

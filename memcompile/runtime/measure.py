@@ -85,10 +85,13 @@ class PeakMeasurement:
     complete: bool = True
 
 
-def _walk(obj: Any, out: dict[int, torch.Tensor], seen: set[int], depth: int) -> None:
-    if depth > _MAX_DEPTH or id(obj) in seen:
+def _walk(obj: Any, out: dict[int, torch.Tensor], seen: dict[int, int], depth: int) -> None:
+    # ``seen``: the least depth each object was walked at. One reached again by a shorter path
+    # is walked again: first reached deep (through a function's closure), its own objects may
+    # have been past the depth limit then.
+    if depth > _MAX_DEPTH or seen.get(id(obj), _MAX_DEPTH + 1) <= depth:
         return
-    seen.add(id(obj))
+    seen[id(obj)] = depth
     if isinstance(obj, torch.Tensor):
         out.setdefault(id(obj), obj)
         if obj.grad is not None:
@@ -139,7 +142,7 @@ def _walk(obj: Any, out: dict[int, torch.Tensor], seen: set[int], depth: int) ->
 def reachable_tensors(*objects: Any) -> list[torch.Tensor]:
     """Tensors reachable from ``objects`` (see the module docstring), each once."""
     out: dict[int, torch.Tensor] = {}
-    seen: set[int] = set()
+    seen: dict[int, int] = {}
     for obj in objects:
         _walk(obj, out, seen, 0)
     return list(out.values())
