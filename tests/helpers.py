@@ -49,6 +49,52 @@ def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
     assert not differ, f"differ: {differ}"
 
 
+def training_loop(
+    wl: Workload,
+    model: Callable[..., torch.Tensor],
+    opt: torch.optim.Optimizer | None,
+    *,
+    micro: int,
+    set_to_none: bool = True,
+    scheduler: Any = None,
+    extra: torch.optim.Optimizer | None = None,
+) -> Callable[[int], list[torch.Tensor]]:
+    """A training loop as users write it: iteration ``k`` runs ``micro`` micro-batches
+    accumulating gradients, the optimizer's step (and ``extra``'s), the scheduler's, then
+    zero_grad (the model's, without an optimizer); it returns the micro-batches' losses."""
+    optimizers = [o for o in (opt, extra) if o is not None]
+
+    def iteration(k: int) -> list[torch.Tensor]:
+        losses = []
+        for j in range(micro):
+            loss = wl.loss(model, k * micro + j) / micro
+            loss.backward()
+            losses.append(loss.detach())
+        for o in optimizers:
+            o.step()
+        if scheduler is not None:
+            scheduler.step()
+        for o in optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+        if not optimizers:
+            wl.model.zero_grad(set_to_none=set_to_none)
+        return losses
+
+    return iteration
+
+
+def quiet_peak(fn: Callable[[], Any], *resident: Any) -> int:
+    """``memcompile.measure_peak(fn, resident=...)`` without its note on tensors from before
+    the measurement freed during it (a loop's gradients, zeroed in the measured iteration)."""
+    import warnings
+
+    import memcompile
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return memcompile.measure_peak(fn, resident=list(resident))
+
+
 def capture_module(module: torch.nn.Module, *inputs: Any) -> dict[str, Any]:
     """The joint graph AOTAutograd builds for one training step of ``module`` on ``inputs``
     (which must return a scalar loss), and its facts: ``joint``, ``n`` (forward outputs),

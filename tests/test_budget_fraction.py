@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from typing import Any
 
 import pytest
 import torch
@@ -15,30 +14,7 @@ import memcompile
 from memcompile import zoo
 from memcompile.config import MemConfig
 
-from helpers import assert_same_state
-
-
-def _loop(wl: zoo.Workload, model: Any, opt: torch.optim.Optimizer | None, micro: int) -> Any:
-    def iteration(k: int) -> list[torch.Tensor]:
-        losses = []
-        for j in range(micro):
-            loss = wl.loss(model, k * micro + j) / micro
-            loss.backward()
-            losses.append(loss.detach())
-        if opt is not None:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        else:
-            wl.model.zero_grad(set_to_none=True)
-        return losses
-
-    return iteration
-
-
-def _peak(run: Any, k: int, *resident: Any) -> int:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # measure_peak's note on freed grads
-        return memcompile.measure_peak(lambda: run(k), resident=list(resident))
+from helpers import assert_same_state, quiet_peak, training_loop
 
 
 def test_a_percentage_budget_is_measured_on_an_unplanned_iteration_then_held(caplog):
@@ -49,12 +25,12 @@ def test_a_percentage_budget_is_measured_on_an_unplanned_iteration_then_held(cap
     eager, comp = zoo.build("gpt", size="tiny"), zoo.build("gpt", size="tiny")
     eager_opt = torch.optim.AdamW(eager.model.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(comp.model.parameters(), lr=1e-3)
-    eager_run = _loop(eager, eager.model, eager_opt, micro=2)
+    eager_run = training_loop(eager, eager.model, eager_opt, micro=2)
     torch.manual_seed(7)
     eager_losses = [eager_run(k) for k in range(5)]
-    eager_peak = _peak(eager_run, 5, eager.model, eager_opt)
+    eager_peak = quiet_peak(lambda: eager_run(5), eager.model, eager_opt)
     compiled = memcompile.compile(comp.model, budget="60%", on_infeasible="best_effort")
-    run = _loop(comp, compiled, opt, micro=2)
+    run = training_loop(comp, compiled, opt, micro=2)
     torch.manual_seed(7)
     with caplog.at_level(logging.WARNING, logger="memcompile"), warnings.catch_warnings():
         warnings.simplefilter("error", memcompile.MemoryBudgetWarning)
@@ -62,7 +38,7 @@ def test_a_percentage_budget_is_measured_on_an_unplanned_iteration_then_held(cap
         rep = memcompile.report(compiled)
         assert rep.budget is None and rep.measured_budget is not None  # applies at next call
         losses += [run(k) for k in range(2, 5)]
-        measured = _peak(run, 5, comp.model, opt)
+        measured = quiet_peak(lambda: run(5), comp.model, opt)
     said = [r.getMessage() for r in caplog.records]
     assert any("the first iterations run without a plan" in m for m in said), said
     assert any("compiled again under it" in m for m in said), said
@@ -90,7 +66,7 @@ def test_a_percentage_budget_resolves_in_a_loop_without_an_optimizer():
     torch._dynamo.reset()
     wl = zoo.build("gpt", size="tiny")
     compiled = memcompile.compile(wl.model, budget="50%", on_infeasible="best_effort")
-    run = _loop(wl, compiled, None, micro=1)
+    run = training_loop(wl, compiled, None, micro=1)
     for k in range(2):
         run(k)
     before = memcompile.report(compiled)
@@ -100,7 +76,7 @@ def test_a_percentage_budget_resolves_in_a_loop_without_an_optimizer():
     assert rep.measured_budget is not None and rep.measured_budget.micro_batches == 1
     assert rep.budget == rep.measured_budget.budget
     assert rep.fragments and all(f.plan is not None for f in rep.fragments if f.training)
-    measured = _peak(run, 3, wl.model)
+    measured = quiet_peak(lambda: run(3), wl.model)
     assert measured <= rep.budget * 1.02, (measured, rep.budget)
 
 

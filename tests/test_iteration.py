@@ -26,7 +26,7 @@ from memcompile.runtime.store import (
 )
 from memcompile.step.iteration import DISK_MIN_BYTES
 
-from helpers import assert_same_state
+from helpers import assert_same_state, quiet_peak, training_loop
 
 Loop = Callable[[int], list[torch.Tensor]]
 
@@ -89,38 +89,6 @@ def test_an_unknown_optimizer_is_priced_as_an_estimate():
     assert not cost.exact and cost.transient == 2 * largest
 
 
-def _loop(
-    wl: zoo.Workload,
-    model: Callable[..., torch.Tensor],
-    opt: torch.optim.Optimizer,
-    *,
-    micro: int,
-    set_to_none: bool = True,
-    scheduler: Any = None,
-    extra: torch.optim.Optimizer | None = None,
-) -> Loop:
-    """A training loop as users write it: ``micro`` micro-batches accumulating gradients, the
-    optimizer's step (and ``extra``'s), the scheduler's, then zero_grad."""
-
-    def iteration(k: int) -> list[torch.Tensor]:
-        losses = []
-        for j in range(micro):
-            loss = wl.loss(model, k * micro + j) / micro
-            loss.backward()
-            losses.append(loss.detach())
-        for o in (opt, extra):
-            if o is not None:
-                o.step()
-        if scheduler is not None:
-            scheduler.step()
-        for o in (opt, extra):
-            if o is not None:
-                o.zero_grad(set_to_none=set_to_none)
-        return losses
-
-    return iteration
-
-
 def _optimizer(kind: str, params: Any, **options: Any) -> torch.optim.Optimizer:
     if kind == "SGD":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9, **options)
@@ -128,9 +96,7 @@ def _optimizer(kind: str, params: Any, **options: Any) -> torch.optim.Optimizer:
 
 
 def _iteration_peak(wl: zoo.Workload, run: Loop, k: int, opt: torch.optim.Optimizer) -> int:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # measure_peak's note on freed grads
-        return memcompile.measure_peak(lambda: run(k), resident=[wl.model, opt])
+    return quiet_peak(lambda: run(k), wl.model, opt)
 
 
 CASES = [
@@ -156,12 +122,12 @@ def test_the_whole_iteration_trains_bit_identically_within_its_budget(
     eager, comp = zoo.build("gpt", size="tiny"), zoo.build("gpt", size="tiny")
     eager_opt = _optimizer(kind, eager.model.parameters(), **options)
     opt = _optimizer(kind, comp.model.parameters(), **options)
-    eager_run = _loop(eager, eager.model, eager_opt, micro=micro, set_to_none=set_to_none)
+    eager_run = training_loop(eager, eager.model, eager_opt, micro=micro, set_to_none=set_to_none)
     torch.manual_seed(7)
     eager_losses = [eager_run(k) for k in range(5)]
     budget = int(share * _iteration_peak(eager, eager_run, 5, eager_opt))
     compiled = memcompile.compile(comp.model, budget=budget, on_infeasible="best_effort")
-    run = _loop(comp, compiled, opt, micro=micro, set_to_none=set_to_none)
+    run = training_loop(comp, compiled, opt, micro=micro, set_to_none=set_to_none)
     torch.manual_seed(7)
     with warnings.catch_warnings():
         warnings.simplefilter("error", memcompile.MemoryBudgetWarning)
@@ -202,7 +168,7 @@ def test_the_loop_is_learned_with_an_lr_scheduler_and_two_optimizers_made_before
     second = torch.optim.SGD(params[len(params) // 2 :], lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(first, step_size=1, gamma=0.5)
     compiled = memcompile.compile(wl.model, budget="1GiB")
-    run = _loop(wl, compiled, first, micro=2, scheduler=scheduler, extra=second)
+    run = training_loop(wl, compiled, first, micro=2, scheduler=scheduler, extra=second)
     for k in range(3):
         run(k)
     it = memcompile.report(compiled).iteration
@@ -229,7 +195,7 @@ def test_a_cpu_iteration_is_measured_once_after_its_compiles_then_never():
     wl = zoo.build("gpt", size="tiny")
     opt = torch.optim.AdamW(wl.model.parameters(), lr=1e-3)
     compiled = memcompile.compile(wl.model, budget="1GiB")
-    run = _loop(wl, compiled, opt, micro=2)
+    run = training_loop(wl, compiled, opt, micro=2)
     run(0)
     assert _sampled(compiled) == 0  # the first iteration compiles; its optimizer is unknown
     for k in range(1, 6):
@@ -237,9 +203,7 @@ def test_a_cpu_iteration_is_measured_once_after_its_compiles_then_never():
     rep = memcompile.report(compiled)
     assert _sampled(compiled) == 1
     assert rep.measured_peak is not None and rep.measured_peak < 2**30
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # measure_peak's note on freed grads
-        measured = memcompile.measure_peak(lambda: run(6), resident=[wl.model, opt])
+    measured = _iteration_peak(wl, run, 6, opt)
     # The loop's own small tensors (the batch's storage, the losses) are counted a little
     # differently from the first call on than from before the iteration.
     assert abs(rep.measured_peak - measured) <= 0.01 * measured, (rep.measured_peak, measured)
@@ -288,7 +252,7 @@ def test_a_users_profiler_is_left_alone_and_the_next_iteration_is_sampled():
     wl = zoo.build("gpt", size="tiny")
     opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3)
     compiled = memcompile.compile(wl.model, budget="1GiB")
-    run = _loop(wl, compiled, opt, micro=1)
+    run = training_loop(wl, compiled, opt, micro=1)
     run(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -308,7 +272,7 @@ def test_a_sample_the_loop_leaves_without_an_optimizer_step_is_dropped():
     wl = zoo.build("gpt", size="tiny")
     opt = torch.optim.SGD(wl.model.parameters(), lr=0.1)
     compiled = memcompile.compile(wl.model, budget="1GiB")
-    run = _loop(wl, compiled, opt, micro=1)
+    run = training_loop(wl, compiled, opt, micro=1)
     run(0)
     for k in range(1, 4):
         wl.loss(compiled, k).backward()  # no optimizer step
@@ -401,8 +365,8 @@ def test_auto_keeps_the_optimizer_state_on_the_host_when_the_step_needs_it(tmp_p
     opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3)
     eager_opt = torch.optim.Adam(eager.model.parameters(), lr=1e-3)
     eager_run, run = (
-        _loop(eager, eager.model, eager_opt, micro=1),
-        _loop(wl, compiled, opt, micro=1),
+        training_loop(eager, eager.model, eager_opt, micro=1),
+        training_loop(wl, compiled, opt, micro=1),
     )
     torch.manual_seed(3)  # the same dropout masks for both
     for k in range(4):
@@ -436,14 +400,14 @@ def test_gradients_accumulate_in_the_host_tier_with_offload_params():
     params = sum(storage_sizes(wl.model.parameters()).values())
     eager_opt = torch.optim.AdamW(eager.model.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(wl.model.parameters(), lr=1e-3)
-    eager_run = _loop(eager, eager.model, eager_opt, micro=4)
+    eager_run = training_loop(eager, eager.model, eager_opt, micro=4)
     torch.manual_seed(5)
     for k in range(4):
         eager_run(k)
     budget = int(0.15 * _iteration_peak(eager, eager_run, 4, eager_opt))
     assert budget < 2 * params  # the parameters and their gradients do not fit together
     compiled = memcompile.compile(wl.model, budget=budget, offload_params=True)
-    run = _loop(wl, compiled, opt, micro=4)
+    run = training_loop(wl, compiled, opt, micro=4)
     torch.manual_seed(5)
     with warnings.catch_warnings():
         warnings.simplefilter("error", memcompile.MemoryBudgetWarning)
@@ -487,14 +451,14 @@ def test_optimizer_state_on_the_disk_tier_is_updated_in_place_bit_identically(tm
     eager, wl = zoo.build("gpt", size="tiny"), zoo.build("gpt", size="tiny")
     eager_opt = torch.optim.AdamW(eager.model.parameters(), lr=1e-3, foreach=True)
     opt = torch.optim.AdamW(wl.model.parameters(), lr=1e-3, foreach=True)
-    eager_run = _loop(eager, eager.model, eager_opt, micro=2)
+    eager_run = training_loop(eager, eager.model, eager_opt, micro=2)
     torch.manual_seed(2)
     for k in range(4):
         eager_run(k)
     compiled = memcompile.compile(
         wl.model, budget="1GiB", offload_optimizer=True, offload_to="disk", disk_path=tmp_path
     )
-    run = _loop(wl, compiled, opt, micro=2)
+    run = training_loop(wl, compiled, opt, micro=2)
     torch.manual_seed(2)
     for k in range(4):
         run(k)
@@ -524,10 +488,8 @@ def test_adams_first_step_makes_its_state_in_the_tier_not_on_the_device(tier, tm
     eager.loss(eager.model, 0).backward()
     torch.manual_seed(1)
     wl.loss(compiled, 0).backward()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # measure_peak's note on freed grads
-        first = memcompile.measure_peak(opt.step, resident=[wl.model, opt])
-        eager_first = memcompile.measure_peak(eager_opt.step, resident=[eager.model, eager_opt])
+    first = quiet_peak(opt.step, wl.model, opt)
+    eager_first = quiet_peak(eager_opt.step, eager.model, eager_opt)
     grads = params  # every parameter has its gradient
     assert eager_first - 2 * params >= 3 * params  # three moments a parameter, on the device
     assert first - params - grads <= params, (first, params)  # the step's temporaries only
@@ -535,8 +497,8 @@ def test_adams_first_step_makes_its_state_in_the_tier_not_on_the_device(tier, tm
     for o in (opt, eager_opt):
         o.zero_grad(set_to_none=True)
     run, eager_run = (
-        _loop(wl, compiled, opt, micro=1),
-        _loop(eager, eager.model, eager_opt, micro=1),
+        training_loop(wl, compiled, opt, micro=1),
+        training_loop(eager, eager.model, eager_opt, micro=1),
     )
     _side_by_side(eager_run, run, range(1, 3))
     assert_same_state(eager.model, wl.model)
@@ -558,17 +520,15 @@ def test_auto_decides_before_adams_first_step_when_its_state_would_not_fit():
     eager.loss(eager.model, 0).backward()
     torch.manual_seed(1)
     wl.loss(compiled, 0).backward()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # measure_peak's note on freed grads
-        first = memcompile.measure_peak(opt.step, resident=[wl.model, opt])
+    first = quiet_peak(opt.step, wl.model, opt)
     eager_opt.step()
     assert first <= budget, (first, budget)
     assert all(is_host_placed(t) for s in opt.state.values() for t in s.values())
     for o in (opt, eager_opt):
         o.zero_grad(set_to_none=True)
     run, eager_run = (
-        _loop(wl, compiled, opt, micro=1),
-        _loop(eager, eager.model, eager_opt, micro=1),
+        training_loop(wl, compiled, opt, micro=1),
+        training_loop(eager, eager.model, eager_opt, micro=1),
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error", memcompile.MemoryBudgetWarning)
@@ -586,11 +546,11 @@ def test_a_disk_tier_failing_in_the_optimizer_step_loses_no_state(tmp_path, monk
     eager, wl = zoo.build("gpt", size="tiny"), zoo.build("gpt", size="tiny")
     eager_opt = torch.optim.Adam(eager.model.parameters(), lr=1e-3)
     opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3)
-    eager_run = _loop(eager, eager.model, eager_opt, micro=1)
+    eager_run = training_loop(eager, eager.model, eager_opt, micro=1)
     compiled = memcompile.compile(
         wl.model, budget="1GiB", offload_optimizer=True, offload_to="disk", disk_path=tmp_path
     )
-    run = _loop(wl, compiled, opt, micro=1)
+    run = training_loop(wl, compiled, opt, micro=1)
     writes = [0]
     to_disk = TieredStore._to_disk
 
@@ -698,18 +658,12 @@ def test_a_thousand_iterations_hold_host_memory_and_the_device_peak_flat():
         warnings.simplefilter("error", memcompile.MemoryBudgetWarning)
         for k in range(50):
             run(k)
-        early = _peak_of(run, opt, model)
+        early = quiet_peak(lambda: run(0), model, opt)
         rss = _rss()
         for k in range(1000):
             run(k)
-        late = _peak_of(run, opt, model)
+        late = quiet_peak(lambda: run(0), model, opt)
     grown = _rss() - rss
     assert late == early and late <= 3 * params, (early, late, params)
     assert grown < 4 * 2**20, f"resident memory grew {grown} bytes over 1,000 iterations"
     assert all(is_host_placed(t) for s in opt.state.values() for t in s.values() if t.dim())
-
-
-def _peak_of(run: Callable[[int], None], opt: torch.optim.Optimizer, model: Any) -> int:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # measure_peak's note on freed grads
-        return memcompile.measure_peak(lambda: run(0), resident=[model, opt])
