@@ -246,8 +246,8 @@ class MemCompiler:
         """What an iteration's resident bytes are reachable from: the model (else its
         parameters), its optimizers, the call's arguments."""
         model = self._model()
-        params = model if model is not None else self._loop_params()
-        return (params, list(self.iteration.optimizers), args)
+        owner = model if model is not None else self._loop_params()
+        return (owner, list(self.iteration.optimizers), args)
 
     def _measure_fraction(self, args: Sequence[Any], *, begins: bool) -> None:
         """``budget="60%"``, a step begins: an iteration after the first (which compiles) is
@@ -272,7 +272,7 @@ class MemCompiler:
         resolved = self.fraction.resolved if self.fraction is not None else None
         if resolved is None or self.config.budget is not None:
             return
-        codes = self.budget.compiled_codes()
+        dropped = self.budget.drop_compiled()  # no frame runs here
         self.checks.reset()
         observers = list(self.step_monitor.observers)
         for observer in observers:
@@ -281,13 +281,10 @@ class MemCompiler:
             self.fragments.clear()
         self.config = dataclasses.replace(self.config, budget=resolved.budget)
         self._components(self.config, observers)
-        with torch._dynamo.convert_frame.compile_lock:
-            for code in codes:
-                torch._dynamo.reset_code(code)
         log.warning(
             "memcompile: budget %s; the model is compiled again under it (%d frame(s) dropped)",
             resolved.describe(),
-            len(codes),
+            dropped,
         )
 
     def __repr__(self) -> str:

@@ -209,10 +209,14 @@ class StepBudget:
         if reserve is not None:
             self._reserves[index] = reserve
 
-    def compiled_codes(self) -> list[CodeType]:
-        """The Dynamo code of every fragment compiled (and still alive), by index."""
+    def drop_compiled(self) -> int:
+        """Drop the code of every fragment compiled (and still alive) now, as a re-plan does:
+        Dynamo compiles them all again (``budget="60%"`` once measured). Returns how many."""
         codes = (self._codes[i]() for i in sorted(self._codes))
-        return [c for c in codes if c is not None]
+        alive = [c for c in codes if c is not None]
+        self._pending_codes.extend(alive)
+        self.apply_replans()
+        return len(alive)
 
     def dropped_outputs(self, identity: str) -> frozenset[int]:
         """Output positions a fragment's plan counts as dropped by the caller before the
