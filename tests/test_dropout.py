@@ -290,3 +290,24 @@ def test_replayed_masks_lower_the_bench_gpts_smallest_budget(monkeypatch) -> Non
     plain = _smallest_recompute_only_budget("never", monkeypatch)
     auto = _smallest_recompute_only_budget("auto", monkeypatch)
     assert plain - auto >= 3 * 2**20, (plain, auto)
+
+
+@pytest.mark.parametrize("budget", [None, 4096])
+def test_a_graph_that_ends_in_dropout_saves_its_mask(budget: int | None) -> None:
+    # The mask comes after the last forward output in the joint graph (the dropout's output is
+    # the graph's output): it was classified as neither forward nor backward, so every plan
+    # "recomputed" the random op and none was feasible, even without a budget.
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.3))
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.3))
+    model.load_state_dict(eager.state_dict())
+    compiled = memcompile.compile(model, budget=budget, on_infeasible="best_effort")
+    x = torch.randn(8, 16)
+    for step in range(2):
+        for m in (eager, compiled):
+            torch.manual_seed(step)
+            m(x).square().sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    (fragment,) = memcompile.report(compiled).fragments
+    assert fragment.plan is None or fragment.plan.feasible or budget is not None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import operator
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -173,7 +174,13 @@ class JointModel:
                 kinds.append(_TANGENT if P._is_tangent(n) else _PRIMAL)
             elif n in info.tangents_closure or n in info.required_bw_nodes:
                 kinds.append(_BW)
-            elif i <= last_fw:
+            elif i <= last_fw or (
+                # The rest of a tuple the forward made (a dropout's mask after its output, the
+                # last forward output): made with it, so forward, and saved as it is.
+                n.target is operator.getitem
+                and isinstance(n.args[0], fx.Node)
+                and kinds[self.index[n.args[0]]] == _FW
+            ):
                 kinds.append(_FW)
             else:
                 kinds.append(_OTHER)
