@@ -667,3 +667,35 @@ def test_a_thousand_iterations_hold_host_memory_and_the_device_peak_flat():
     assert late == early and late <= 3 * params, (early, late, params)
     assert grown < 4 * 2**20, f"resident memory grew {grown} bytes over 1,000 iterations"
     assert all(is_host_placed(t) for s in opt.state.values() for t in s.values() if t.dim())
+
+
+def test_compilers_collected_inside_an_optimizer_step_leave_its_hooks_alone() -> None:
+    # A notebook compiles a second model and drops the first; a collection inside a step (here
+    # forced by a hook) used to remove the dead watch's hooks while torch.optim iterated over
+    # them: "OrderedDict mutated during iteration".
+    import gc
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from memcompile.step import iteration
+
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    compilers = [memcompile.MemCompiler() for _ in range(3)]
+    watches = len(iteration._watches)
+
+    def collect(*_: Any) -> None:
+        compilers.clear()
+        gc.collect()
+
+    # (A hook after it: torch.optim's loop must go on past the collection to notice.)
+    handles = [register_optimizer_step_pre_hook(f) for f in (collect, lambda *_: None)]
+    try:
+        p.grad = torch.ones(4)
+        opt.step()
+        opt.step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert torch.equal(p.detach(), torch.ones(4) - 0.1 - 0.1)
+    assert len(iteration._watches) <= watches - 3

@@ -53,6 +53,39 @@ from memcompile.step.monitor import StepMonitor
 
 __all__ = ["DISK_MIN_BYTES", "IterationWatch", "grad_bytes"]
 
+# Every live IterationWatch, in creation order. torch.optim's global step hooks are registered
+# once for all of them and never removed: removing a dead watch's hook from a finalizer could run
+# inside torch.optim's loop over those hooks (a collection during a step), which then raises
+# "OrderedDict mutated during iteration".
+_watches: weakref.WeakValueDictionary[int, IterationWatch] = weakref.WeakValueDictionary()
+_next_watch = 0
+_hooked = False
+
+
+def _each_watch() -> list[IterationWatch]:
+    return [w for _, w in sorted(_watches.items())]
+
+
+def _pre_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    for watch in _each_watch():
+        watch._before(optimizer)
+
+
+def _post_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    for watch in _each_watch():
+        watch._after(optimizer)
+
+
+def _watch(watch: IterationWatch) -> None:
+    global _next_watch, _hooked
+    _watches[_next_watch] = watch
+    _next_watch += 1
+    if not _hooked:
+        register_optimizer_step_pre_hook(_pre_step)
+        register_optimizer_step_post_hook(_post_step)
+        _hooked = True
+
+
 log = logging.getLogger(__name__)
 
 #: Optimizer state smaller than a page (Adam's ``step`` counters) stays in the host tier with
@@ -138,23 +171,7 @@ class IterationWatch:
         self._mine: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, frozenset[int]]] = (
             weakref.WeakKeyDictionary()
         )
-        ref = weakref.ref(self)
-
-        def pre(optimizer: torch.optim.Optimizer, *_: Any) -> None:
-            watch = ref()
-            if watch is not None:
-                watch._before(optimizer)
-
-        def post(optimizer: torch.optim.Optimizer, *_: Any) -> None:
-            watch = ref()
-            if watch is not None:
-                watch._after(optimizer)
-
-        for handle in (
-            register_optimizer_step_pre_hook(pre),
-            register_optimizer_step_post_hook(post),
-        ):
-            weakref.finalize(self, handle.remove)
+        _watch(self)
 
     def reset(self, monitor: StepMonitor | None = None) -> None:
         """Forget the optimizers seen (the fragments are gone); ``monitor``: the steps to count
