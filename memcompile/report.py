@@ -25,6 +25,7 @@ from memcompile.backends.compiler import MemCompiler
 from memcompile.backends.dynamo_hooks import dynamo_context
 from memcompile.backends.entry import COMPILER_ATTR
 from memcompile.backends.fallbacks import Fallback, FunctionSpan, function_span
+from memcompile.backends.regions import Region
 from memcompile.config import MemConfig
 from memcompile.errors import format_bytes
 from memcompile.planning.plan import FragmentPlan, MemoryPlan
@@ -166,6 +167,9 @@ class MemReport:
             (:class:`IterationReport`; ``None`` before).
         measured_budget: ``budget="60%"``: the iteration measured without a plan and the budget
             it gave (``None`` before it is measured, and for a budget in bytes).
+        regions: the ``torch.nn`` modules called from frames in ``fallbacks`` that memcompile
+            compiles as fragments of their own (``backends/regions.py``); the tensor operations
+            between them in those frames stay eager.
         sharded_param_bytes: the model's parameters at their unsharded size (in the sharded
             parameters' dtype, as far as compiles saw them sharded) when FSDP2 (``fully_shard``)
             manages them, else 0. FSDP's all-gathered parameters, gradients before
@@ -194,6 +198,7 @@ class MemReport:
     sharded_param_bytes: int = 0
     iteration: IterationReport | None = None
     measured_budget: MeasuredBudget | None = None
+    regions: tuple[Region, ...] = ()
 
     @property
     def eager_frames(self) -> int:
@@ -229,6 +234,7 @@ class MemReport:
             "steps_observed": self.steps_observed,
             "fragments": [f.to_dict() for f in self.fragments],
             "fallbacks": [f.to_dict() for f in self.fallbacks],
+            "regions": [r.to_dict() for r in self.regions],
             "eager_frames": self.eager_frames,
             "dynamic": self.dynamic,
             "recompile_limit_raised": (
@@ -332,8 +338,16 @@ class MemReport:
         for name in self.summed_grads:
             lines.append(f"  gradient summed out of eager's order: {name}")
         for fb in self.fallbacks:
-            lines.append(f"  EAGER {fb.code}: {fb.kind}: {fb.reason}")
+            lines.append(f"  EAGER {fb.code}: {fb.kind}: {fb.reason}{_regions_note(self, fb)}")
         return "\n".join(lines)
+
+
+def _regions_note(report: MemReport, fallback: Fallback) -> str:
+    paths = [r.path for r in report.regions if r.caller == fallback.code]
+    if not paths:
+        return ""
+    shown = ", ".join(paths[:6]) + (f", ... ({len(paths) - 6} more)" if len(paths) > 6 else "")
+    return f"; its {len(paths)} torch.nn module(s) run as fragments ({shown})"
 
 
 def _iteration_line(it: IterationReport) -> str:
@@ -498,6 +512,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
         step=tuple(f"F{i}.{_SHORT[k]}" for i, k, _ in seq),
         steps_observed=compiler.steps_observed,
         fallbacks=tuple(compiler.fallbacks),
+        regions=tuple(compiler.regional.regions) if compiler.regional is not None else (),
         host_param_bytes=compiler.resident.host_param_bytes,
         pilot=compiler.prefetcher.report() if compiler.prefetcher is not None else None,
         dynamic=compiler.dynamic,

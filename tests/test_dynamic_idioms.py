@@ -51,7 +51,12 @@ def _zoo_ops(name: str) -> dict[str, str]:
     return ops
 
 
-@pytest.mark.parametrize("name", zoo.names())
+@pytest.mark.parametrize(
+    # Under aot_eager the natural models' forward falls back and their torch.nn modules are
+    # never compiled (memcompile compiles them: backends/regions.py).
+    "name",
+    [n for n in zoo.names() if not zoo.build(n, size="tiny").extra.get("natural")],
+)
 def test_every_op_of_the_zoo_graphs_has_idioms(name: str) -> None:
     ops = _zoo_ops(name)
     assert len(ops) >= 5, ops  # the capture saw real graphs

@@ -25,10 +25,31 @@ from memcompile.zoo import SIZES, Workload
 
 from helpers import assert_same_state
 
-NAMES = ("branchy", "early_exit", "gpt", "gpt_manual", "gru", "moe", "resnet", "treelstm")
+NAMES = (
+    "branchy",
+    "early_exit",
+    "early_exit_natural",
+    "gpt",
+    "gpt_manual",
+    "gru",
+    "moe",
+    "moe_natural",
+    "moe_natural_top2",
+    "resnet",
+    "treelstm",
+)
 # Parameters that may legitimately get no gradient in a step: experts nobody was routed to,
 # blocks and exits past the exit taken. At least one of them must get one.
-OPTIONAL_GRADS = {"moe": r"\.experts\.", "early_exit": r"^(blocks|exits)\.\d+\."}
+OPTIONAL_GRADS = {
+    "moe": r"\.experts\.",
+    "early_exit": r"^(blocks|exits)\.\d+\.",
+    "moe_natural": r"^(experts|routers)\.",  # top-1 by int(argmax): no gradient to routers
+    "moe_natural_top2": r"^experts\.",
+    "early_exit_natural": r"^(blocks|exits)\.\d+\.",
+}
+# Written the natural way: Dynamo falls back on their forward by design (tests/test_regions.py).
+NATURAL = ("early_exit_natural", "moe_natural", "moe_natural_top2")
+DYNAMO = tuple(n for n in NAMES if n not in NATURAL)
 
 
 # --- reference backend ---------------------------------------------------------------------
@@ -146,8 +167,9 @@ def test_workload_metadata(name: str) -> None:
     assert wl.name == name
     assert wl.summary and "\n" not in wl.summary
     assert wl.extra
-    assert wl.single_fragment != (name in ("moe", "early_exit", "treelstm"))
-    assert wl.dynamic == (name in ("moe", "early_exit", "treelstm", "gru"))
+    assert wl.single_fragment != (name in ("moe", "early_exit", "treelstm", *NATURAL))
+    assert wl.dynamic == (name in ("moe", "early_exit", "treelstm", "gru", *NATURAL))
+    assert bool(wl.extra.get("natural")) == (name in NATURAL)
 
 
 def test_gpt_bench_matches_anchor_configuration() -> None:
@@ -239,7 +261,7 @@ def _expected_calls(wl: Workload, step: int) -> tuple[int, int]:
 MAX_COMPILES = {"moe": 5, "early_exit": 7, "treelstm": 6, "gru": 3}
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", DYNAMO)
 def test_fragment_structure(name: str) -> None:
     wl = zoo.build(name, size="tiny")
     rec = Recorder()
@@ -264,7 +286,7 @@ def test_fragment_structure(name: str) -> None:
 # Adam on two models only, for CI time: test_zoo_memcompile.py trains every model with both.
 @pytest.mark.parametrize(
     ("name", "optimizer"),
-    [(n, "sgd") for n in NAMES] + [("gpt", "adam"), ("moe", "adam")],
+    [(n, "sgd") for n in DYNAMO] + [("gpt", "adam"), ("moe", "adam")],
 )
 def test_bit_identical_to_eager(name: str, optimizer: str) -> None:
     eager, comp = zoo.build(name, size="tiny"), zoo.build(name, size="tiny")

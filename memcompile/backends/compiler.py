@@ -39,6 +39,7 @@ from memcompile.backends.build_env import BuildEnv
 from memcompile.backends.dynamo_hooks import (
     calling_compiled_module,
     calling_dynamo_context,
+    hookless,
     install_call_hook,
 )
 from memcompile.backends.fakes import real_inputs
@@ -57,11 +58,13 @@ from memcompile.backends.fragment_build import (
 )
 from memcompile.backends.identity import fragment_identity
 from memcompile.backends.progress import slow_compile_notice
+from memcompile.backends.regions import RegionSet, find_regions, install_regions
 from memcompile.backends.sharded import RankCheck, ShardedModel
 from memcompile.config import MemConfig
 from memcompile.dynamic.prefetch import Prefetcher
 from memcompile.dynamic.trace import TraceRecorder
 from memcompile.errors import MemoryBudgetWarning
+from memcompile.pipeline import features
 from memcompile.pipeline.env import FragmentEnv
 from memcompile.records import FragmentIdentity, FragmentRecord, StepEvent
 from memcompile.rewrites.context import PassContext
@@ -122,6 +125,9 @@ class MemCompiler:
         recompile_limit_raised: (old, new) when memcompile raised Dynamo's recompile limit.
         model: the compiled module, when known (memcompile.compile): its parameters are
             resident.
+        regional: the modules called from the model's frames that Dynamo runs eagerly, each
+            compiled as a fragment of its own (``backends/regions.py``); ``None`` until the
+            call hook is attached.
     """
 
     iteration: IterationWatch
@@ -136,6 +142,7 @@ class MemCompiler:
         #: the rest of that call's fallbacks are claimed (:meth:`claim_late`).
         self._late_cursor: int | None = None
         self.model: weakref.ref[torch.nn.Module] | None = None
+        self.regional: RegionSet | None = None
         self.dynamic = ""
         self.recompile_limit_raised: tuple[int, int] | None = None
         self.store = TieredStore(config.disk_path)
@@ -314,6 +321,7 @@ class MemCompiler:
                 model = calling_compiled_module(ctx)
                 if model is not None:
                     self.model = weakref.ref(model)
+                    self._install_regions(self.fallbacks)
         self.checks.compiling(device)
         if self.fraction is not None:
             self.fraction.compiling()
@@ -552,6 +560,10 @@ class MemCompiler:
         ``torch._dynamo`` context) when the call ends; see dynamo_hooks.py. Returns whether the hook
         was installed now (False: it already was)."""
 
+        if self.regional is None:
+            self.regional = RegionSet(hookless(ctx))
+        regional = self.regional
+
         def enter() -> Callable[[], None]:
             install_pinned_hooks()  # torch._dynamo.reset() drops them; traces need them
             self._between_calls()
@@ -560,8 +572,10 @@ class MemCompiler:
             # says so nowhere the monitor reads.
             self._dispatch_mode_call()
             cursor = fallback_monitor.cursor()
+            regional.enter()
 
             def leave() -> None:
+                regional.leave()
                 self._claim(fallback_monitor.claim_since(cursor))
                 if sys.exc_info()[0] is not None:  # Dynamo runs this in a `finally`
                     self._call_failed()
@@ -610,6 +624,26 @@ class MemCompiler:
         if fallbacks:
             with self._lock:
                 self.fallbacks.extend(fallbacks)
+            self._install_regions(fallbacks)
+
+    def _install_regions(self, fallbacks: Collection[Fallback]) -> None:
+        """Compile the ``torch.nn`` modules that frames Dynamo gave up on call, as fragments of
+        their own from the model's next call (backends/regions.py)."""
+        model = self._model()
+        if self.regional is None or model is None or not features.current().regional:
+            return
+        regions = find_regions(model, fallbacks)
+        if install_regions(model, regions, self.regional):
+            for caller in dict.fromkeys(r.caller for r in regions):
+                paths = [r.path for r in regions if r.caller == caller]
+                log.warning(
+                    "memcompile: Dynamo runs %s eagerly; the %d torch.nn module(s) it calls "
+                    "(%s) are compiled as fragments of their own from the model's next call; the "
+                    "tensor operations between them stay eager",
+                    caller,
+                    len(paths),
+                    ", ".join(paths),
+                )
 
     def claim_late(self) -> None:
         """Claim what Dynamo gave up on in the rest of the call that attached the hook (its

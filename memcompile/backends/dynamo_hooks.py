@@ -12,10 +12,12 @@ the warning appear in the call where the fallback happens, attributed to the rig
     ctx = calling_dynamo_context()          # from inside a backend call (stack walk)
     wrapper = calling_compile_wrapper()     # the torch._TorchCompileWrapper calling the backend
     model = calling_compiled_module(ctx)    # the module torch.compile wrapped (stack walk)
+    compile_fn = hookless(ctx)              # the same backend, without memcompile's call hook
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -29,6 +31,7 @@ __all__ = [
     "calling_compiled_module",
     "calling_dynamo_context",
     "dynamo_context",
+    "hookless",
     "install_call_hook",
 ]
 
@@ -85,6 +88,17 @@ def install_call_hook(ctx: _TorchDynamoContext, enter: Callable[[], Callable[[],
     setattr(ctx, _HOOK_ATTR, enter)
     ctx.enter_exit_hooks.append(enter)
     return True
+
+
+def hookless(ctx: _TorchDynamoContext) -> _TorchDynamoContext:
+    """A copy of ``ctx`` without memcompile's call hook: functions it wraps compile with the same
+    backend object (so Dynamo's backend guard matches the model's) but a call of one is not a
+    call of the model."""
+    own = getattr(ctx, _HOOK_ATTR, None)
+    twin = copy.copy(ctx)
+    twin.enter_exit_hooks = [h for h in ctx.enter_exit_hooks if h is not own]
+    twin.cleanup_fns = []
+    return twin
 
 
 def calling_compiled_module(

@@ -57,6 +57,9 @@ class Features:
             that bound before any search (pipeline/fragment.py); ``False`` searches anyway, so
             the error's ``min_feasible`` is the smallest peak found (tests and benchmarks
             that need that floor).
+        regional: the ``torch.nn`` modules called from a model frame Dynamo runs eagerly are
+            compiled as fragments of their own (backends/regions.py); ``False`` leaves them
+            eager (tests and benchmarks that compare).
     """
 
     dropout_rewrite: Literal["auto", "always", "replay", "never"] = "auto"
@@ -68,6 +71,7 @@ class Features:
     linear_ce_blocks: bool = True
     pilot_in_graph: bool = True
     fast_no: bool = True
+    regional: bool = True
 
     def replace(self, **changes: Any) -> Features:
         """These switches with ``changes`` (``TypeError`` for an unknown name)."""

@@ -2,7 +2,8 @@
 
     >>> from memcompile import zoo
     >>> zoo.names()
-    ('branchy', 'early_exit', 'gpt', 'gpt_manual', 'gru', 'moe', 'resnet', 'treelstm')
+    ('branchy', 'early_exit', 'early_exit_natural', 'gpt', 'gpt_manual', 'gru', 'moe',
+     'moe_natural', 'moe_natural_top2', 'resnet', 'treelstm')
     >>> wl = zoo.build("gpt", size="tiny")
     >>> wl.model(*wl.batch(0)).backward()
 
@@ -19,7 +20,7 @@ from memcompile.zoo.base import SIZES, Workload, check_size
 __all__ = ["SIZES", "Workload", "build", "names", "register"]
 
 _FACTORIES: dict[str, Callable[[str, int], Workload]] = {}
-_MODULES = ("gpt", "branchy", "resnet", "moe", "early_exit", "treelstm", "gru")
+_MODULES = ("gpt", "branchy", "resnet", "moe", "early_exit", "treelstm", "gru", "natural")
 _loaded = False
 
 

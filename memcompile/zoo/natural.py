@@ -1,0 +1,190 @@
+"""Dynamic networks written the natural way: Python control flow on tensor values, no
+``torch.compiler`` calls (``moe_natural``, ``moe_natural_top2``, ``early_exit_natural``).
+
+The other zoo models are written so that Dynamo compiles every frame (``moe.py`` orchestrates in
+``torch.compiler.disable(recursive=False)`` functions; ``early_exit.py`` returns from inside its
+loop instead of breaking). These are written as a user would, so Dynamo gives up on their
+``forward`` (a graph break inside a loop: ``int(...)``, ``.tolist()``, ``.item()``) and runs it
+eagerly; memcompile compiles the ``torch.nn`` modules it calls as fragments of their own
+(``backends/regions.py``)::
+
+    moe_natural             for each layer: e = int(router(ln(x)).mean((0, 1)).argmax())
+                                            x = x + experts[e](ln(x))      # nn.Sequential experts
+    moe_natural_top2        the two experts of highest mean router probability, weighted by it
+    early_exit_natural      for each block: x = x + block(x); logits = exit(x)
+                                            if confidence(logits).item() > t: break
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memcompile.zoo import register
+from memcompile.zoo.base import Workload, generator
+
+_MOE: dict[str, dict[str, int]] = {
+    "tiny": dict(layers=2, experts=4, d_model=32, vocab=64, seq=16, batch=4),
+    "small": dict(layers=4, experts=8, d_model=128, vocab=256, seq=64, batch=8),
+    "bench": dict(layers=8, experts=8, d_model=512, vocab=1024, seq=256, batch=8),
+}
+_EXIT: dict[str, dict[str, int]] = {
+    "tiny": dict(layers=4, d_in=32, d_model=64, classes=8, batch=16),
+    "small": dict(layers=6, d_in=256, d_model=512, classes=32, batch=128),
+    "bench": dict(layers=6, d_in=512, d_model=768, classes=64, batch=512),
+}
+# Signal strengths cycled per step (strong signals exit early), and the exits' thresholds.
+_SIGNALS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+_THRESHOLDS = (0.6, 0.3)
+
+
+class NaturalMoE(nn.Module):
+    """A token-level language model whose layers each route the batch to ``top_k`` of their
+    experts by the router's mean probability, in a plain Python loop."""
+
+    def __init__(self, *, layers: int, experts: int, d_model: int, vocab: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.emb = nn.Embedding(vocab, d_model)
+        self.norms = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(layers))
+        self.routers = nn.ModuleList(nn.Linear(d_model, experts) for _ in range(layers))
+        self.experts = nn.ModuleList(
+            nn.ModuleList(
+                nn.Sequential(
+                    nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+                )
+                for _ in range(experts)
+            )
+            for _ in range(layers)
+        )
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for layer in range(len(self.experts)):
+            h = self.norms[layer](x)
+            probs = self.routers[layer](h).softmax(-1).mean((0, 1))
+            experts: nn.ModuleList = self.experts[layer]  # type: ignore[assignment]
+            if self.top_k == 1:
+                e = int(probs.argmax())
+                x = x + experts[e](h)
+            else:
+                top = probs.topk(self.top_k)
+                for w, e in zip(top.values, top.indices.tolist(), strict=True):
+                    x = x + w * experts[e](h)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+class NaturalEarlyExit(nn.Module):
+    """A residual MLP classifier that stops at the first exit confident enough (``break``)."""
+
+    def __init__(
+        self, *, layers: int, d_in: int, d_model: int, classes: int, thresholds: list[float]
+    ) -> None:
+        super().__init__()
+        self.thresholds = [*thresholds, 0.0]  # the last exit always takes
+        self.inp = nn.Linear(d_in, d_model)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                nn.LayerNorm(d_model),
+                nn.Linear(d_model, 2 * d_model),
+                nn.GELU(),
+                nn.Linear(2 * d_model, d_model),
+            )
+            for _ in range(layers)
+        )
+        self.exits = nn.ModuleList(nn.Linear(d_model, classes) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block, head, threshold in zip(self.blocks, self.exits, self.thresholds, strict=True):
+            x = x + block(x)
+            logits = head(x)
+            if logits.softmax(-1).amax(-1).mean().item() >= threshold:
+                break
+        return F.cross_entropy(logits, labels)
+
+
+def _moe(size: str, seed: int, top_k: int) -> Workload:
+    cfg = _MOE[size]
+    torch.manual_seed(seed)
+    model = NaturalMoE(
+        layers=cfg["layers"],
+        experts=cfg["experts"],
+        d_model=cfg["d_model"],
+        vocab=cfg["vocab"],
+        top_k=top_k,
+    )
+    b, t, v = cfg["batch"], cfg["seq"], cfg["vocab"]
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = generator(seed, step)
+        # Each step's tokens come from a different part of the vocabulary, so routing varies.
+        lo = int(torch.randint(v // 2, (1,), generator=g))
+        tokens = torch.randint(lo, lo + v // 2, (b, t + 1), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    name = "moe_natural" if top_k == 1 else f"moe_natural_top{top_k}"
+    return Workload(
+        name=name,
+        summary=(
+            f"MoE written naturally: {cfg['layers']} layers of {cfg['experts']} nn.Sequential "
+            f"experts (d {cfg['d_model']}), top-{top_k} routing in a Python loop, B {b} T {t}"
+        ),
+        model=model,
+        batch_fn=batch,
+        dynamic=True,
+        single_fragment=False,
+        extra=dict(cfg, top_k=top_k, natural=True),
+    )
+
+
+@register("moe_natural")
+def build_moe_natural(size: str, seed: int) -> Workload:
+    """MoE with top-1 routing of the whole batch in a Python loop (``int(argmax)``)."""
+    return _moe(size, seed, top_k=1)
+
+
+@register("moe_natural_top2")
+def build_moe_natural_top2(size: str, seed: int) -> Workload:
+    """MoE with top-2 routing of the whole batch in a Python loop (``.tolist()``)."""
+    return _moe(size, seed, top_k=2)
+
+
+@register("early_exit_natural")
+def build_early_exit_natural(size: str, seed: int) -> Workload:
+    """Early-exit classifier whose layer loop ends with ``if conf.item() > t: break``."""
+    cfg = _EXIT[size]
+    thresholds = torch.linspace(*_THRESHOLDS, cfg["layers"] - 1).tolist()
+    torch.manual_seed(seed)
+    model = NaturalEarlyExit(
+        layers=cfg["layers"],
+        d_in=cfg["d_in"],
+        d_model=cfg["d_model"],
+        classes=cfg["classes"],
+        thresholds=thresholds,
+    )
+    b, d_in, classes = cfg["batch"], cfg["d_in"], cfg["classes"]
+    g = generator(seed, -1)
+    protos = torch.randn(classes, d_in, generator=g)
+    order = torch.randperm(len(_SIGNALS), generator=g).tolist()
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = generator(seed, step)
+        labels = torch.randint(classes, (b,), generator=g)
+        x = _SIGNALS[order[step % len(_SIGNALS)]] * protos[labels]
+        return x + torch.randn(b, d_in, generator=g), labels
+
+    return Workload(
+        name="early_exit_natural",
+        summary=(
+            f"early-exit classifier written naturally: {cfg['layers']} nn.Sequential blocks of "
+            f"d {cfg['d_model']}, `if confidence.item() >= t: break` in the layer loop, B {b}"
+        ),
+        model=model,
+        batch_fn=batch,
+        dynamic=True,
+        single_fragment=False,
+        extra=dict(cfg, thresholds=thresholds, natural=True),
+    )

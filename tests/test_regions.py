@@ -1,0 +1,251 @@
+"""Regional capture (backends/regions.py): the torch.nn modules a frame Dynamo runs eagerly calls
+are compiled as fragments of the model's own MemCompiler; training stays bit-identical."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memcompile
+from memcompile import EagerFallbackWarning, zoo
+from memcompile.backends.fallbacks import Fallback
+from memcompile.backends.regions import find_regions, forward_label
+from memcompile.pipeline import features
+
+from helpers import assert_same_state, quiet_peak
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+NATURAL = ("moe_natural", "moe_natural_top2", "early_exit_natural")
+
+
+def _train_both(name: str, optimizer: str = "sgd", steps: int = 4, **options: object) -> tuple:
+    eager, comp = zoo.build(name, size="tiny"), zoo.build(name, size="tiny")
+    eager_losses = eager.train(eager.model, steps, optimizer=optimizer)
+    compiled = memcompile.compile(comp.model, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EagerFallbackWarning)
+        losses = comp.train(compiled, steps, optimizer=optimizer)
+    for step, (a, b) in enumerate(zip(eager_losses, losses, strict=True)):
+        assert torch.equal(a, b), f"step {step}: loss {a.item()} != {b.item()}"
+    assert_same_state(eager.model, comp.model)
+    return compiled, comp
+
+
+def _region_fragments(rep: memcompile.MemReport) -> list[str]:
+    return [f.code for f in rep.fragments if "<memcompile region " in f.code]
+
+
+@pytest.mark.parametrize("name", NATURAL)
+def test_natural_models_train_bit_identical_with_their_modules_as_fragments(name: str) -> None:
+    compiled, wl = _train_both(name, optimizer="adam")
+    rep = memcompile.report(compiled)
+    (fallback,) = rep.fallbacks
+    assert fallback.kind in ("skipped_frame", "failed_frame")
+    assert fallback.code == forward_label(wl.model)
+    called = {p for p, m in wl.model.named_modules() if isinstance(m, (nn.Linear, nn.Sequential))}
+    paths = {r.path for r in rep.regions}
+    assert "inp" in paths if name == "early_exit_natural" else {"emb", "head"} <= paths
+    assert paths <= called | {
+        p for p, m in wl.model.named_modules() if type(m).__name__ in ("Embedding", "LayerNorm")
+    }
+    assert all(r.caller == fallback.code for r in rep.regions)
+    # The regions ran, as fragments of this model, with a backward.
+    regional = [f for f in rep.fragments if "<memcompile region " in f.code]
+    assert regional and all(f.forward_calls > 0 for f in regional)
+    assert any(f.backward_calls > 0 for f in regional)
+    assert "torch.nn module(s) run as fragments" in str(rep)
+    assert rep.to_dict()["regions"][0]["caller"] == fallback.code
+
+
+def test_modules_of_one_structure_share_one_graph() -> None:
+    compiled, _ = _train_both("moe_natural")
+    rep = memcompile.report(compiled)
+    # The routers (Linear 32 -> 4) of both layers, the experts (Sequential) of every layer.
+    codes = _region_fragments(rep)
+    assert sum("routers." in c for c in codes) == 1, codes
+    assert sum("experts." in c for c in codes) == 1, codes
+    experts = next(f for f in rep.fragments if "experts." in f.code)
+    assert experts.forward_calls >= 2 * 3  # two layers, three steps after the first
+
+
+def test_the_first_call_logs_what_it_compiles(caplog: pytest.LogCaptureFixture) -> None:
+    # (The EagerFallbackWarning is once per frame and process: tests/test_fallbacks.py.)
+    wl = zoo.build("moe_natural", size="tiny")
+    compiled = memcompile.compile(wl.model)
+    with caplog.at_level(logging.WARNING, logger="memcompile.backends.compiler"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", EagerFallbackWarning)
+            wl.loss(compiled, 0).backward()
+    (message,) = [r.getMessage() for r in caplog.records if "fragments of their own" in r.message]
+    assert "the 14 torch.nn module(s) it calls (emb, norms.0," in message
+    assert memcompile.report(compiled).fragments == ()  # the first call ran eagerly
+    wl.loss(compiled, 1).backward()
+    assert len(memcompile.report(compiled).fragments) == 5
+
+
+def test_switched_off_the_modules_stay_eager() -> None:
+    with features.patch(regional=False):
+        compiled, _ = _train_both("moe_natural")
+        rep = memcompile.report(compiled)
+    assert rep.regions == ()
+    assert rep.fragments == ()  # every module is torch.nn: nothing compiled
+
+
+def test_a_budget_is_held_with_regions() -> None:
+    wl = zoo.build("moe_natural", size="tiny")
+    batch = wl.batch(1)
+    step = lambda m: lambda: m(*batch).backward()  # noqa: E731
+    step(wl.model)()
+    wl.model.zero_grad(set_to_none=True)
+    eager = quiet_peak(step(wl.model), wl.model, batch)
+    wl.model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    budget = int(0.75 * eager)
+    compiled, comp = _train_both("moe_natural", budget=budget)
+    comp.model.zero_grad(set_to_none=True)
+    measured = quiet_peak(step(compiled), comp.model, batch)
+    rep = memcompile.report(compiled)
+    assert measured <= budget, (measured, budget, str(rep))
+    assert rep.predicted_peak <= budget
+
+
+class _Shared(nn.Module):
+    """A user block (Dynamo compiles it) that calls a Linear the eager forward also calls."""
+
+    def __init__(self, shared: nn.Linear) -> None:
+        super().__init__()
+        self.shared = shared
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.shared(x)))
+
+
+class _Mixed(nn.Module):
+    """The top forward breaks in its loop (``.item()``); ``block`` compiles; ``proj`` is called
+    from both; ``drop`` is a region with dropout, and ``F.dropout`` runs in the glue."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.block = _Shared(self.proj)
+        self.drop = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = self.block(x) + self.proj(x)
+            x = F.dropout(self.drop(x), 0.2, self.training)
+            if x.abs().mean().item() > 1e6:
+                break
+        return x.square().mean()
+
+
+def test_mixed_frames_shared_modules_and_dropout_are_bit_identical() -> None:
+    torch.manual_seed(0)
+    eager = _Mixed()
+    model = _Mixed()
+    model.load_state_dict(eager.state_dict())
+    compiled = memcompile.compile(model)
+    x = torch.randn(8, 16)
+    for step in range(4):
+        for m, fn in ((eager, eager), (model, compiled)):
+            torch.manual_seed(step)
+            m.zero_grad(set_to_none=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", EagerFallbackWarning)
+                loss = fn(x)
+            loss.backward()
+            if m is eager:
+                expected = loss
+        assert torch.equal(loss, expected), step
+        for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), name
+    rep = memcompile.report(compiled)
+    assert {r.path for r in rep.regions} == {"proj", "drop"}  # block is the user's: Dynamo's
+    assert any("Shared" in f.code or "forward" in f.code for f in rep.fragments)
+    # proj: once for the input that needs no gradient, once for those that do.
+    assert {code.rsplit(":", 1)[0] for code in _region_fragments(rep)} == {
+        "Linear (<memcompile region proj>",
+        "Sequential (<memcompile region drop>",
+    }
+
+
+def test_a_fallen_back_submodule_is_searched_too() -> None:
+    class Router(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Linear(8, 2)
+            self.paths = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(2):
+                x = x + self.paths[int(self.gate(x).sum(0).argmax())](x)
+            return x
+
+    class Top(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.router = Router()
+            self.out = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.router(torch.tanh(x))).sum()
+
+    regions = find_regions(
+        Top(), [Fallback(forward_label(Router()) or "", "skipped_frame", "", "", "")]
+    )
+    assert [r.path for r in regions] == ["router.gate", "router.paths.0", "router.paths.1"]
+    assert regions[1].structure == regions[2].structure != regions[0].structure
+    # A recompile limit or dispatch mode is not a frame regions help with.
+    assert (
+        find_regions(Top(), [Fallback(forward_label(Top()) or "", "dispatch_mode", "", "", "")])
+        == ()
+    )
+
+    torch.manual_seed(0)
+    eager, model = Top(), Top()
+    model.load_state_dict(eager.state_dict())
+    compiled = memcompile.compile(model)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EagerFallbackWarning)
+        for _ in range(3):
+            a, b = eager(x), compiled(x)
+            assert torch.equal(a, b)
+    rep = memcompile.report(compiled)
+    assert {r.path for r in rep.regions} == {"router.gate", "router.paths.0", "router.paths.1"}
+
+
+def test_outside_the_compiled_model_the_module_runs_as_usual() -> None:
+    compiled, wl = _train_both("moe_natural")
+    rep = memcompile.report(compiled)
+    head = next(f for f in rep.fragments if "region head" in f.code)
+    x = torch.randn(2, 32)
+    expected = F.linear(x, wl.model.head.weight, wl.model.head.bias)
+    assert torch.equal(wl.model.head(x), expected)  # the user calls it directly
+    other = []
+    thread = threading.Thread(target=lambda: other.append(wl.model.head(x)))
+    thread.start()
+    thread.join()
+    assert torch.equal(other[0], expected)
+    after = next(f for f in memcompile.report(compiled).fragments if "region head" in f.code)
+    assert after.forward_calls == head.forward_calls and after.inference_calls == 0
+
+
+def test_a_module_the_user_compiled_is_left_alone() -> None:
+    wl = zoo.build("moe_natural", size="tiny")
+    wl.model.head.compile(backend="eager")
+    users = wl.model.head._compiled_call_impl
+    compiled = memcompile.compile(wl.model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EagerFallbackWarning)
+        wl.train(compiled, 2)
+    assert wl.model.head._compiled_call_impl is users
+    assert "head" not in {r.path for r in memcompile.report(compiled).regions}
