@@ -22,8 +22,7 @@ from torch._dynamo.eval_frame import innermost_backend
 
 from memcompile.analysis.fragment_profile import FragmentProfile
 from memcompile.backends.compiler import MemCompiler
-from memcompile.backends.dynamo_hooks import dynamo_context
-from memcompile.backends.entry import COMPILER_ATTR
+from memcompile.backends.dynamo_hooks import COMPILER_ATTR, dynamo_context
 from memcompile.backends.fallbacks import Fallback, FunctionSpan, function_span
 from memcompile.backends.regions import Region
 from memcompile.config import MemConfig

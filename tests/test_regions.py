@@ -249,3 +249,45 @@ def test_a_module_the_user_compiled_is_left_alone() -> None:
         wl.train(compiled, 2)
     assert wl.model.head._compiled_call_impl is users
     assert "head" not in {r.path for r in memcompile.report(compiled).regions}
+
+
+def test_through_torch_compile_with_the_backend_name() -> None:
+    # No fragment compiles in the first call (every module is torch.nn): the compiler attaches
+    # when Dynamo starts on the forward (compiler.py's start hook), so the second call has its
+    # regions. A fresh process registers the hook at import; the fixture's reset dropped it,
+    # and any MemCompiler puts it back.
+    from torch._dynamo.callback import callback_handler
+
+    from memcompile.backends.compiler import _on_compile_start
+
+    assert _on_compile_start not in callback_handler.start_callbacks
+    memcompile.MemCompiler()
+    assert callback_handler.start_callbacks.count(_on_compile_start) == 1
+    memcompile.MemCompiler()
+    assert callback_handler.start_callbacks.count(_on_compile_start) == 1
+    eager, wl = zoo.build("moe_natural", size="tiny"), zoo.build("moe_natural", size="tiny")
+    compiled = torch.compile(wl.model, backend="memcompile", options={"budget": "1GiB"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EagerFallbackWarning)
+        losses = wl.train(compiled, 3)
+    assert all(torch.equal(a, b) for a, b in zip(eager.train(eager.model, 3), losses, strict=True))
+    rep = memcompile.report(compiled)
+    assert len(rep.regions) == 14 and len(rep.fragments) == 5
+    assert rep.fallbacks[0].code == forward_label(wl.model)
+
+
+def test_a_region_call_is_not_a_model_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The model's call hook (step boundaries, fallback claims) runs once per model call, not
+    # once per region: a region's Dynamo context is marked hooked (dynamo_hooks.hookless).
+    wl = zoo.build("moe_natural", size="tiny")
+    compiled = memcompile.compile(wl.model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EagerFallbackWarning)
+        wl.train(compiled, 2)
+        compiler = memcompile.report.__globals__["find_compiler"](compiled)[0]
+        calls = []
+        original = compiler._between_calls
+        monkeypatch.setattr(compiler, "_between_calls", lambda: calls.append(1) or original())
+        wl.train(compiled, 2)
+    assert len(calls) == 2
+    assert sum(f.forward_calls for f in memcompile.report(compiled).fragments) >= 2 * 7

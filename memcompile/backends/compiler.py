@@ -25,11 +25,14 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from types import FrameType
 from typing import Any
 
 import torch
 import torch._dynamo
 from torch import fx
+from torch._dynamo.callback import callback_handler
+from torch._dynamo.eval_frame import innermost_backend
 
 from memcompile.analysis.costmodel import DeviceProfile, device_profile, resolve_profile_name
 from memcompile.analysis.optimizer_cost import OptimizerCost
@@ -37,6 +40,9 @@ from memcompile.analysis.step_model import CallStorages, StepPrediction
 from memcompile.backends import advice
 from memcompile.backends.build_env import BuildEnv
 from memcompile.backends.dynamo_hooks import (
+    COMPILER_ATTR,
+    ENTRY_ATTR,
+    HOOK_ATTR,
     calling_compiled_module,
     calling_dynamo_context,
     hookless,
@@ -165,6 +171,7 @@ class MemCompiler:
         self._components(config, observers)
         _apply_dynamo_settings()
         install_pinned_hooks()  # before this model's first trace (pinned.py)
+        install_start_hook()
         _all_compilers.add(self)
 
     def _components(self, config: MemConfig, observers: Sequence[BlockObserver]) -> None:
@@ -308,20 +315,8 @@ class MemCompiler:
                     f"{device.type} parameters cannot be host-placed (use pilot='off' or 'auto')"
                 )
         ctx = calling_dynamo_context()
-        if ctx is not None and self.attach(ctx):
-            # torch.compile(backend="memcompile"), in the model's first call: its hook watches
-            # the later calls only. The frames Dynamo gave up on so far in this call are still
-            # running (they call the one compiling now), or were called by one of them; those
-            # after this point are claimed when the next call starts (or by report()).
-            self._claim(fallback_monitor.claim_running(sys._getframe(1)))
-            self._late_cursor = fallback_monitor.cursor()
-            if self.model is None:
-                # Its parameters count against the budget, those only eager frames read too
-                # (no fragment takes them as inputs; step/resident.py).
-                model = calling_compiled_module(ctx)
-                if model is not None:
-                    self.model = weakref.ref(model)
-                    self._install_regions(self.fallbacks)
+        if ctx is not None:
+            self.attach_in_call(ctx, sys._getframe(1))
         self.checks.compiling(device)
         if self.fraction is not None:
             self.fraction.compiling()
@@ -566,6 +561,7 @@ class MemCompiler:
 
         def enter() -> Callable[[], None]:
             install_pinned_hooks()  # torch._dynamo.reset() drops them; traces need them
+            install_start_hook()  # the same
             self._between_calls()
             self.claim_late()
             # Under a dispatch mode Dynamo runs the call eagerly, compiled code or not, and
@@ -584,6 +580,25 @@ class MemCompiler:
 
         self._hooked = True
         return install_call_hook(ctx, enter)
+
+    def attach_in_call(self, ctx: Any, frame: FrameType | None) -> None:
+        """Attach to ``ctx`` from inside a call of its model (``torch.compile(backend=
+        "memcompile")``: the first fragment's compile, or the first frame Dynamo starts to
+        compile, see entry.py); no-op when attached already. The hook watches the later calls
+        only: the frames Dynamo gave up on so far in this call are still running (they call
+        ``frame``), or were called by one of them; those after this point are claimed when the
+        next call starts (or by report())."""
+        if not self.attach(ctx):
+            return
+        self._claim(fallback_monitor.claim_running(frame))
+        self._late_cursor = fallback_monitor.cursor()
+        if self.model is None:
+            # Its parameters count against the budget, those only eager frames read too
+            # (no fragment takes them as inputs; step/resident.py).
+            model = calling_compiled_module(ctx)
+            if model is not None:
+                self.model = weakref.ref(model)
+                self._install_regions(self.fallbacks)
 
     def _call_failed(self) -> None:
         """A model call raised: the iteration it was part of will not end as measured, so a
@@ -721,6 +736,43 @@ class MemCompiler:
     def rank_check(self) -> RankCheck | None:
         """``check_ranks=True`` on an FSDP2 model: the ranks compare units."""
         return self.fsdp.rank_check
+
+
+def _on_compile_start(args: Any) -> None:
+    """Dynamo starts compiling a frame: if it runs under ``torch.compile(backend="memcompile")``,
+    attach that model's compiler now. A model whose first frame falls back and whose modules are
+    all ``torch.nn`` ones compiles no fragment, so the backend would never be called: without
+    this its fallbacks were found only by ``report()``, and the modules were never compiled as
+    regions (backends/regions.py)."""
+    ctx = calling_dynamo_context()
+    if ctx is None or getattr(ctx, HOOK_ATTR, None) is not None:
+        return  # not a compiled model's call, or already hooked (or a region's context)
+    callback = ctx.callback
+    if not callable(callback):
+        return
+    wrapper = innermost_backend(callback)
+    if not getattr(getattr(wrapper, "compiler_fn", None), ENTRY_ATTR, False):
+        return
+    compiler = getattr(wrapper, COMPILER_ATTR, None)
+    if compiler is None:
+        try:
+            compiler = MemCompiler(getattr(wrapper, "kwargs", {}).get("options"))
+        except (TypeError, ValueError):
+            return  # bad options: the backend's first call raises them to the user
+        setattr(wrapper, COMPILER_ATTR, compiler)
+    compiler.attach_in_call(ctx, sys._getframe(1))
+
+
+def install_start_hook() -> None:
+    """Register :func:`_on_compile_start` with Dynamo (idempotent). At import, and again where a
+    memcompile model is compiled or called: ``torch._dynamo.reset()`` clears Dynamo's callbacks
+    (a model compiled by name after a reset, none of whose frames compiles, is then only attached
+    by ``report()``)."""
+    if _on_compile_start not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_on_compile_start)
+
+
+install_start_hook()
 
 
 def reset_all() -> None:

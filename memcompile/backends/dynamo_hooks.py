@@ -27,6 +27,9 @@ import torch
 from torch._dynamo.eval_frame import OptimizedModule, _TorchDynamoContext
 
 __all__ = [
+    "COMPILER_ATTR",
+    "ENTRY_ATTR",
+    "HOOK_ATTR",
     "calling_compile_wrapper",
     "calling_compiled_module",
     "calling_dynamo_context",
@@ -35,7 +38,16 @@ __all__ = [
     "install_call_hook",
 ]
 
-_HOOK_ATTR = "_memcompile_hook"
+#: Attribute of a Dynamo context that holds memcompile's call hook (or marks a region's context).
+HOOK_ATTR = "_memcompile_hook"
+#: Attribute of ``torch._TorchCompileWrapper`` that holds the MemCompiler of that compile call.
+COMPILER_ATTR = "_memcompile_compiler"
+#: Attribute that marks memcompile's entry-point backend function (backends/entry.py).
+ENTRY_ATTR = "_memcompile_entry"
+
+
+def _NO_HOOK() -> Callable[[], None]:
+    return lambda: None
 
 
 def dynamo_context(compiled: Any) -> _TorchDynamoContext | None:
@@ -83,9 +95,9 @@ def calling_dynamo_context(max_depth: int = 200) -> _TorchDynamoContext | None:
 def install_call_hook(ctx: _TorchDynamoContext, enter: Callable[[], Callable[[], None]]) -> bool:
     """Run ``enter()`` at the start of every call through ``ctx`` and the function it returns at
     the end (once per ctx: a second install is ignored). Returns whether it was installed now."""
-    if getattr(ctx, _HOOK_ATTR, None) is not None:
+    if getattr(ctx, HOOK_ATTR, None) is not None:
         return False
-    setattr(ctx, _HOOK_ATTR, enter)
+    setattr(ctx, HOOK_ATTR, enter)
     ctx.enter_exit_hooks.append(enter)
     return True
 
@@ -94,10 +106,13 @@ def hookless(ctx: _TorchDynamoContext) -> _TorchDynamoContext:
     """A copy of ``ctx`` without memcompile's call hook: functions it wraps compile with the same
     backend object (so Dynamo's backend guard matches the model's) but a call of one is not a
     call of the model."""
-    own = getattr(ctx, _HOOK_ATTR, None)
+    own = getattr(ctx, HOOK_ATTR, None)
     twin = copy.copy(ctx)
     twin.enter_exit_hooks = [h for h in ctx.enter_exit_hooks if h is not own]
     twin.cleanup_fns = []
+    # Marked as hooked: a fragment compiled under it finds it on the stack (calling_dynamo_context)
+    # and must not install the model's call hook there.
+    setattr(twin, HOOK_ATTR, _NO_HOOK)
     return twin
 
 

@@ -25,14 +25,12 @@ from typing import Any
 from torch import fx
 
 from memcompile.backends.compiler import MemCompiler, reset_all
-from memcompile.backends.dynamo_hooks import calling_compile_wrapper
+from memcompile.backends.dynamo_hooks import COMPILER_ATTR, ENTRY_ATTR, calling_compile_wrapper
 
 log = logging.getLogger(__name__)
 
 __all__ = ["COMPILER_ATTR", "memcompile_backend"]
 
-#: Attribute of ``torch._TorchCompileWrapper`` that holds the MemCompiler of that compile call.
-COMPILER_ATTR = "_memcompile_compiler"
 
 # Used when no wrapper is on the stack (torch._dynamo.optimize("memcompile"), direct calls):
 # one compiler per distinct options dict.
@@ -82,3 +80,5 @@ def _reset() -> None:
 
 # torch._dynamo.reset() calls `compiler_fn.reset()` on every backend it has cached.
 memcompile_backend.reset = _reset  # type: ignore[attr-defined]
+# How compiler.py's compile-start hook knows this function behind a torch.compile wrapper.
+setattr(memcompile_backend, ENTRY_ATTR, True)
