@@ -166,6 +166,9 @@ class MemReport:
             (:class:`IterationReport`; ``None`` before).
         measured_budget: ``budget="60%"``: the iteration measured without a plan and the budget
             it gave (``None`` before it is measured, and for a budget in bytes).
+        unseen_bytes: bytes a measured iteration (CPU samples) peaked above its prediction, which
+            every later prediction counts (``StepBudget.unseen``): memory the plans do not see,
+            such as the eager glue between regional fragments; 0 when none was measured.
         regions: the ``torch.nn`` modules called from frames in ``fallbacks`` that memcompile
             compiles as fragments of their own (``backends/regions.py``); the tensor operations
             between them in those frames stay eager.
@@ -198,6 +201,7 @@ class MemReport:
     iteration: IterationReport | None = None
     measured_budget: MeasuredBudget | None = None
     regions: tuple[Region, ...] = ()
+    unseen_bytes: int = 0
 
     @property
     def eager_frames(self) -> int:
@@ -234,6 +238,7 @@ class MemReport:
             "fragments": [f.to_dict() for f in self.fragments],
             "fallbacks": [f.to_dict() for f in self.fallbacks],
             "regions": [r.to_dict() for r in self.regions],
+            "unseen_bytes": self.unseen_bytes,
             "eager_frames": self.eager_frames,
             "dynamic": self.dynamic,
             "recompile_limit_raised": (
@@ -336,6 +341,11 @@ class MemReport:
             lines.append(f"  incoming gradients planned as freed early: {name}")
         for name in self.summed_grads:
             lines.append(f"  gradient summed out of eager's order: {name}")
+        if self.unseen_bytes:
+            lines.append(
+                f"  measured beyond the plans: {format_bytes(self.unseen_bytes)} (counted in "
+                "every prediction since)"
+            )
         for fb in self.fallbacks:
             lines.append(f"  EAGER {fb.code}: {fb.kind}: {fb.reason}{_regions_note(self, fb)}")
         return "\n".join(lines)
@@ -512,6 +522,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
         steps_observed=compiler.steps_observed,
         fallbacks=tuple(compiler.fallbacks),
         regions=tuple(compiler.regional.regions) if compiler.regional is not None else (),
+        unseen_bytes=compiler.budget.unseen,
         host_param_bytes=compiler.resident.host_param_bytes,
         pilot=compiler.prefetcher.report() if compiler.prefetcher is not None else None,
         dynamic=compiler.dynamic,

@@ -291,3 +291,47 @@ def test_a_region_call_is_not_a_model_call(monkeypatch: pytest.MonkeyPatch) -> N
         wl.train(compiled, 2)
     assert len(calls) == 2
     assert sum(f.forward_calls for f in memcompile.report(compiled).fragments) >= 2 * 7
+
+
+class _Glue(nn.Module):
+    """Most of its memory is the glue's: tensor ops on a raw parameter in a fallen-back loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 64) / 8)
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(6):
+            x = torch.tanh(x @ self.w)
+            if x.mean().item() > 1e9:
+                break
+        return self.head(x).sum()
+
+
+def test_glue_over_the_budget_is_warned_about_in_a_loop_without_an_optimizer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The plans see only the head; the CPU samples an iteration after each compile (from the
+    # call's start, before the glue); without an optimizer, the forward of one model call (no
+    # profiler runs between calls). (conftest.py turns sampling off outside test_iteration.)
+    from memcompile.step import checks
+
+    monkeypatch.setattr(checks, "SAMPLED_ITERATIONS", 1)
+    torch.manual_seed(0)
+    model = _Glue()
+    x = torch.randn(512, 64)
+    eager = quiet_peak(lambda: model(x).backward(), model, x)
+    model.zero_grad(set_to_none=True)
+    budget = eager // 2
+    compiled = memcompile.compile(model, budget=budget)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            model.zero_grad(set_to_none=True)
+            compiled(x).backward()
+    over = [w for w in caught if issubclass(w.category, memcompile.MemoryBudgetWarning)]
+    assert len(over) == 1, [str(w.message) for w in caught]
+    assert "(a model call, no optimizer step: its forward)" in str(over[0].message)
+    rep = memcompile.report(compiled)
+    assert rep.over_budget and rep.measured_peak is not None and rep.measured_peak > budget

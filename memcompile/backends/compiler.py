@@ -149,6 +149,8 @@ class MemCompiler:
         self._late_cursor: int | None = None
         self.model: weakref.ref[torch.nn.Module] | None = None
         self.regional: RegionSet | None = None
+        # A loop without an optimizer: the sample begun at this call's start ends with it.
+        self._forward_sample = False
         self.dynamic = ""
         self.recompile_limit_raised: tuple[int, int] | None = None
         self.store = TieredStore(config.disk_path)
@@ -250,8 +252,11 @@ class MemCompiler:
         self.iteration.step_began(sum(present.values()))
         if self.iteration.begins_iteration:
             self.checks.iteration_began(self._roots(args), self.iteration.micro_batches)
-        else:
+        elif present or self.iteration.optimizers:
             self.checks.step_began()
+        # Else a loop without an optimizer begins an iteration: sampled from the call's start
+        # where the call hook is (_between_calls, which ends it too), not from here, after this
+        # call's compiles and the eager code before its first fragment.
         if self.fraction is not None:
             self._measure_fraction(args, begins=not present and not self.iteration.optimizers)
         return present
@@ -572,6 +577,9 @@ class MemCompiler:
 
             def leave() -> None:
                 regional.leave()
+                if self._forward_sample:
+                    self._forward_sample = False
+                    self.checks.iteration_ended(1, "")
                 self._claim(fallback_monitor.claim_since(cursor))
                 if sys.exc_info()[0] is not None:  # Dynamo runs this in a `finally`
                     self._call_failed()
@@ -621,6 +629,22 @@ class MemCompiler:
         ):
             # A loop without an optimizer: the measured iteration ended with its step.
             self.fraction.iteration_ended()
+        if self.checks.wants_sample and (
+            self.iteration.iteration_done
+            if self.iteration.optimizers
+            else not grad_bytes(self._loop_params(), self._compute_device())
+        ):
+            # An iteration begins with this call: its sample begins here, before the eager
+            # code that may run ahead of the first fragment (a fallen-back frame's glue), and
+            # ends at its optimizer step. Without an optimizer it ends with this call (the
+            # forward: its eager glue included), so that no profiler runs in the user's code
+            # between calls. The call's arguments are not known here: not in the peak.
+            model = self._model()
+            owner = model if model is not None else self._loop_params()
+            self.checks.iteration_began(
+                (owner, list(self.iteration.optimizers)), self.iteration.micro_batches
+            )
+            self._forward_sample = not self.iteration.optimizers
         self._rebudget()
         self.budget.apply_replans()
 

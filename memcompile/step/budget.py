@@ -109,6 +109,10 @@ class StepBudget:
         replans: re-planning rounds of steps predicted over budget, in order.
         over_budget: a step was predicted or measured over the budget (or started with more
             allocated than its plan assumed).
+        unseen: bytes a measured iteration peaked above its prediction (CPU samples): memory
+            the plans do not see, such as the glue a fallen-back frame runs between fragments
+            (backends/regions.py). Every later prediction counts them as resident, so a step
+            they push over the budget is re-planned with that much less room.
     """
 
     def __init__(
@@ -126,6 +130,7 @@ class StepBudget:
         self._iteration = iteration
         self.replans: list[Replan] = []
         self.over_budget = False
+        self.unseen = 0
         #: The iteration's phases, as last predicted (``"first micro-batch"``, ``"later
         #: micro-batches"``, ``"optimizer step"``) -> peak: what ``report().iteration`` shows.
         self.iteration_peaks: dict[str, int] = {}
@@ -163,6 +168,7 @@ class StepBudget:
         """Forget every check and queued re-plan (the fragments are gone)."""
         self.replans.clear()
         self.over_budget = False
+        self.unseen = 0
         self.iteration_peaks.clear()
         self._optimizer_warned.clear()
         self._optimizer_hosting = False
@@ -252,7 +258,7 @@ class StepBudget:
         records = self._records()
         static = self._resident.step_storages()
         static.update(storage_sizes(extra_resident))
-        resident = sum(static.values()) + (self._resident.device_other_bytes or 0)
+        resident = sum(static.values()) + (self._resident.device_other_bytes or 0) + self.unseen
         present: Mapping[int, int] = {}
         if iteration and self._iteration is not None:
             present = self._monitor.current_step_grads()
@@ -299,6 +305,31 @@ class StepBudget:
         return prediction, seq, resident, call_profiles
 
     # -- the step's check --------------------------------------------------------------------
+    def forward_peak(self) -> int:
+        """The predicted peak of the most recent step's forward calls (0: none predicted)."""
+        prediction, seq, _, _ = self.predict(iteration=True)
+        if prediction is None:
+            return 0
+        peaks = [
+            p
+            for p, (_, kind, _) in zip(prediction.call_peaks, seq, strict=True)
+            if kind != "backward"
+        ]
+        return max(peaks, default=0)
+
+    def measured_unseen(self, nbytes: int) -> None:
+        """A measured iteration peaked ``nbytes`` above its prediction: count them from now on
+        (:attr:`unseen`), and check the next step again with them."""
+        self.unseen += nbytes
+        self._checked_steps.clear()
+        log.warning(
+            "memcompile: a measured iteration peaked %s above its prediction (memory the plans "
+            "do not see: eager code between fragments); predictions count %s more from now on, "
+            "and a step that puts over the budget is re-planned",
+            format_bytes(nbytes),
+            format_bytes(self.unseen),
+        )
+
     def check(self) -> StepOver | None:
         """Check the step that just ended, once per new composition, and re-plan the fragments
         that did not know what the rest of the step holds (planning/replan.py). Returns what to

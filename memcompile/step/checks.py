@@ -166,13 +166,7 @@ class StepChecks:
         bytes are reachable from (the model, its optimizers, the call's arguments);
         ``micro_batches``: the steps the last iteration had (a sample through more is dropped:
         the loop ended, e.g. evaluation follows, and the profiler must not run on)."""
-        if (
-            self._sample is not None
-            or self._samples_left <= 0
-            or self._config.budget is None
-            or self._device is None
-            or self._device.type != "cpu"
-        ):
+        if not self.wants_sample:
             return
         self._compiled_in_sample = False
         self._sample_steps = (1, micro_batches)
@@ -189,6 +183,22 @@ class StepChecks:
             log.debug("memcompile: the sampled iteration ran past %d step(s); dropped", limit)
             self.cancel_sample()
 
+    @property
+    def sampling(self) -> bool:
+        """An iteration's sample runs (CPU)."""
+        return self._sample is not None
+
+    @property
+    def wants_sample(self) -> bool:
+        """An iteration beginning now would be sampled (CPU, with a budget, samples left)."""
+        return (
+            self._sample is None
+            and self._samples_left > 0
+            and self._config.budget is not None
+            and self._device is not None
+            and self._device.type == "cpu"
+        )
+
     def cancel_sample(self) -> None:
         """Stop the iteration's sample, if one runs, without reading it."""
         sample, self._sample = self._sample, None
@@ -196,7 +206,9 @@ class StepChecks:
             sample.cancel()
 
     def iteration_ended(self, micro_batches: int, optimizer: str) -> None:
-        """The iteration's optimizer steps are done: read its sample, if one runs."""
+        """The iteration's optimizer steps are done (``optimizer``: their kind; ``""``: a loop
+        without one, whose sample is the forward of one model call): read its sample, if one
+        runs."""
         sample, self._sample = self._sample, None
         budget = self._config.budget
         if sample is None or budget is None:
@@ -213,30 +225,47 @@ class StepChecks:
         # see: the peak may be overstated by that much, so that much is given the benefit of
         # the doubt.
         peak = m.peak - m.unseen_free_bytes
+        what = (
+            f"{micro_batches} micro-batch(es) and the {optimizer} step"
+            if optimizer
+            else "a model call, no optimizer step: its forward"
+        )
         log.info(
-            "memcompile: a sampled iteration (%d micro-batch(es), %s) peaked at %s (budget %s)",
-            micro_batches,
-            optimizer,
+            "memcompile: a sampled iteration (%s) peaked at %s (budget %s)",
+            what,
             format_bytes(m.peak),
             format_bytes(budget),
         )
+        if not optimizer and self._eager_frames():
+            # A forward alone, with eager frames in it: against the forward's predicted calls.
+            # What the plans do not see there (the glue's saved tensors) is alive when the
+            # backward begins too, so every later prediction counts it.
+            forward = self._budget.forward_peak()
+            if forward and peak > forward * (1 + TOLERANCE):
+                self._budget.measured_unseen(peak - forward)
         if peak <= budget * (1 + TOLERANCE):
             return
         self._budget.over_budget = True
         # A prediction over the budget was told already: the sample tells only what no plan
-        # predicted (the loop's own memory).
+        # predicted (the loop's own memory), which later predictions count (re-planning the
+        # step with less room).
         predicted = max(self._budget.iteration_peaks.values(), default=0)
-        if self._sample_warned or peak <= predicted * (1 + TOLERANCE):
+        if peak <= predicted * (1 + TOLERANCE):
+            return
+        if predicted and optimizer:
+            self._budget.measured_unseen(peak - predicted)
+        if self._sample_warned:
             return
         self._sample_warned = True
         why = self._eager_note()
         warnings.warn(
-            f"memcompile: a training iteration ({micro_batches} micro-batch(es) and the "
-            f"{optimizer} step) reached {format_bytes(m.peak)} on the CPU (profiler, sampled "
+            f"memcompile: a training iteration ({what}) reached {format_bytes(m.peak)} on the "
+            "CPU (profiler, sampled "
             f"after a compile), above budget={format_bytes(budget)}; what the plans do not see "
             f"exceeds it: {why}memory the loop's Python code allocates between the compiled "
-            "fragments, or tensors it holds across them. Warned once; "
-            "report(...).measured_peak keeps the highest sampled peak",
+            "fragments, or tensors it holds across them. memcompile counts it from now on and "
+            "re-plans the step with less room. Warned once; report(...).measured_peak keeps the "
+            "highest sampled peak, report(...).unseen_bytes what is counted",
             MemoryBudgetWarning,
             stacklevel=4,
         )
