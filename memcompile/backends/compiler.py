@@ -629,22 +629,20 @@ class MemCompiler:
         ):
             # A loop without an optimizer: the measured iteration ended with its step.
             self.fraction.iteration_ended()
-        if self.checks.wants_sample and (
-            self.iteration.iteration_done
-            if self.iteration.optimizers
-            else not grad_bytes(self._loop_params(), self._compute_device())
+        if (
+            self.checks.wants_sample
+            and not self.iteration.optimizers
+            and not grad_bytes(self._loop_params(), self._compute_device())
         ):
-            # An iteration begins with this call: its sample begins here, before the eager
-            # code that may run ahead of the first fragment (a fallen-back frame's glue), and
-            # ends at its optimizer step. Without an optimizer it ends with this call (the
-            # forward: its eager glue included), so that no profiler runs in the user's code
-            # between calls. The call's arguments are not known here: not in the peak.
+            # A loop without an optimizer: a call that begins without gradients is sampled
+            # from its start (before the eager code ahead of its first fragment: a fallen-back
+            # frame's glue) to its end (its forward), so that no profiler runs in the user's
+            # code between calls. The call's arguments are not known here: not in the peak.
+            # (With an optimizer, the iteration is sampled from its first fragment call to its
+            # optimizer step: _present_grads.)
             model = self._model()
-            owner = model if model is not None else self._loop_params()
-            self.checks.iteration_began(
-                (owner, list(self.iteration.optimizers)), self.iteration.micro_batches
-            )
-            self._forward_sample = not self.iteration.optimizers
+            self.checks.iteration_began((model if model is not None else self._loop_params(),), 1)
+            self._forward_sample = True
         self._rebudget()
         self.budget.apply_replans()
 
