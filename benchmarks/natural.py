@@ -4,15 +4,16 @@
     OMP_NUM_THREADS=1 python benchmarks/natural.py --size tiny --reps 3  # quick
 
 The zoo's natural models (``memcompile/zoo/natural.py``: ``moe_natural``, ``moe_natural_top2``,
-``early_exit_natural``) have Python control flow on tensor values in their layer loops, so Dynamo
-runs their ``forward`` eagerly; memcompile compiles the ``torch.nn`` modules it calls as fragments
-of their own (``backends/regions.py``). Each row builds the model twice from one seed (an eager
-copy and the configured one) and runs a user's loop on both: ``AdamW(lr=1e-3)``, one micro-batch,
-``opt.step(); opt.zero_grad(set_to_none=True)``:
+``early_exit_natural``, ``tree_natural``) have Python control flow on tensor values in their
+layer loops (or recurse over a new tree each step), so Dynamo runs their ``forward`` eagerly (or
+memcompile does, after 8 graphs of the tree's); memcompile compiles the ``torch.nn`` modules it
+calls as fragments of their own (``backends/regions.py``). Each row builds the model twice from
+one seed (an eager copy and the configured one) and runs a user's loop on both:
+``AdamW(lr=1e-3)``, one micro-batch, ``opt.step(); opt.zero_grad(set_to_none=True)``:
 
-* ``--warmup`` (4) iterations of both copies (compiles happen here), then ONE iteration of the
-  configured copy measured with ``memcompile.measure`` (CPU profiler; ``resident=[model, opt,
-  batch]``): the iteration's absolute device peak;
+* ``--warmup`` (4; the tree 12) iterations of both copies (compiles happen here), then ONE
+  iteration of the configured copy measured with ``memcompile.measure`` (CPU profiler;
+  ``resident=[model, opt, batch]``): the iteration's absolute device peak;
 * every loss of those iterations and then every parameter compared with ``torch.equal``
   ("identical");
 * ``--reps`` iterations timed interleaved with the eager copy (ABAB, process CPU time), median of
@@ -23,8 +24,8 @@ Configurations: ``eager``; ``mc`` (no budget: the orchestration's cost); ``mc_75
 f x eager's measured iteration peak of the same run; ``on_infeasible="best_effort"``). The
 prediction is ``report(compiled).iteration.peak`` (the whole iteration's, when an optimizer was
 seen) or ``predicted_peak``, read right after the measured iteration. The glue (tensor ops
-between the regions: the residual adds, the routers' softmax, the loss) is not in the prediction
-yet.
+between the regions: the residual adds, the routers' softmax, the loss) is in it only as far as
+a sampled iteration measured it (``report().unseen_bytes``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ import memcompile  # noqa: E402
 from memcompile import zoo  # noqa: E402
 from memcompile.pipeline import features  # noqa: E402
 
-MODELS = ("moe_natural", "moe_natural_top2", "early_exit_natural")
+MODELS = ("moe_natural", "moe_natural_top2", "early_exit_natural", "tree_natural")
+# The tree network compiles a graph per tree until it goes regional (compiler.REGIONAL_AFTER):
+# its warm-up runs past that.
+WARMUP = {"tree_natural": 12}
 CONFIGS = ("eager", "mc", "mc_75_off", "mc_75", "mc_50")
 _FRACTION = {"mc_75_off": 0.75, "mc_75": 0.75, "mc_50": 0.5}
 
@@ -72,6 +76,7 @@ class Loop:
 
 def run_row(name: str, size: str, config: str, eager_peak: int | None, args: Any) -> dict:
     torch._dynamo.reset()
+    warmup = max(args.warmup, WARMUP.get(name, 0))
     eager_wl, wl = zoo.build(name, size=size), zoo.build(name, size=size)
     budget = int(_FRACTION[config] * eager_peak) if config in _FRACTION and eager_peak else None
     fn: Callable[..., torch.Tensor] = wl.model
@@ -85,22 +90,22 @@ def run_row(name: str, size: str, config: str, eager_peak: int | None, args: Any
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             same = True
-            for k in range(args.warmup):
+            for k in range(warmup):
                 same &= ref.iteration(k) == loop.iteration(k)
-            batch = wl.batch(args.warmup)
+            batch = wl.batch(warmup)
             m = memcompile.measure(
-                lambda: loop.iteration(args.warmup), resident=[wl.model, loop.opt, batch]
+                lambda: loop.iteration(warmup), resident=[wl.model, loop.opt, batch]
             )
             # The report of the step measured (a dynamic model's next step differs).
             rep = memcompile.report(fn) if config != "eager" else None
-            same &= ref.iteration(args.warmup) == m.result
+            same &= ref.iteration(warmup) == m.result
             same &= all(
                 torch.equal(p, q)
                 for p, q in zip(wl.model.parameters(), eager_wl.model.parameters(), strict=True)
             )
             ratios = []
             for r in range(args.reps):
-                k = args.warmup + 1 + r
+                k = warmup + 1 + r
                 t0 = time.process_time()
                 loop.iteration(k)
                 t1 = time.process_time()

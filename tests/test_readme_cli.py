@@ -89,8 +89,9 @@ def test_cli_errors_are_one_line_without_traceback() -> None:
     out = _cli("demo", "--workload", "nope")
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [
-        "memcompile: error: unknown zoo workload 'nope'; choose one of branchy, early_exit, gpt, "
-        "gpt_manual, gru, moe, resnet, treelstm"
+        "memcompile: error: unknown zoo workload 'nope'; choose one of branchy, early_exit, "
+        "early_exit_natural, gpt, gpt_manual, gru, moe, moe_natural, moe_natural_top2, resnet, "
+        "tree_natural, treelstm"
     ]
     out = _cli("demo", "--steps", "0")
     assert out.returncode == 1 and out.stderr.strip() == "memcompile: error: --steps must be >= 1"

@@ -64,6 +64,25 @@ def test_natural_models_train_bit_identical_with_their_modules_as_fragments(name
     assert rep.to_dict()["regions"][0]["caller"] == fallback.code
 
 
+def test_a_frame_recompiled_per_input_structure_goes_regional() -> None:
+    # The tree network's forward recurses over a new tree each step: Dynamo compiles a graph
+    # per tree; after REGIONAL_AFTER of them memcompile runs it eagerly with its modules as
+    # fragments, instead of compiling up to the (raised) recompile limit.
+    from memcompile.backends.compiler import REGIONAL_AFTER
+
+    steps = REGIONAL_AFTER + 4
+    compiled, wl = _train_both("tree_natural", steps=steps)
+    rep = memcompile.report(compiled)
+    (fallback,) = rep.fallbacks
+    assert fallback.kind == "recompiling" and fallback.code == forward_label(wl.model)
+    assert f"compiled {REGIONAL_AFTER} times" in fallback.reason
+    assert [r.path for r in rep.regions] == ["emb", "cell", "head"]
+    whole = [f for f in rep.fragments if "<memcompile region " not in f.code]
+    assert len(whole) == REGIONAL_AFTER  # one per tree, then none
+    cell = next(f for f in rep.fragments if "region cell" in f.code)
+    assert cell.forward_calls >= 3 * 3  # the last steps' trees: at least 4 leaves each
+
+
 def test_modules_of_one_structure_share_one_graph() -> None:
     compiled, _ = _train_both("moe_natural")
     rep = memcompile.report(compiled)
@@ -335,3 +354,6 @@ def test_glue_over_the_budget_is_warned_about_in_a_loop_without_an_optimizer(
     assert "(a model call, no optimizer step: its forward)" in str(over[0].message)
     rep = memcompile.report(compiled)
     assert rep.over_budget and rep.measured_peak is not None and rep.measured_peak > budget
+    # What the sample saw beyond the forward's prediction is counted from then on.
+    assert rep.unseen_bytes > 0 and "measured beyond the plans" in str(rep)
+    assert rep.predicted_peak is not None and rep.predicted_peak >= rep.unseen_bytes

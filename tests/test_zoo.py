@@ -36,6 +36,7 @@ NAMES = (
     "moe_natural",
     "moe_natural_top2",
     "resnet",
+    "tree_natural",
     "treelstm",
 )
 # Parameters that may legitimately get no gradient in a step: experts nobody was routed to,
@@ -48,7 +49,7 @@ OPTIONAL_GRADS = {
     "early_exit_natural": r"^(blocks|exits)\.\d+\.",
 }
 # Written the natural way: Dynamo falls back on their forward by design (tests/test_regions.py).
-NATURAL = ("early_exit_natural", "moe_natural", "moe_natural_top2")
+NATURAL = ("early_exit_natural", "moe_natural", "moe_natural_top2", "tree_natural")
 DYNAMO = tuple(n for n in NAMES if n not in NATURAL)
 
 

@@ -25,14 +25,16 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
 import torch._dynamo
 from torch import fx
+from torch._C._dynamo.eval_frame import set_code_exec_strategy
 from torch._dynamo.callback import callback_handler
 from torch._dynamo.eval_frame import innermost_backend
+from torch._dynamo.types import FrameAction, FrameExecStrategy
 
 from memcompile.analysis.costmodel import DeviceProfile, device_profile, resolve_profile_name
 from memcompile.analysis.optimizer_cost import OptimizerCost
@@ -94,6 +96,9 @@ _all_compilers: weakref.WeakSet[MemCompiler] = weakref.WeakSet()
 #: Dynamo's recompile limit for a model memcompile sees is dynamic (when the limit is still
 #: torch's default): MoE expert graphs, early exits and trees recompile for new shapes/paths.
 DYNAMIC_RECOMPILE_LIMIT = 64
+#: Compiles of one module ``forward`` after which it runs eagerly with its ``torch.nn`` modules
+#: compiled as regions (Dynamo's default recompile limit).
+REGIONAL_AFTER = 8
 
 
 def _apply_dynamo_settings() -> None:
@@ -151,6 +156,10 @@ class MemCompiler:
         self.regional: RegionSet | None = None
         # A loop without an optimizer: the sample begun at this call's start ends with it.
         self._forward_sample = False
+        # Frames gone regional after REGIONAL_AFTER compiles, and those to skip at the next
+        # call (_regional_after_recompiles).
+        self._regional_codes: list[CodeType] = []
+        self._skip_pending: list[CodeType] = []
         self.dynamic = ""
         self.recompile_limit_raised: tuple[int, int] | None = None
         self.store = TieredStore(config.disk_path)
@@ -327,6 +336,7 @@ class MemCompiler:
             self.fraction.compiling()
         if self._device is None and device is not None:
             self._device = device
+        self._regional_after_recompiles()
         identity = fragment_identity(gm, example_inputs)
         old, resident, saved_cap = self.budget.take_awaiting(identity.id)
         # Dynamo compiles under its own global lock, so the next index cannot be taken meanwhile.
@@ -645,6 +655,7 @@ class MemCompiler:
             self._forward_sample = True
         self._rebudget()
         self.budget.apply_replans()
+        self._skip_recompiling()
 
     def _dispatch_mode_call(self) -> None:
         fallback = dispatch_mode_fallback()
@@ -662,6 +673,49 @@ class MemCompiler:
             with self._lock:
                 self.fallbacks.extend(fallbacks)
             self._install_regions(fallbacks)
+
+    def _regional_after_recompiles(self) -> None:
+        """A module's ``forward`` compiled for the ``REGIONAL_AFTER``-th time (a new graph for
+        each input's Python structure: a tree network's recursion over a new tree every step)
+        runs eagerly from the model's next call, with the ``torch.nn`` modules it calls as
+        fragments (backends/regions.py), rather than compiling a graph per structure up to
+        Dynamo's recompile limit. Only where it calls such modules."""
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        count = getattr(compile_id, "frame_compile_id", None)
+        code = compiling_code()
+        model = self._model()
+        if (
+            count is None
+            or count + 1 < REGIONAL_AFTER
+            or code is None
+            or code in self._regional_codes
+            or model is None
+            or self.regional is None
+            or not features.current().regional
+        ):
+            return
+        fallback = Fallback(
+            code=f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})",
+            kind="recompiling",
+            reason=f"compiled {count + 1} times (a new graph for each input's structure)",
+            compile_id=str(compile_id),
+            hint="memcompile runs it eagerly and compiles the torch.nn modules it calls",
+        )
+        if not find_regions(model, [fallback]):
+            return
+        self._regional_codes.append(code)
+        self._skip_pending.append(code)
+        self._claim([fallback])
+
+    def _skip_recompiling(self) -> None:
+        """Between two model calls: the frames :meth:`_regional_after_recompiles` chose run
+        eagerly from now on, their nested frames too (the regions' own Dynamo context compiles
+        the modules)."""
+        codes, self._skip_pending = self._skip_pending, []
+        for code in codes:
+            with torch._dynamo.convert_frame.compile_lock:
+                torch._dynamo.reset_code(code)
+            set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
     def _install_regions(self, fallbacks: Collection[Fallback]) -> None:
         """Compile the ``torch.nn`` modules that frames Dynamo gave up on call, as fragments of

@@ -53,9 +53,10 @@ __all__ = ["Region", "RegionSet", "find_regions", "forward_label", "install_regi
 # Containers have no forward of their own: the modules in them are called from the frame that
 # holds the container.
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
-# Fallback kinds where the frame's code runs eagerly on every call (a recompile limit or a
-# dispatch mode is another problem: regions would not help).
-_REGIONAL_KINDS = frozenset({"skipped_frame", "failed_frame"})
+# Fallback kinds where the frame's code runs eagerly (on every call, or on every call its
+# compiled graphs do not fit: the recompile limit); "recompiling": a frame memcompile runs
+# eagerly after REGIONAL_AFTER compiles (compiler.py). Under a dispatch mode nothing compiles.
+_REGIONAL_KINDS = frozenset({"skipped_frame", "failed_frame", "recompile_limit", "recompiling"})
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
     >>> from memcompile import zoo
     >>> zoo.names()
     ('branchy', 'early_exit', 'early_exit_natural', 'gpt', 'gpt_manual', 'gru', 'moe',
-     'moe_natural', 'moe_natural_top2', 'resnet', 'treelstm')
+     'moe_natural', 'moe_natural_top2', 'resnet', 'tree_natural', 'treelstm')
     >>> wl = zoo.build("gpt", size="tiny")
     >>> wl.model(*wl.batch(0)).backward()
 

@@ -13,9 +13,15 @@ eagerly; memcompile compiles the ``torch.nn`` modules it calls as fragments of t
     moe_natural_top2        the two experts of highest mean router probability, weighted by it
     early_exit_natural      for each block: x = x + block(x); logits = exit(x)
                                             if confidence(logits).item() > t: break
+    tree_natural            encode(node) = emb(leaf) or cell(cat(encode(left), encode(right))):
+                            Python recursion over a binary tree (nested tuples), a new tree
+                            every step (Dynamo recompiles per tree until its recompile limit)
 """
 
 from __future__ import annotations
+
+import random
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +39,11 @@ _EXIT: dict[str, dict[str, int]] = {
     "tiny": dict(layers=4, d_in=32, d_model=64, classes=8, batch=16),
     "small": dict(layers=6, d_in=256, d_model=512, classes=32, batch=128),
     "bench": dict(layers=6, d_in=512, d_model=768, classes=64, batch=512),
+}
+_TREE: dict[str, dict[str, int]] = {
+    "tiny": dict(vocab=64, d_model=32, classes=4, leaves=8),
+    "small": dict(vocab=512, d_model=256, classes=8, leaves=24),
+    "bench": dict(vocab=2048, d_model=512, classes=16, leaves=64),
 }
 # Signal strengths cycled per step (strong signals exit early), and the exits' thresholds.
 _SIGNALS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
@@ -104,6 +115,32 @@ class NaturalEarlyExit(nn.Module):
             if logits.softmax(-1).amax(-1).mean().item() >= threshold:
                 break
         return F.cross_entropy(logits, labels)
+
+
+class NaturalTree(nn.Module):
+    """A recursive network over a binary tree given as nested tuples of leaf positions."""
+
+    def __init__(self, *, vocab: int, d_model: int, classes: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d_model)
+        self.cell = nn.Sequential(nn.Linear(2 * d_model, d_model), nn.Tanh())
+        self.head = nn.Linear(d_model, classes)
+
+    def encode(self, node: Any, leaves: torch.Tensor) -> torch.Tensor:
+        if isinstance(node, int):
+            return self.emb(leaves[node])
+        left, right = node
+        return self.cell(torch.cat([self.encode(left, leaves), self.encode(right, leaves)], -1))
+
+    def forward(self, tree: Any, leaves: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.encode(tree, leaves)).unsqueeze(0), label)
+
+
+def _random_tree(rng: random.Random, n: int, start: int = 0) -> Any:
+    if n == 1:
+        return start
+    k = rng.randint(1, n - 1)
+    return (_random_tree(rng, k, start), _random_tree(rng, n - k, start + k))
 
 
 def _moe(size: str, seed: int, top_k: int) -> Workload:
@@ -187,4 +224,32 @@ def build_early_exit_natural(size: str, seed: int) -> Workload:
         dynamic=True,
         single_fragment=False,
         extra=dict(cfg, thresholds=thresholds, natural=True),
+    )
+
+
+@register("tree_natural")
+def build_tree_natural(size: str, seed: int) -> Workload:
+    """Recursive tree network: Python recursion over a new random binary tree every step."""
+    cfg = _TREE[size]
+    torch.manual_seed(seed)
+    model = NaturalTree(vocab=cfg["vocab"], d_model=cfg["d_model"], classes=cfg["classes"])
+
+    def batch(step: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        g = generator(seed, step)
+        rng = random.Random(seed * 1_000_003 + step)
+        n = rng.randint(cfg["leaves"] // 2, cfg["leaves"])
+        leaves = torch.randint(cfg["vocab"], (n,), generator=g)
+        return _random_tree(rng, n), leaves, torch.randint(cfg["classes"], (1,), generator=g)
+
+    return Workload(
+        name="tree_natural",
+        summary=(
+            f"recursive tree network written naturally: Python recursion over a random binary "
+            f"tree of {cfg['leaves'] // 2}-{cfg['leaves']} leaves, d {cfg['d_model']}"
+        ),
+        model=model,
+        batch_fn=batch,
+        dynamic=True,
+        single_fragment=False,
+        extra=dict(cfg, natural=True),
     )
