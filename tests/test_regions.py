@@ -357,3 +357,26 @@ def test_glue_over_the_budget_is_warned_about_in_a_loop_without_an_optimizer(
     # What the sample saw beyond the forward's prediction is counted from then on.
     assert rep.unseen_bytes > 0 and "measured beyond the plans" in str(rep)
     assert rep.predicted_peak is not None and rep.predicted_peak >= rep.unseen_bytes
+
+
+def test_recompiles_are_counted_by_distinct_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A re-plan compiles the same graph again (and resets Dynamo's own per-frame count): only
+    # distinct graphs of one frame count towards going regional.
+    from memcompile.backends import compiler as compiler_module
+    from memcompile.backends.compiler import REGIONAL_AFTER
+
+    wl = zoo.build("tree_natural", size="tiny")
+    compiled = memcompile.compile(wl.model)
+    compiler = memcompile.report.__globals__["find_compiler"](compiled)[0]
+    code = type(wl.model).forward.__code__
+    monkeypatch.setattr(compiler_module, "compiling_code", lambda: code)
+    for _ in range(3 * REGIONAL_AFTER):
+        compiler._regional_after_recompiles("the same graph, re-planned")
+    for i in range(REGIONAL_AFTER - 2):
+        compiler._regional_after_recompiles(f"tree {i}")
+    assert compiler._skip_pending == [] and compiler.fallbacks == []
+    compiler._regional_after_recompiles("one more tree")
+    assert compiler._skip_pending == [code]
+    (fallback,) = compiler.fallbacks
+    assert fallback.kind == "recompiling" and fallback.code == forward_label(wl.model)
+    assert [r.path for r in compiler.regional.regions] == ["emb", "cell", "head"]

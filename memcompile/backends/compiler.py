@@ -160,6 +160,8 @@ class MemCompiler:
         # call (_regional_after_recompiles).
         self._regional_codes: list[CodeType] = []
         self._skip_pending: list[CodeType] = []
+        # Code object -> identities of the graphs compiled from it.
+        self._graphs_per_code: dict[CodeType, set[str]] = {}
         self.dynamic = ""
         self.recompile_limit_raised: tuple[int, int] | None = None
         self.store = TieredStore(config.disk_path)
@@ -336,8 +338,8 @@ class MemCompiler:
             self.fraction.compiling()
         if self._device is None and device is not None:
             self._device = device
-        self._regional_after_recompiles()
         identity = fragment_identity(gm, example_inputs)
+        self._regional_after_recompiles(identity.id)
         old, resident, saved_cap = self.budget.take_awaiting(identity.id)
         # Dynamo compiles under its own global lock, so the next index cannot be taken meanwhile.
         # A re-planned fragment keeps its index (and call counts): it replaces its record.
@@ -449,6 +451,10 @@ class MemCompiler:
             self.checks.reset()
             self.resident.reset()
             self.iteration.reset()
+            # Dynamo forgot the frames' code and strategies: they compile (and count) anew.
+            self._graphs_per_code.clear()
+            self._regional_codes.clear()
+            self._skip_pending.clear()
         for observer in self.step_monitor.observers:
             observer.reset()
         if self.prefetcher is not None:
@@ -674,21 +680,21 @@ class MemCompiler:
                 self.fallbacks.extend(fallbacks)
             self._install_regions(fallbacks)
 
-    def _regional_after_recompiles(self) -> None:
-        """A module's ``forward`` compiled for the ``REGIONAL_AFTER``-th time (a new graph for
-        each input's Python structure: a tree network's recursion over a new tree every step)
-        runs eagerly from the model's next call, with the ``torch.nn`` modules it calls as
-        fragments (backends/regions.py), rather than compiling a graph per structure up to
-        Dynamo's recompile limit. Only where it calls such modules."""
-        compile_id = torch._guards.CompileContext.current_compile_id()
-        count = getattr(compile_id, "frame_compile_id", None)
+    def _regional_after_recompiles(self, identity: str) -> None:
+        """A module's ``forward`` compiled into its ``REGIONAL_AFTER``-th distinct graph (a
+        new graph for each input's Python structure: a tree network's recursion over a new tree
+        every step) runs eagerly from the model's next call, with the ``torch.nn`` modules it
+        calls as fragments (backends/regions.py), rather than compiling a graph per structure
+        up to Dynamo's recompile limit. Only where it calls such modules. Graphs are counted by
+        identity: a re-plan compiles the same graph again."""
         code = compiling_code()
+        if code is None or code in self._regional_codes:
+            return
+        seen = self._graphs_per_code.setdefault(code, set())
+        seen.add(identity)
         model = self._model()
         if (
-            count is None
-            or count + 1 < REGIONAL_AFTER
-            or code is None
-            or code in self._regional_codes
+            len(seen) < REGIONAL_AFTER
             or model is None
             or self.regional is None
             or not features.current().regional
@@ -697,8 +703,8 @@ class MemCompiler:
         fallback = Fallback(
             code=f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})",
             kind="recompiling",
-            reason=f"compiled {count + 1} times (a new graph for each input's structure)",
-            compile_id=str(compile_id),
+            reason=f"compiled {len(seen)} times (a new graph for each input's structure)",
+            compile_id=str(torch._guards.CompileContext.current_compile_id()),
             hint="memcompile runs it eagerly and compiles the torch.nn modules it calls",
         )
         if not find_regions(model, [fallback]):
