@@ -1,7 +1,8 @@
 """memcompile on third-party client models: tiny Hugging Face ``transformers`` language models.
 
     pip install -c constraints.txt transformers      # optional: not a memcompile dependency
-    OMP_NUM_THREADS=1 python benchmarks/clients.py [--models llama,mixtral_eager] [--out DIR]
+    OMP_NUM_THREADS=1 python benchmarks/clients.py [--models llama,mixtral_eager] [--steps 2]
+        [--out DIR]
 
 Each model is built from a small random config (no download; research/03 §3): hidden 64, 2
 layers, vocabulary 512, batch 2 x 32 tokens, dropout 0. One process per (model, configuration):
@@ -12,11 +13,12 @@ layers, vocabulary 512, batch 2 x 32 tokens, dropout 0. One process per (model, 
                  (on_infeasible="best_effort": a budget no plan meets runs the smallest plan,
                  with a warning, and the row says so)
 
-Each memcompile row trains 2 steps next to an eager copy and a ``torch.compile(backend=
-"aot_eager")`` copy of the same weights, then compares the loss and every gradient bit for bit
-with both, and measures a third step's peak with the CPU profiler (``memcompile.measure``) beside
-``report().predicted_peak``. Eager frames (Dynamo gave up on them; memcompile does not manage
-their memory) are counted from the report. Results: ``benchmarks/results/clients.{md,json}``.
+Each memcompile row trains ``--steps`` (2) steps next to an eager copy and a
+``torch.compile(backend="aot_eager")`` copy of the same weights, then compares the loss and every
+gradient bit for bit with both, and measures the next step's peak with the CPU profiler
+(``memcompile.measure``) beside ``report().predicted_peak``. Eager frames (Dynamo gave up on them;
+memcompile manages only the ``torch.nn`` modules they call, and counts what a sampled step measured
+beyond its plans) are counted from the report. Results: ``benchmarks/results/clients.{md,json}``.
 """
 
 from __future__ import annotations
@@ -90,8 +92,8 @@ def build(name: str) -> Any:
     return model.train()
 
 
-def run_one(name: str, config: str, budget: int | None) -> dict[str, Any]:
-    """One row, in this process."""
+def run_one(name: str, config: str, budget: int | None, steps: int = 2) -> dict[str, Any]:
+    """One row, in this process: ``steps`` training steps, then the measured one."""
     import copy
     import warnings
 
@@ -122,7 +124,7 @@ def run_one(name: str, config: str, budget: int | None) -> dict[str, Any]:
     aot_compiled = torch.compile(aot, backend="aot_eager")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(2):
+        for _ in range(steps):
             loss = step(compiled, model)
             loss_ref, loss_aot = step(ref, ref), step(aot_compiled, aot)
         model.zero_grad(set_to_none=True)
@@ -153,8 +155,8 @@ def run_one(name: str, config: str, budget: int | None) -> dict[str, Any]:
     return row
 
 
-def _subprocess(name: str, config: str, budget: int | None) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--one", name, "--config", config]
+def _subprocess(name: str, config: str, budget: int | None, steps: int = 2) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--one", name, "--config", config, "--steps", str(steps)]
     if budget is not None:
         cmd += ["--budget", str(budget)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -186,12 +188,14 @@ def to_markdown(rows: list[dict[str, Any]], command: str) -> str:
         f"{transformers.__version__}",
         f"- date: {datetime.date.today().isoformat()}",
         f"- models: tiny random configs (hidden 64, 2 layers, vocab {VOCAB}), batch {BATCH} x "
-        f"{SEQ} tokens, one training step; peaks measured by the CPU profiler, absolute",
+        f"{SEQ} tokens; peaks measured by the CPU profiler, absolute, in the step after "
+        "`--steps` training steps",
         "- budgets: 0.75 / 0.50 x eager's measured peak (`on_infeasible='best_effort'`)",
         "- the step keeps only `out.loss`: the logits die before `backward`, while memcompile's "
         "prediction assumes the caller holds every output (128 KiB here)",
         "- eager frames: frames Dynamo runs eagerly; their activations and gradients are in the "
-        "measured peak, not in the prediction (`(estimate)`)",
+        "measured peak, and in the prediction (`(estimate)`) only as far as a sampled step "
+        "measured them beyond the plans (`report().unseen_bytes`)",
         "",
         "| model | config | budget MiB | measured MiB | predicted MiB | within budget | "
         "budget warnings | fragments | eager frames | loss = eager | grads = eager | "
@@ -225,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument(
+        "--steps", type=int, default=2, help="training steps before the measured one (default 2)"
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=int, help=argparse.SUPPRESS)
@@ -236,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
               "transformers", file=sys.stderr)  # fmt: skip
         return 2
     if args.one:
-        print(json.dumps(run_one(args.one, args.config, args.budget)))
+        print(json.dumps(run_one(args.one, args.config, args.budget, args.steps)))
         return 0
     models, configs = args.models.split(","), args.configs.split(",")
     for m in models:
@@ -255,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             base = eager.get("measured_peak")
             budget = None if c == "mc_none" or base is None else int(base * int(c[3:]) / 100)
-            rows.append(_subprocess(m, c, budget))
+            rows.append(_subprocess(m, c, budget, args.steps))
             print(json.dumps(rows[-1]), flush=True)
     command = "OMP_NUM_THREADS=1 python benchmarks/clients.py " + " ".join(
         sys.argv[1:] if argv is None else argv
