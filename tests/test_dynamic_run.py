@@ -290,7 +290,12 @@ class _Repeat(nn.Module):
         return self.lin(x).sum() * len(mode)  # every new string recompiles
 
 
-def test_recompile_limit_is_raised_for_a_dynamic_model() -> None:
+def test_recompile_limit_is_raised_for_a_dynamic_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (After 8 distinct graphs of its forward the model would go regional, kind "recompiling":
+    # tests/test_regions.py. Here the limit itself is the subject.)
+    from memcompile.backends import compiler
+
+    monkeypatch.setattr(compiler, "REGIONAL_AFTER", 64)
     torch._dynamo.reset()
     model = _Repeat()
     with torch._dynamo.config.patch(recompile_limit=8), warnings.catch_warnings():

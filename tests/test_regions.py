@@ -380,3 +380,64 @@ def test_recompiles_are_counted_by_distinct_graphs(monkeypatch: pytest.MonkeyPat
     (fallback,) = compiler.fallbacks
     assert fallback.kind == "recompiling" and fallback.code == forward_label(wl.model)
     assert [r.path for r in compiler.regional.regions] == ["emb", "cell", "head"]
+
+
+def test_copies_and_saved_models_carry_no_gate() -> None:
+    import copy
+    import io
+
+    _, wl = _train_both("moe_natural", steps=2)
+    assert wl.model.head._compiled_call_impl is not None
+    assert copy.deepcopy(wl.model).head._compiled_call_impl is None  # Module.__getstate__
+    buffer = io.BytesIO()
+    torch.save(wl.model, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=False).head._compiled_call_impl is None
+
+
+def test_a_decorator_shared_by_several_module_types_is_never_skipped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Hugging Face decorates forwards: one wrapper code object for every module type it wraps.
+    import functools
+
+    from memcompile.backends import compiler as compiler_module
+    from memcompile.backends.compiler import REGIONAL_AFTER
+
+    def decorated(fn):  # type: ignore[no-untyped-def]
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    class A(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        @decorated
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+    class B(A):
+        @decorated
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * 2
+
+    class Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = A(), B()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x)).sum()
+
+    model = Both()
+    assert A.forward.__code__ is B.forward.__code__
+    compiled = memcompile.compile(model)
+    compiler = memcompile.report.__globals__["find_compiler"](compiled)[0]
+    monkeypatch.setattr(compiler_module, "compiling_code", lambda: A.forward.__code__)
+    for i in range(2 * REGIONAL_AFTER):
+        compiler._regional_after_recompiles(f"graph {i}")
+    assert compiler._skip_pending == [] and compiler.fallbacks == []

@@ -96,8 +96,8 @@ _all_compilers: weakref.WeakSet[MemCompiler] = weakref.WeakSet()
 #: Dynamo's recompile limit for a model memcompile sees is dynamic (when the limit is still
 #: torch's default): MoE expert graphs, early exits and trees recompile for new shapes/paths.
 DYNAMIC_RECOMPILE_LIMIT = 64
-#: Compiles of one module ``forward`` after which it runs eagerly with its ``torch.nn`` modules
-#: compiled as regions (Dynamo's default recompile limit).
+#: Distinct graphs of one module ``forward`` after which it runs eagerly with its ``torch.nn``
+#: modules compiled as regions (Dynamo's default recompile limit).
 REGIONAL_AFTER = 8
 
 
@@ -608,10 +608,10 @@ class MemCompiler:
     def attach_in_call(self, ctx: Any, frame: FrameType | None) -> None:
         """Attach to ``ctx`` from inside a call of its model (``torch.compile(backend=
         "memcompile")``: the first fragment's compile, or the first frame Dynamo starts to
-        compile, see entry.py); no-op when attached already. The hook watches the later calls
-        only: the frames Dynamo gave up on so far in this call are still running (they call
-        ``frame``), or were called by one of them; those after this point are claimed when the
-        next call starts (or by report())."""
+        compile, see :func:`_on_compile_start`); no-op when attached already. The hook watches
+        the later calls only: the frames Dynamo gave up on so far in this call are still running
+        (they call ``frame``), or were called by one of them; those after this point are claimed
+        when the next call starts (or by report())."""
         if not self.attach(ctx):
             return
         self._claim(fallback_monitor.claim_running(frame))
@@ -707,7 +707,12 @@ class MemCompiler:
             compile_id=str(torch._guards.CompileContext.current_compile_id()),
             hint="memcompile runs it eagerly and compiles the torch.nn modules it calls",
         )
-        if not find_regions(model, [fallback]):
+        # A decorator's wrapper is one code object for every module it wraps: skipping it would
+        # run them all eagerly. Only a forward of one module type goes regional.
+        owners = {
+            type(m) for m in model.modules() if getattr(type(m).forward, "__code__", None) is code
+        }
+        if len(owners) != 1 or not find_regions(model, [fallback]):
             return
         self._regional_codes.append(code)
         self._skip_pending.append(code)

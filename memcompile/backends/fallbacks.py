@@ -96,7 +96,9 @@ class Fallback:
 
     Attributes:
         code: ``function (file:line)`` of the frame.
-        kind: ``recompile_limit``, ``skipped_frame``, ``failed_frame`` or ``dispatch_mode``.
+        kind: ``recompile_limit``, ``skipped_frame``, ``failed_frame`` or ``dispatch_mode``;
+            ``recompiling``: a module ``forward`` memcompile runs eagerly after it compiled into
+            many distinct graphs (backends/compiler.py, ``REGIONAL_AFTER``).
         reason: Dynamo's reason, first line.
         compile_id: Dynamo's compile id of the failed attempt.
         hint: what the user can do about it.

@@ -10,12 +10,12 @@ skips frames in torch's own files. This module turns each of those into a fragme
 
     class MoE(nn.Module):                   # forward falls back: "graph break in loop"
         def forward(self, tok):
-            x = self.emb(tok)                               # region "emb"       -> F0 (Embedding)
+            x = self.emb(tok)                               # region "emb" -> F0 (Embedding)
             for l in range(L):
-                e = int(self.router[l](x).mean(0).argmax()) # regions "router.0".."router.L-1"
-                x = x + self.experts[l][e](x)               #   one graph -> F1 (Linear)
-            return self.head(x)                             # user Expert: Dynamo compiles it
-                                                            # region "head"      -> F2 (Linear)
+                e = int(self.router[l](x).mean(0).argmax()) # "router.0".."router.L-1": one
+                x = x + self.experts[l][e](x)               #   graph, F1 (Linear); Expert is
+            return self.head(x)                             #   the user's: Dynamo compiles it
+                                                            # region "head" -> F2 (Linear)
 
 :func:`find_regions` decides: for each module of the model whose ``forward`` fell back, the
 ``torch.nn`` modules it holds directly or through containers (``ModuleList``, ``ModuleDict``) — a

@@ -4,16 +4,20 @@
                     (runtime/peakwatch.py); over it -> MemoryBudgetWarning, once (once more for
                     a step without compiles)
                     CPU: the profiler's peak over a whole training iteration (its micro-batches
-                    and its optimizers' steps), sampled: the first iteration without a compile
-                    after each compile; over the budget and the iteration's prediction ->
-                    MemoryBudgetWarning, once. Between
-                    samples the CPU pays nothing; the user's own profiling is never disturbed
-                    (no sample begins while a profiler runs)
+                    and its optimizers' steps; without an optimizer, one model call: its
+                    forward, from the call's start), sampled: the first iteration without a
+                    compile after each compile; over the budget and the iteration's prediction
+                    -> MemoryBudgetWarning, once; what a sample peaks above the prediction
+                    (with eager frames, a forward above the forward's) -> StepBudget.unseen,
+                    which later predictions count. Between samples the CPU pays nothing; the
+                    user's own profiling is never disturbed (no sample begins while a profiler
+                    runs, and none spans the user's code between calls without an optimizer)
     gradient order  an input whose several contributions a fragment's backward sums, after
                     another call of the step added to its gradient first: the last bits may
                     differ from eager's -> GradientOrderWarning, once per fragment input
 
-Both only read the step the monitor recorded; neither changes a plan.
+Both only read the step the monitor recorded; neither changes a plan (the unseen bytes make the
+budget's next check re-plan).
 """
 
 from __future__ import annotations
