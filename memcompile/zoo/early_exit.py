@@ -24,6 +24,8 @@ and at most ``layers - 1`` per code object (Dynamo's default limit is 8).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -104,19 +106,10 @@ class EarlyExitNet(nn.Module):
         return len(self.blocks) - 1
 
 
-@register("early_exit")
-def build_early_exit(size: str, seed: int) -> Workload:
-    """A residual MLP classifier with an exit head after every block."""
+def signal_batches(size: str, seed: int) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """The batches of step ``k``: class prototypes times the step's signal strength, plus noise
+    (``early_exit_natural`` trains on the same)."""
     cfg = _CONFIGS[size]
-    thresholds = torch.linspace(*_THRESHOLDS, cfg["layers"] - 1).tolist()
-    torch.manual_seed(seed)
-    model = EarlyExitNet(
-        layers=cfg["layers"],
-        d_in=cfg["d_in"],
-        d_model=cfg["d_model"],
-        classes=cfg["classes"],
-        thresholds=thresholds,
-    )
     b, d_in, classes = cfg["batch"], cfg["d_in"], cfg["classes"]
     # Step -1 is no training step: prototypes and signal order are fixed by the seed.
     g = generator(seed, -1)
@@ -130,6 +123,23 @@ def build_early_exit(size: str, seed: int) -> Workload:
         x = signal * protos[labels] + torch.randn(b, d_in, generator=g)
         return x, labels
 
+    return batch
+
+
+@register("early_exit")
+def build_early_exit(size: str, seed: int) -> Workload:
+    """A residual MLP classifier with an exit head after every block."""
+    cfg = _CONFIGS[size]
+    thresholds = torch.linspace(*_THRESHOLDS, cfg["layers"] - 1).tolist()
+    torch.manual_seed(seed)
+    model = EarlyExitNet(
+        layers=cfg["layers"],
+        d_in=cfg["d_in"],
+        d_model=cfg["d_model"],
+        classes=cfg["classes"],
+        thresholds=thresholds,
+    )
+    b = cfg["batch"]
     return Workload(
         name="early_exit",
         summary=(
@@ -138,7 +148,7 @@ def build_early_exit(size: str, seed: int) -> Workload:
             f"B {b}"
         ),
         model=model,
-        batch_fn=batch,
+        batch_fn=signal_batches(size, seed),
         dynamic=True,
         single_fragment=False,
         extra=dict(cfg, thresholds=thresholds, signals=_SIGNALS),

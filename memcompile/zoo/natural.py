@@ -29,25 +29,19 @@ from torch import nn
 
 from memcompile.zoo import register
 from memcompile.zoo.base import Workload, generator
+from memcompile.zoo.early_exit import _CONFIGS as _EXIT
+from memcompile.zoo.early_exit import _THRESHOLDS, signal_batches
 
 _MOE: dict[str, dict[str, int]] = {
     "tiny": dict(layers=2, experts=4, d_model=32, vocab=64, seq=16, batch=4),
     "small": dict(layers=4, experts=8, d_model=128, vocab=256, seq=64, batch=8),
     "bench": dict(layers=8, experts=8, d_model=512, vocab=1024, seq=256, batch=8),
 }
-_EXIT: dict[str, dict[str, int]] = {
-    "tiny": dict(layers=4, d_in=32, d_model=64, classes=8, batch=16),
-    "small": dict(layers=6, d_in=256, d_model=512, classes=32, batch=128),
-    "bench": dict(layers=6, d_in=512, d_model=768, classes=64, batch=512),
-}
 _TREE: dict[str, dict[str, int]] = {
     "tiny": dict(vocab=64, d_model=32, classes=4, leaves=8),
     "small": dict(vocab=512, d_model=256, classes=8, leaves=24),
     "bench": dict(vocab=2048, d_model=512, classes=16, leaves=64),
 }
-# Signal strengths cycled per step (strong signals exit early), and the exits' thresholds.
-_SIGNALS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
-_THRESHOLDS = (0.6, 0.3)
 
 
 class NaturalMoE(nn.Module):
@@ -191,7 +185,8 @@ def build_moe_natural_top2(size: str, seed: int) -> Workload:
 
 @register("early_exit_natural")
 def build_early_exit_natural(size: str, seed: int) -> Workload:
-    """Early-exit classifier whose layer loop ends with ``if conf.item() > t: break``."""
+    """Early-exit classifier whose layer loop ends with ``if conf.item() > t: break``, on the
+    ``early_exit`` workload's sizes, thresholds and batches."""
     cfg = _EXIT[size]
     thresholds = torch.linspace(*_THRESHOLDS, cfg["layers"] - 1).tolist()
     torch.manual_seed(seed)
@@ -202,17 +197,7 @@ def build_early_exit_natural(size: str, seed: int) -> Workload:
         classes=cfg["classes"],
         thresholds=thresholds,
     )
-    b, d_in, classes = cfg["batch"], cfg["d_in"], cfg["classes"]
-    g = generator(seed, -1)
-    protos = torch.randn(classes, d_in, generator=g)
-    order = torch.randperm(len(_SIGNALS), generator=g).tolist()
-
-    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = generator(seed, step)
-        labels = torch.randint(classes, (b,), generator=g)
-        x = _SIGNALS[order[step % len(_SIGNALS)]] * protos[labels]
-        return x + torch.randn(b, d_in, generator=g), labels
-
+    b = cfg["batch"]
     return Workload(
         name="early_exit_natural",
         summary=(
@@ -220,7 +205,7 @@ def build_early_exit_natural(size: str, seed: int) -> Workload:
             f"d {cfg['d_model']}, `if confidence.item() >= t: break` in the layer loop, B {b}"
         ),
         model=model,
-        batch_fn=batch,
+        batch_fn=signal_batches(size, seed),
         dynamic=True,
         single_fragment=False,
         extra=dict(cfg, thresholds=thresholds, natural=True),
