@@ -80,10 +80,8 @@ def run_row(name: str, size: str, config: str, eager_peak: int | None, args: Any
     eager_wl, wl = zoo.build(name, size=size), zoo.build(name, size=size)
     budget = int(_FRACTION[config] * eager_peak) if config in _FRACTION and eager_peak else None
     fn: Callable[..., torch.Tensor] = wl.model
-    off = features.patch(regional=False) if config.endswith("_off") else None
-    if off is not None:
-        off.__enter__()
-    try:
+    # "_off": regional capture switched off; otherwise the switch as it is by default.
+    with features.patch(regional=not config.endswith("_off")):
         if config != "eager":
             fn = memcompile.compile(wl.model, budget=budget, on_infeasible="best_effort")
         ref, loop = Loop(eager_wl, eager_wl.model), Loop(wl, fn)
@@ -112,9 +110,6 @@ def run_row(name: str, size: str, config: str, eager_peak: int | None, args: Any
                 ref.iteration(k)
                 t2 = time.process_time()
                 ratios.append((t1 - t0) / max(t2 - t1, 1e-9))
-    finally:
-        if off is not None:
-            off.__exit__(None, None, None)
     row: dict[str, Any] = {
         "model": name,
         "config": config,

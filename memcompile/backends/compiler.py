@@ -55,6 +55,7 @@ from memcompile.backends.fallbacks import (
     EagerFallbackWarning,
     Fallback,
     FunctionSpan,
+    code_label,
     dispatch_mode_fallback,
 )
 from memcompile.backends.fallbacks import monitor as fallback_monitor
@@ -80,7 +81,7 @@ from memcompile.rewrites.input_uses import InputSplit, split_inputs_pass
 from memcompile.runtime.peakwatch import PeakWatch
 from memcompile.runtime.pinned import install_hooks as install_pinned_hooks
 from memcompile.runtime.store import HOSTABLE_DEVICES, TieredStore, register_store
-from memcompile.step.budget import StepBudget
+from memcompile.step.budget import StepBudget, reset_codes
 from memcompile.step.checks import StepChecks
 from memcompile.step.fraction import BudgetFraction
 from memcompile.step.iteration import IterationWatch, grad_bytes
@@ -154,8 +155,6 @@ class MemCompiler:
         self._late_cursor: int | None = None
         self.model: weakref.ref[torch.nn.Module] | None = None
         self.regional: RegionSet | None = None
-        # A loop without an optimizer: the sample begun at this call's start ends with it.
-        self._forward_sample = False
         # Frames gone regional after REGIONAL_AFTER compiles, and those to skip at the next
         # call (_regional_after_recompiles).
         self._regional_codes: list[CodeType] = []
@@ -593,8 +592,9 @@ class MemCompiler:
 
             def leave() -> None:
                 regional.leave()
-                if self._forward_sample:
-                    self._forward_sample = False
+                if self.checks.sampling and not self.iteration.optimizers:
+                    # A loop without an optimizer: its sample, begun at this call's start
+                    # (_between_calls), ends with it.
                     self.checks.iteration_ended(1, "")
                 self._claim(fallback_monitor.claim_since(cursor))
                 if sys.exc_info()[0] is not None:  # Dynamo runs this in a `finally`
@@ -656,9 +656,7 @@ class MemCompiler:
             # code between calls. The call's arguments are not known here: not in the peak.
             # (With an optimizer, the iteration is sampled from its first fragment call to its
             # optimizer step: _present_grads.)
-            model = self._model()
-            self.checks.iteration_began((model if model is not None else self._loop_params(),), 1)
-            self._forward_sample = True
+            self.checks.iteration_began(self._roots(()), 1)
         self._rebudget()
         self.budget.apply_replans()
         self._skip_recompiling()
@@ -701,7 +699,7 @@ class MemCompiler:
         ):
             return
         fallback = Fallback(
-            code=f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})",
+            code=code_label(code),
             kind="recompiling",
             reason=f"compiled {len(seen)} times (a new graph for each input's structure)",
             compile_id=str(torch._guards.CompileContext.current_compile_id()),
@@ -723,9 +721,8 @@ class MemCompiler:
         eagerly from now on, their nested frames too (the regions' own Dynamo context compiles
         the modules)."""
         codes, self._skip_pending = self._skip_pending, []
+        reset_codes(codes)
         for code in codes:
-            with torch._dynamo.convert_frame.compile_lock:
-                torch._dynamo.reset_code(code)
             set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
     def _install_regions(self, fallbacks: Collection[Fallback]) -> None:

@@ -34,7 +34,7 @@ import threading
 import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch._dynamo
@@ -53,6 +53,7 @@ __all__ = [
     "Fallback",
     "FallbackMonitor",
     "FunctionSpan",
+    "code_label",
     "dispatch_mode_fallback",
     "function_span",
     "monitor",
@@ -159,6 +160,12 @@ def _classify(reason: str) -> str:
 FunctionSpan = tuple[str, str, int, int]
 _RESUME_PREFIX = "torch_dynamo_resume_in_"
 _EVAL_FRAME = os.path.join("torch", "_dynamo", "eval_frame.py")
+
+
+def code_label(code: CodeType) -> str:
+    """``function (file:line)`` of a code object, as Dynamo's records name a frame (the
+    ``code`` of a :class:`Fallback`, and of a fragment)."""
+    return f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
 
 
 def function_span(code: Any) -> FunctionSpan:

@@ -35,6 +35,7 @@ from memcompile.analysis.workspace import clone_workspace
 from memcompile.backends import advice
 from memcompile.backends.build_env import BuildEnv
 from memcompile.backends.call_wrapper import wrap, wrap_plain
+from memcompile.backends.fallbacks import code_label
 from memcompile.backends.inner import BoxedCallable, compile_inner, decompositions
 from memcompile.errors import format_bytes
 from memcompile.pipeline.built import profile_args
@@ -87,9 +88,7 @@ def _frame_location(frame: Any) -> str:
 
 
 def _code_location(code: CodeType | None) -> str:
-    if code is None:
-        return "<unknown>"
-    return f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
+    return "<unknown>" if code is None else code_label(code)
 
 
 def code_location(gm: fx.GraphModule) -> str:

@@ -32,7 +32,6 @@ calls the module inlines it), the gate calls the module as usual.
 
 from __future__ import annotations
 
-import logging
 import sys
 import threading
 import types
@@ -44,9 +43,7 @@ import torch
 from torch import nn
 from torch._dynamo.eval_frame import skip_code
 
-from memcompile.backends.fallbacks import Fallback
-
-log = logging.getLogger(__name__)
+from memcompile.backends.fallbacks import Fallback, code_label
 
 __all__ = ["Region", "RegionSet", "find_regions", "forward_label", "install_regions"]
 
@@ -83,9 +80,7 @@ class Region:
 def forward_label(module: nn.Module) -> str | None:
     """``forward (file:line)`` of a module's forward, as Dynamo's records name frames."""
     code = getattr(getattr(type(module), "forward", None), "__code__", None)
-    if code is None:
-        return None
-    return f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
+    return None if code is None else code_label(code)
 
 
 def _builtin(module: nn.Module) -> bool:
@@ -113,8 +108,8 @@ def _structure(module: nn.Module) -> str:
 
 
 def find_regions(model: nn.Module, fallbacks: Collection[Fallback]) -> tuple[Region, ...]:
-    """The ``torch.nn`` modules called from the model's modules whose ``forward`` Dynamo runs
-    eagerly (``skipped_frame`` or ``failed_frame``), in the model's module order."""
+    """The ``torch.nn`` modules called from the model's modules whose ``forward`` runs eagerly
+    (a fallback of a kind in ``_REGIONAL_KINDS``), in the model's module order."""
     fallen = {fb.code for fb in fallbacks if fb.kind in _REGIONAL_KINDS}
     if not fallen:
         return ()

@@ -102,6 +102,14 @@ def _cap_note(cap: int | None) -> str:
     return "" if cap is None else f", saved <= {format_bytes(cap)}"
 
 
+def reset_codes(codes: Iterable[CodeType]) -> None:
+    """Drop Dynamo's compiled code of these frames: they compile again at their next call (no
+    frame of them may be running)."""
+    with torch._dynamo.convert_frame.compile_lock:
+        for code in codes:
+            torch._dynamo.reset_code(code)
+
+
 class StepBudget:
     """The step's prediction against ``config.budget`` and the re-plan queue.
 
@@ -239,9 +247,7 @@ class StepBudget:
         there is no call hook); Dynamo then compiles them again."""
         codes, self._pending_codes = self._pending_codes, []
         if codes:
-            with torch._dynamo.convert_frame.compile_lock:
-                for code in codes:
-                    torch._dynamo.reset_code(code)
+            reset_codes(codes)
             log.info("memcompile: dropped %d compiled frame(s) to re-plan them", len(codes))
 
     # -- the step's prediction ---------------------------------------------------------------

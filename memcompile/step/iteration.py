@@ -63,7 +63,7 @@ _hooked = False
 
 
 def _each_watch() -> list[IterationWatch]:
-    return [w for _, w in sorted(_watches.items())]
+    return list(_watches.values())  # a dict: in creation order
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:

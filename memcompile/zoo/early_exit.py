@@ -24,8 +24,6 @@ and at most ``layers - 1`` per code object (Dynamo's default limit is 8).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -106,26 +104,6 @@ class EarlyExitNet(nn.Module):
         return len(self.blocks) - 1
 
 
-def signal_batches(size: str, seed: int) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
-    """The batches of step ``k``: class prototypes times the step's signal strength, plus noise
-    (``early_exit_natural`` trains on the same)."""
-    cfg = _CONFIGS[size]
-    b, d_in, classes = cfg["batch"], cfg["d_in"], cfg["classes"]
-    # Step -1 is no training step: prototypes and signal order are fixed by the seed.
-    g = generator(seed, -1)
-    protos = torch.randn(classes, d_in, generator=g)
-    signal_order = torch.randperm(len(_SIGNALS), generator=g).tolist()
-
-    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = generator(seed, step)
-        labels = torch.randint(classes, (b,), generator=g)
-        signal = _SIGNALS[signal_order[step % len(_SIGNALS)]]
-        x = signal * protos[labels] + torch.randn(b, d_in, generator=g)
-        return x, labels
-
-    return batch
-
-
 @register("early_exit")
 def build_early_exit(size: str, seed: int) -> Workload:
     """A residual MLP classifier with an exit head after every block."""
@@ -139,7 +117,19 @@ def build_early_exit(size: str, seed: int) -> Workload:
         classes=cfg["classes"],
         thresholds=thresholds,
     )
-    b = cfg["batch"]
+    b, d_in, classes = cfg["batch"], cfg["d_in"], cfg["classes"]
+    # Step -1 is no training step: prototypes and signal order are fixed by the seed.
+    g = generator(seed, -1)
+    protos = torch.randn(classes, d_in, generator=g)
+    signal_order = torch.randperm(len(_SIGNALS), generator=g).tolist()
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = generator(seed, step)
+        labels = torch.randint(classes, (b,), generator=g)
+        signal = _SIGNALS[signal_order[step % len(_SIGNALS)]]
+        x = signal * protos[labels] + torch.randn(b, d_in, generator=g)
+        return x, labels
+
     return Workload(
         name="early_exit",
         summary=(
@@ -148,7 +138,7 @@ def build_early_exit(size: str, seed: int) -> Workload:
             f"B {b}"
         ),
         model=model,
-        batch_fn=signal_batches(size, seed),
+        batch_fn=batch,
         dynamic=True,
         single_fragment=False,
         extra=dict(cfg, thresholds=thresholds, signals=_SIGNALS),

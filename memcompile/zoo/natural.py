@@ -1,5 +1,6 @@
 """Dynamic networks written the natural way: Python control flow on tensor values, no
-``torch.compiler`` calls (``moe_natural``, ``moe_natural_top2``, ``early_exit_natural``).
+``torch.compiler`` calls (``moe_natural``, ``moe_natural_top2``, ``early_exit_natural``,
+``tree_natural``).
 
 The other zoo models are written so that Dynamo compiles every frame (``moe.py`` orchestrates in
 ``torch.compiler.disable(recursive=False)`` functions; ``early_exit.py`` returns from inside its
@@ -20,6 +21,7 @@ eagerly; memcompile compiles the ``torch.nn`` modules it calls as fragments of t
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -29,8 +31,7 @@ from torch import nn
 
 from memcompile.zoo import register
 from memcompile.zoo.base import Workload, generator
-from memcompile.zoo.early_exit import _CONFIGS as _EXIT
-from memcompile.zoo.early_exit import _THRESHOLDS, signal_batches
+from memcompile.zoo.early_exit import build_early_exit
 
 _MOE: dict[str, dict[str, int]] = {
     "tiny": dict(layers=2, experts=4, d_model=32, vocab=64, seq=16, batch=4),
@@ -185,30 +186,28 @@ def build_moe_natural_top2(size: str, seed: int) -> Workload:
 
 @register("early_exit_natural")
 def build_early_exit_natural(size: str, seed: int) -> Workload:
-    """Early-exit classifier whose layer loop ends with ``if conf.item() > t: break``, on the
-    ``early_exit`` workload's sizes, thresholds and batches."""
-    cfg = _EXIT[size]
-    thresholds = torch.linspace(*_THRESHOLDS, cfg["layers"] - 1).tolist()
+    """Early-exit classifier whose layer loop ends with ``if conf.item() > t: break``: the
+    ``early_exit`` workload (sizes, thresholds, batches) with the natural model."""
+    base = build_early_exit(size, seed)
+    cfg = base.extra
     torch.manual_seed(seed)
     model = NaturalEarlyExit(
         layers=cfg["layers"],
         d_in=cfg["d_in"],
         d_model=cfg["d_model"],
         classes=cfg["classes"],
-        thresholds=thresholds,
+        thresholds=cfg["thresholds"],
     )
-    b = cfg["batch"]
-    return Workload(
+    return dataclasses.replace(
+        base,
         name="early_exit_natural",
         summary=(
             f"early-exit classifier written naturally: {cfg['layers']} nn.Sequential blocks of "
-            f"d {cfg['d_model']}, `if confidence.item() >= t: break` in the layer loop, B {b}"
+            f"d {cfg['d_model']}, `if confidence.item() >= t: break` in the layer loop, "
+            f"B {cfg['batch']}"
         ),
         model=model,
-        batch_fn=signal_batches(size, seed),
-        dynamic=True,
-        single_fragment=False,
-        extra=dict(cfg, thresholds=thresholds, natural=True),
+        extra=dict(cfg, natural=True),
     )
 
 
