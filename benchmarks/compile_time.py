@@ -1,7 +1,7 @@
 """Compile time of a budgeted zoo workload: the first training step, and the planner's share.
 
     OMP_NUM_THREADS=1 python benchmarks/compile_time.py [--model gru] [--size small]
-        [--budget 14.2MiB] [--steps 1] [--out DIR] [-O KEY=VALUE ...]
+        [--budget 14.2MiB] [--steps 1] [--out DIR] [-O KEY=VALUE ...] [--warm]
 
 Runs ``--steps`` training steps of zoo ``--model`` under ``memcompile.compile(budget=...,
 on_infeasible="best_effort")`` in this process and times them: the first step compiles (Dynamo,
@@ -12,6 +12,11 @@ memcompile can be compared plan for plan as well as in seconds. The default is t
 (small) at 14.2 MiB, 0.7x its no-budget predicted peak (``benchmarks/results/peaks_small.md``),
 under which its first step (T=96, a 5,000-node joint graph) runs its smallest plan. Results go
 to ``benchmarks/results/compile_time.{md,json}``.
+
+``--warm``: the plan cache across runs (``pipeline/plan_cache.py``). Three fresh processes, one
+after the other: the first step without a budget, then under the budget with an empty cache
+directory (cold), then again with the cache the cold run wrote (warm); the table gives each
+one's first step and planner calls.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -43,7 +50,9 @@ def _digest(plan: Any) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
-def run(model: str, size: str, budget: int | str, steps: int, options: dict[str, Any]) -> dict:
+def run(
+    model: str, size: str, budget: int | str | None, steps: int, options: dict[str, Any]
+) -> dict:
     """Time ``steps`` budgeted steps of zoo ``model`` and every planner call in them."""
     import memcompile
     import memcompile.pipeline.search as search
@@ -105,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("-O", dest="option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--warm", action="store_true", help="no budget, cold and warm plan cache")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     from memcompile.cli import CliError, _options
 
@@ -112,7 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         options = _options(args.option)
     except CliError as e:
         p.error(f"-O takes KEY=VALUE: {e}")
-    budget: int | str = int(args.budget) if args.budget.isdigit() else args.budget
+    budget: int | str | None = (
+        None
+        if args.budget == "none"
+        else int(args.budget)
+        if args.budget.isdigit()
+        else args.budget
+    )
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
 
@@ -128,9 +145,15 @@ def main(argv: list[str] | None = None) -> int:
     except (TypeError, ValueError) as e:
         p.error(str(e))
 
-    result = run(args.model, args.size, budget, args.steps, options)
+    if args.child:
+        print("RESULT " + json.dumps(run(args.model, args.size, budget, args.steps, options)))
+        return 0
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from machine import write_results
+
+    if args.warm:
+        return _warm(args, argv)
+    result = run(args.model, args.size, budget, args.steps, options)
 
     table = [
         "| plan | joint nodes | target B | recompute | swap | seconds | predicted peak B "
@@ -166,6 +189,66 @@ def main(argv: list[str] | None = None) -> int:
         notes=notes,
         table=table,
         rows=[result],
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+def _child(args: argparse.Namespace, budget: str, cache: Path) -> dict[str, Any]:
+    """:func:`run` in a fresh process with the plan cache in ``cache``."""
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        f"--model={args.model}",
+        f"--size={args.size}",
+        f"--budget={budget}",
+        f"--steps={args.steps}",
+        *(f"-O{o}" for o in args.option),
+    ]
+    env = {**os.environ, "MEMCOMPILE_CACHE_DIR": str(cache), "MEMCOMPILE_PLAN_CACHE": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    if done.returncode or not lines:
+        raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def _warm(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """``--warm``: no budget, cold cache, warm cache; each a fresh process."""
+    from machine import write_results
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="memcompile_plans_") as cache:
+        for label, budget in (("no budget", "none"), ("cold", args.budget), ("warm", args.budget)):
+            result = _child(args, budget, Path(cache))
+            result["run"] = label
+            rows.append(result)
+            print(f"{label}: first step {result['step_seconds'][0]} s", file=sys.stderr)
+    table = [
+        "| run | budget | first step s | planner calls | planner s |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        table.append(
+            f"| {r['run']} | {r['budget'] or '-'} | {r['step_seconds'][0]} | "
+            f"{len(r['calls'])} | {r['planner_seconds']} |"
+        )
+    notes = [
+        f"workload: zoo `{args.model}` ({args.size}), budget {args.budget}, options "
+        f'{args.option}, on_infeasible="best_effort"',
+        "each run a fresh process; cold: an empty plan cache directory; warm: the directory "
+        "the cold run wrote (MEMCOMPILE_CACHE_DIR)",
+    ]
+    path = write_results(
+        args.out,
+        "compile_time_warm",
+        script="compile_time",
+        title="Compile time of a budgeted step: the plan cache across runs",
+        argv=sys.argv[1:] if argv is None else argv,
+        notes=notes,
+        table=table,
+        rows=rows,
     )
     print(f"wrote {path}")
     return 0

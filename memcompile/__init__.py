@@ -17,7 +17,7 @@ import torch
 from memcompile.backends.compiler import MemCompiler
 from memcompile.backends.dynamo_hooks import dynamo_context
 from memcompile.backends.fallbacks import EagerFallbackWarning, Fallback
-from memcompile.config import MemConfig, parse_bytes
+from memcompile.config import VERSION, MemConfig, parse_bytes
 from memcompile.errors import (
     GradientOrderWarning,
     MemcompileError,
@@ -28,7 +28,7 @@ from memcompile.errors import (
 from memcompile.report import FragmentReport, MemReport, report
 from memcompile.runtime.measure import PeakMeasurement, measure, measure_peak
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 __all__ = [
     "EagerFallbackWarning",

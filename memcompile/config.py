@@ -23,7 +23,11 @@ from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEVICE_PROFILES", "MemConfig", "parse_bytes", "parse_fraction"]
+__all__ = ["DEVICE_PROFILES", "VERSION", "MemConfig", "parse_bytes", "parse_fraction"]
+
+#: memcompile's version (``memcompile.__version__``); here, in the lowest room, so that what
+#: records it (the plan cache's keys) need not import the package.
+VERSION = "0.1.0"
 
 #: Cost-model profiles ``device_profile`` may name.
 DEVICE_PROFILES: tuple[str, ...] = ("auto", "cpu", "h100", "h200", "a100")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ LONG = frozenset(
         "test_zoo_memcompile.py::test_bit_identical_to_eager_under_a_budget[gru-0.4]",
         "test_rematerialize.py::test_a_budget_only_rematerialization_meets_fits_exactly_and_bit_identically[gpt]",
         "test_compile_time_bench.py::test_a_tiny_run_times_the_first_step_and_each_plan",
+        "test_compile_time_bench.py::test_warm_runs_no_budget_cold_and_warm_and_the_warm_run_does_not_search",
         "test_replan.py::test_a_fragment_that_does_not_fit_runs_its_smallest_plan_without_the_pilots_reserve",
         "test_dropout.py::test_replayed_masks_lower_the_bench_gpts_smallest_budget",
         "test_linearce.py::test_zoo_gpt_trains_bit_identically_at_a_floor_only_the_blocks_reach",
@@ -89,6 +91,24 @@ def _fast_no(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
         from memcompile.pipeline import features
 
         monkeypatch.setattr(features, "FEATURES", features.FEATURES.replace(fast_no=False))
+
+
+#: Test modules that keep the plan cache on (pipeline/plan_cache.py). Elsewhere it is off,
+#: here and in the processes tests start: each test plans as a first run does, whatever the
+#: tests before it planned.
+PLAN_CACHE_MODULES = frozenset({"test_plan_cache"})
+
+
+@pytest.fixture(autouse=True)
+def _plan_cache(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from memcompile.pipeline import features
+
+    monkeypatch.setenv("MEMCOMPILE_CACHE_DIR", str(tmp_path / "memcompile_plans"))
+    on = request.module.__name__ in PLAN_CACHE_MODULES
+    monkeypatch.setenv("MEMCOMPILE_PLAN_CACHE", "1" if on else "0")
+    monkeypatch.setattr(features, "FEATURES", features.FEATURES.replace(plan_cache=on))
 
 
 @pytest.fixture

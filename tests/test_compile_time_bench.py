@@ -30,19 +30,34 @@ def test_bad_arguments_are_refused_with_their_reason(args: list[str], message: s
     assert message in out.stderr, out.stderr
 
 
-def test_a_tiny_run_times_the_first_step_and_each_plan(tmp_path: Path) -> None:
-    args = ["--model", "gpt", "--size", "tiny", "--budget", "1", "--steps", "2"]
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), *args, "--out", str(tmp_path)],
+def _script(args: list[str], out: Path) -> None:
+    """The benchmark with ``args``, its results in ``out``; it must succeed."""
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--out", str(out)],
         capture_output=True,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         timeout=600,
     )
-    assert out.returncode == 0, out.stderr
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_tiny_run_times_the_first_step_and_each_plan(tmp_path: Path) -> None:
+    _script(["--model", "gpt", "--size", "tiny", "--budget", "1", "--steps", "2"], tmp_path)
     (row,) = json.loads((tmp_path / "compile_time.json").read_text())["rows"]
     # Budget 1: nothing fits, so the plan for the target is followed by the smallest-peak ones.
     assert len(row["step_seconds"]) == 2 and len(row["calls"]) > 1
     assert all(not c["feasible"] and len(c["digest"]) == 12 for c in row["calls"])
     text = (tmp_path / "compile_time.md").read_text()
     assert "first step (compiles)" in text and f"| {len(row['calls'])} |" in text
+
+
+def test_warm_runs_no_budget_cold_and_warm_and_the_warm_run_does_not_search(
+    tmp_path: Path,
+) -> None:
+    _script(["--model", "gpt", "--size", "tiny", "--budget", "600000", "--warm"], tmp_path)
+    rows = json.loads((tmp_path / "compile_time_warm.json").read_text())["rows"]
+    assert [r["run"] for r in rows] == ["no budget", "cold", "warm"]
+    assert rows[0]["budget"] is None and rows[1]["calls"] and rows[2]["calls"] == []
+    text = (tmp_path / "compile_time_warm.md").read_text()
+    assert "| warm | 600000 |" in text and "fresh process" in text

@@ -4,6 +4,7 @@ when done; a short one says nothing."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -13,6 +14,7 @@ import memcompile
 from memcompile import zoo
 from memcompile.backends import progress
 from memcompile.backends.progress import slow_compile_notice
+from memcompile.pipeline import stage
 
 LOGGER = "memcompile.backends.progress"
 
@@ -62,3 +64,36 @@ def test_the_compiler_announces_a_fragment_that_compiles_long(
     assert any(m.startswith("memcompile: F0 is still compiling after") for m in messages)
     assert any("budget 64.00 MiB" in m for m in messages)
     assert "memcompile: F0 compiled in" in " ".join(messages)
+
+
+def test_a_long_compile_says_again_what_the_pipeline_is_doing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    with slow_compile_notice("F2", nodes=9, budget=None, after_s=0.01, every_s=0.05):
+        stage.say("the planner, call 2: recomputing only")
+        time.sleep(0.3)
+    messages = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert (
+        "(a graph of 9 nodes, no budget; now: the planner, call 2: recomputing only)"
+        in (messages[0])
+    )
+    again = [m for m in messages[1:-1] if m.startswith("memcompile: F2 is still compiling")]
+    assert again and all(m.endswith("(now: the planner, call 2: recomputing only)") for m in again)
+    assert messages[-1] == "memcompile: F2 compiled in 0 s"
+    assert stage.now(threading.get_ident()) is None  # cleared with the compile
+
+
+def test_the_compiler_says_which_stage_a_budgeted_compile_is_in(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    said: list[str] = []
+    monkeypatch.setattr(stage, "say", said.append)
+    torch._dynamo.reset()
+    wl = zoo.build("gpt", size="tiny")
+    compiled = memcompile.compile(wl.model, budget=1, on_infeasible="best_effort")
+    with pytest.warns(memcompile.MemoryBudgetWarning):
+        wl.loss(compiled, 0).backward()
+    assert said[0] == "the planner, call 1"
+    assert "building plan 1" in said and "building plan 1: row tiling" in said
+    assert any(s.endswith("for the smallest peak") for s in said)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,14 +33,19 @@ from memcompile.analysis.graph import GraphProfile
 from memcompile.analysis.workspace import clone_workspace, probe_workspaces
 from memcompile.errors import format_bytes
 from memcompile.pipeline.env import FragmentSpec
+from memcompile.pipeline.plan_cache import Step
 from memcompile.planning.plan import FragmentPlan
 from memcompile.rewrites.context import PassContext
 from memcompile.rewrites.inplace import in_place_pass
-from memcompile.rewrites.rematerialize import plan_rematerialize, rematerialize_pass
+from memcompile.rewrites.rematerialize import (
+    Rematerialize,
+    plan_rematerialize,
+    rematerialize_pass,
+)
 from memcompile.rewrites.tiling.build import row_tile_pass
 from memcompile.rewrites.tiling.find import MAX_KEPT_MATMULS, RowTiling, find_row_tilings
 
-__all__ = ["Split", "built_rewrite", "profile_args", "rematerialized", "tiled"]
+__all__ = ["Split", "built_rewrite", "profile_args", "rematerialized", "replay", "tiled"]
 
 log = logging.getLogger(__name__)
 
@@ -248,11 +253,13 @@ def tiled(
     bw: fx.GraphModule,
     plan: FragmentPlan,
     split: Split,
-) -> tuple[fx.GraphModule, fx.GraphModule, FragmentPlan]:
+) -> tuple[fx.GraphModule, fx.GraphModule, FragmentPlan, int | None]:
     """:func:`built_rewrite` with row tiling: first with no matmul made again by the blocks (a
     value kept whole for another reader is read whole instead), which costs no time; where that
-    does not fit, also with them, and the lower peak is kept."""
+    does not fit, also with them, and the lower peak is kept. The last item: the matmuls the
+    kept rewrite may make again (``None``: the graphs as they were)."""
     best = None
+    best_kept: int | None = None
     search = TilingSearch()
     for kept in sorted({0, MAX_KEPT_MATMULS}):
         if kept and _same_tilings(fw, bw, kept, search):
@@ -268,10 +275,11 @@ def tiled(
         )
         if best is None or found[2].predicted_peak < best[2].predicted_peak:
             best = found
+            best_kept = None if found[0] is fw and found[1] is bw else kept
         if best[2].feasible:
             break
     assert best is not None
-    return best
+    return (*best, best_kept)
 
 
 def rematerialized(
@@ -280,13 +288,14 @@ def rematerialized(
     bw: fx.GraphModule,
     plan: FragmentPlan,
     split: Split,
-) -> FragmentPlan:
+) -> tuple[FragmentPlan, tuple[Rematerialize, ...]]:
     """``plan`` (over its target) after making backward values again for their late readers
-    where that lowers the backward's exact profile (``rematerialize.py``); ``bw`` is rewritten
-    in place. The plan fits afterwards if every phase meets the target."""
+    where that lowers the backward's exact profile (``rematerialize.py``), and those made
+    again; ``bw`` is rewritten in place. The plan fits afterwards if every phase meets the
+    target."""
     target = plan.target
     if target is None or not _may_rewrite(plan):
-        return plan
+        return plan, ()
     # The kernel scratch is probed once (it runs every kernel) for both profilers.
     workspaces = _workspaces(spec, fw, bw, split)
     built = _profiler(workspaces)
@@ -296,7 +305,7 @@ def rematerialized(
 
     before = profile(bw)
     if before.backward is None or before.phase_peaks()["backward"] <= target:
-        return plan
+        return plan, ()
     ctx = PassContext(fragment=spec.name, graph="backward")
     # Each trial profiles a rewrite of the backward only (the forward once, not per trial).
     backward = built_backward_profiler(fw, workspaces)
@@ -304,7 +313,7 @@ def rematerialized(
         bw, ctx, backward, target=target - before.held_output_bytes, start=before.backward
     )
     if not splits:
-        return plan
+        return plan, ()
     rematerialize_pass(bw, ctx, splits=splits)
     after = max(profile(bw).phase_peaks().values())
     moved = sum(r.moved for r in splits)
@@ -318,9 +327,40 @@ def rematerialized(
         format_bytes(plan.resident_bytes + max(before.phase_peaks().values())),
         format_bytes(plan.resident_bytes + target),
     )
-    return dataclasses.replace(
+    plan = dataclasses.replace(
         plan,
         predicted_peak=min(plan.predicted_peak, plan.resident_bytes + after),
         feasible=after <= target,
         rematerialized=tuple((r.node, r.before) for r in splits),
     )
+    return plan, tuple(splits)
+
+
+def replay(
+    spec: FragmentSpec, fw: fx.GraphModule, bw: fx.GraphModule, late: Sequence[Step]
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """``fw`` and ``bw`` after the late rewrites ``late`` as a search recorded them
+    (``search.build``): each applied as it was kept, nothing tried, nothing profiled."""
+    for name, *args in late:
+        if name == "in_place":
+            fw = in_place_pass(fw, PassContext(spec.name, "forward"), built=True)
+            bw = in_place_pass(bw, PassContext(spec.name, "backward"), built=True)
+        elif name == "tiling":
+            (kept,) = args
+            fw = tile_rows(fw, PassContext(spec.name, "forward"), max_kept_matmuls=int(kept))
+            bw = tile_rows(bw, PassContext(spec.name, "backward"), max_kept_matmuls=int(kept))
+        elif name == "remat":
+            (found,) = args
+            splits = [
+                Rematerialize(
+                    node=str(r["node"]),
+                    before=str(r["before"]),
+                    moved=bool(r["moved"]),
+                    inputs=tuple(str(i) for i in r["inputs"]),
+                )
+                for r in found
+            ]
+            rematerialize_pass(bw, PassContext(spec.name, "backward"), splits=splits)
+        else:
+            raise ValueError(f"unknown late rewrite {name!r}")
+    return fw, bw

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -60,6 +61,9 @@ class Features:
         regional: the ``torch.nn`` modules called from a model frame Dynamo runs eagerly are
             compiled as fragments of their own (backends/regions.py); ``False`` leaves them
             eager (tests and benchmarks that compare).
+        plan_cache: what a fragment's search decided is kept in the user's cache directory
+            and replayed by the next process instead of searching (pipeline/plan_cache.py);
+            off where the environment sets ``MEMCOMPILE_PLAN_CACHE=0``.
     """
 
     dropout_rewrite: Literal["auto", "always", "replay", "never"] = "auto"
@@ -72,6 +76,9 @@ class Features:
     pilot_in_graph: bool = True
     fast_no: bool = True
     regional: bool = True
+    plan_cache: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get("MEMCOMPILE_PLAN_CACHE", "1") != "0"
+    )
 
     def replace(self, **changes: Any) -> Features:
         """These switches with ``changes`` (``TypeError`` for an unknown name)."""

@@ -8,6 +8,7 @@ and their plan. It changes nothing outside the graphs; the backend then applies 
     1  in place         loss heads, dying gradients' elementwise ops  rewrites/losshead, inplace
     2  aligned?         may this fragment's parameters move to the host
        fast no          a budget below every plan's lower bound: BelowBound, at once
+       cached plan      what an earlier run's search decided: replayed, 3 to 10 skipped  plan_cache
     3  fetch placed     parameters an earlier fragment put on the host    rewrites/params
     4  plan             the planner, for budget - resident                planning/planner
     5  heads by blocks  kept aside: tried only where nothing else fits    rewrites/linearce
@@ -33,13 +34,14 @@ from torch import fx
 from torch._functorch import partitioners as P
 
 from memcompile.errors import MemoryBudgetWarning, format_bytes
-from memcompile.pipeline import features
+from memcompile.pipeline import features, plan_cache, stage
 from memcompile.pipeline.env import FragmentEnv, FragmentSpec
+from memcompile.pipeline.plan_cache import DERIVATION, LATE, CachedPlan, derived
 from memcompile.pipeline.search import Built, Candidate, FragmentSearch, choose
 from memcompile.planning.plan import FragmentPlan
 from memcompile.rewrites.context import PassContext
 from memcompile.rewrites.dropout import dropout_pass, saved_after
-from memcompile.rewrites.linearce import find_linear_ce, linear_ce_pass
+from memcompile.rewrites.linearce import LinearCrossEntropy, find_linear_ce, linear_ce_pass
 
 __all__ = ["BelowBound", "Decided", "plan_partition"]
 
@@ -58,6 +60,8 @@ class Decided:
         host_peak: the smallest peak found with the parameters on the host, when tried.
         prefetch_reserve: bytes the plan leaves to the pilot's prefetch cache.
         held_outputs: bytes of the user outputs the plan counts as held through the backward.
+        joint: the joint graph the plan names (how it was derived from AOT's: its ``meta``,
+            ``plan_cache.DERIVATION``).
     """
 
     fw: fx.GraphModule
@@ -68,6 +72,7 @@ class Decided:
     host_peak: int | None
     prefetch_reserve: int
     held_outputs: int
+    joint: fx.GraphModule
 
 
 def plan_partition(
@@ -83,6 +88,31 @@ def plan_partition(
     aligned = _aligned(joint, spec, env)  # 2
     placed = search.host_placed() if aligned else []
     _fast_no(search, placed, aligned)
+    key = None
+    if env.config.budget is not None and features.current().plan_cache:
+        host = search.host_candidates() if aligned else []
+        key = plan_cache.fragment_key(traced, num_fwd_outputs, static, spec, env, host)
+        cached = plan_cache.load(key)
+        if cached is not None:
+            stage.say("replaying a cached plan")
+            decided = _replayed(search, traced, joint, cached, placed)
+            if decided is not None:
+                return decided
+    decided = _searched(search, joint, traced, placed, aligned)
+    if key is not None:
+        plan_cache.store(key, _cached(decided))
+    return decided
+
+
+def _searched(
+    search: FragmentSearch,
+    joint: fx.GraphModule,
+    traced: fx.GraphModule,
+    placed: Sequence[int],
+    aligned: bool,
+) -> Decided:
+    """Stages 3 to 10 of the module docstring."""
+    spec = search.spec
     if placed:  # 3: another fragment moved some of these parameters: fetch them here too
         joint = search.fetch(joint, placed)
     cand = search.plan(joint, start=spec.replan_start)  # 4
@@ -94,6 +124,64 @@ def plan_partition(
     if not built.plan.feasible and spec.replan_resident is None:  # 10
         built = _alternatives(search, built, blocked, hosted)
     return _decided(built, search, hosted, placed, host_peak)
+
+
+def _replayed(
+    search: FragmentSearch,
+    traced: fx.GraphModule,
+    in_place: fx.GraphModule,
+    cached: CachedPlan,
+    placed: Sequence[int],
+) -> Decided | None:
+    """The fragment as ``cached`` decided it: its joint graph derived again from ``traced``
+    (``in_place``: ``search.in_place(traced)``, made already), its plan built with the
+    recorded late rewrites; ``None`` (logged) where the graphs built are not those the entry
+    was made from."""
+    spec = search.spec
+    try:
+        joint = traced
+        for name, *args in cached.derivation:
+            if name == "in_place":
+                joint = in_place if joint is traced else search.in_place(joint)
+            elif name == "fetch":
+                joint = search.fetch(joint, [int(i) for i in args[0]])
+            elif name == "dropouts":
+                ctx = PassContext(fragment=spec.name, graph="joint")
+                joint = derived(joint, dropout_pass(joint, ctx, replay=bool(args[0])), name, *args)
+            elif name == "heads":
+                joint = _with_heads(search, joint, _find_heads(search, joint))
+            else:
+                raise ValueError(f"unknown derivation step {name!r}")
+        model = search._joint_model(joint)
+        built = search.build(Candidate(joint, model, cached.plan), late=cached.late)
+    except Exception as e:  # a rewrite that no longer applies: the entry is stale
+        log.info("%s: cached plan not replayed (%s): planning", spec.name, e)
+        return None
+    digest = plan_cache.graphs_digest(built.fw, built.bw)
+    if digest != cached.graphs:
+        log.info("%s: cached plan builds other graphs than it was made from: planning", spec.name)
+        return None
+    search.prefetch_reserve = cached.prefetch_reserve
+    log.info(
+        "%s: plan from the cache (%s, predicted peak %s)",
+        spec.name,
+        "fits" if cached.plan.feasible else "does not fit",
+        format_bytes(cached.plan.predicted_peak),
+    )
+    return _decided(built, search, cached.hosted, placed, cached.host_peak)
+
+
+def _cached(decided: Decided) -> CachedPlan:
+    """What :func:`_replayed` needs to build ``decided`` again."""
+    return CachedPlan(
+        derivation=decided.joint.meta.get(DERIVATION, ()),
+        late=decided.fw.meta.get(LATE, ()),
+        plan=decided.plan,
+        hosted=decided.hosted,
+        host_peak=decided.host_peak,
+        prefetch_reserve=decided.prefetch_reserve,
+        graphs=plan_cache.graphs_digest(decided.fw, decided.bw),
+    )
 
 
 class BelowBound(Exception):
@@ -163,16 +251,30 @@ def _heads_by_blocks(
     config = search.env.config
     if config.budget is None or plan.feasible or not features.current().linear_ce_blocks:
         return None
-    # With the host tier allowed, a head may keep its log-softmax there (cheaper than making
-    # the logits again where copies cost less than matmuls: a CPU).
-    host_tier = config.swap and config.offload_to == "host"
-    ctx = PassContext(fragment=search.spec.name, graph="joint")
-    cost = search.env.cost_profile(search.spec.example_inputs) if host_tier else None
-    heads = find_linear_ce(traced, ctx, host_profile=cost)
+    heads = _find_heads(search, traced)
     if not heads:
         return None
-    blocked = search.in_place(linear_ce_pass(traced, ctx, decided=heads))
+    blocked = search.in_place(_with_heads(search, traced, heads))
     return search.fetch(blocked, placed) if placed else blocked
+
+
+def _find_heads(search: FragmentSearch, traced: fx.GraphModule) -> tuple[LinearCrossEntropy, ...]:
+    """The loss heads of ``traced`` to make by blocks. With the host tier allowed, a head may
+    keep its log-softmax there (cheaper than making the logits again where copies cost less
+    than matmuls: a CPU)."""
+    config = search.env.config
+    host_tier = config.swap and config.offload_to == "host"
+    cost = search.env.cost_profile(search.spec.example_inputs) if host_tier else None
+    ctx = PassContext(fragment=search.spec.name, graph="joint")
+    return find_linear_ce(traced, ctx, host_profile=cost)
+
+
+def _with_heads(
+    search: FragmentSearch, traced: fx.GraphModule, heads: tuple[LinearCrossEntropy, ...]
+) -> fx.GraphModule:
+    """``traced`` with ``heads`` made by blocks (derivation step ``heads``)."""
+    ctx = PassContext(fragment=search.spec.name, graph="joint")
+    return derived(traced, linear_ce_pass(traced, ctx, decided=heads), "heads")
 
 
 def _with_dropouts(search: FragmentSearch, cand: Candidate) -> Candidate:
@@ -190,6 +292,7 @@ def _with_dropouts(search: FragmentSearch, cand: Candidate) -> Candidate:
         if not forced and (cand.plan.feasible or mode != "auto"):
             continue
         rewritten = dropout_pass(original, ctx, replay=replay)
+        rewritten = derived(original, rewritten, "dropouts", replay)
         rewrites = rewritten.meta["memcompile_dropouts"]
         if not rewrites or (replay and all(r.state is None for r in rewrites)):
             continue
@@ -335,4 +438,4 @@ def _decided(
         plan = dataclasses.replace(plan, host_params=tuple(names[i] for i in sorted(fetched)))
     held = sum(built.model.nbytes[s] for s in built.model.held_outputs)
     reserve = search.prefetch_reserve
-    return Decided(built.fw, built.bw, plan, hosted, tuple(placed), host_peak, reserve, held)
+    return Decided(built.fw, built.bw, plan, hosted, tuple(placed), host_peak, reserve, held, joint)

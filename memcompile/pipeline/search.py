@@ -33,8 +33,9 @@ from memcompile.analysis.joint_model import JointModel
 from memcompile.analysis.workspace import clone_workspace, probe_workspaces
 from memcompile.errors import format_bytes
 from memcompile.pipeline import built as built_rewrites
-from memcompile.pipeline import features
+from memcompile.pipeline import features, stage
 from memcompile.pipeline.env import FragmentEnv, FragmentSpec
+from memcompile.pipeline.plan_cache import LATE, Step, derived
 from memcompile.planning.plan import FragmentPlan
 from memcompile.planning.planner import plan_fragment
 from memcompile.rewrites.context import PassContext
@@ -101,6 +102,9 @@ class FragmentSearch:
         #: Bytes the plans leave to the pilot's prefetch cache (dynamic/prefetch.py).
         self.prefetch_reserve = 0
         self._models: dict[int, tuple[fx.GraphModule, JointModel]] = {}
+        #: Planner calls and builds so far (what the slow-compile notice says, stage.py).
+        self._plans = 0
+        self._builds = 0
 
     # -- inputs on the host tier -------------------------------------------------------------
     def host_placed(self) -> list[int]:
@@ -143,7 +147,7 @@ class FragmentSearch:
 
     def fetch(self, joint: fx.GraphModule, primals: Sequence[int]) -> fx.GraphModule:
         """``joint`` reading the inputs at ``primals`` from the host tier (rewrites/params.py)."""
-        return param_fetch_pass(
+        fetched = param_fetch_pass(
             joint,
             PassContext(fragment=self.spec.name, graph="joint"),
             primals=primals,
@@ -151,6 +155,7 @@ class FragmentSearch:
             device=self.spec.device or torch.device("cpu"),
             store=self.env.store_key,
         )
+        return derived(joint, fetched, "fetch", tuple(primals))
 
     def reserve(self, host: Sequence[int]) -> int:
         """The prefetch cache's share of the budget if this fragment fetches the inputs at
@@ -173,6 +178,7 @@ class FragmentSearch:
         place (the same kernels: always)."""
         config, switches = self.env.config, features.current()
         ctx = PassContext(fragment=self.spec.name, graph="joint")
+        original = joint
         if switches.loss_head_in_place:
             # Under a budget in 16 blocks of rows (least scratch); without one in blocks big
             # enough that their calls cost no time.
@@ -184,7 +190,7 @@ class FragmentSearch:
             joint = loss_head_pass(joint, ctx, min_block_bytes=min_block)
         if switches.elementwise_in_place and config.inner == "eager":
             joint = in_place_pass(joint, ctx)  # the same kernels, writing into dying gradients
-        return joint
+        return derived(original, joint, "in_place")
 
     def plan(
         self,
@@ -205,6 +211,18 @@ class FragmentSearch:
         ``recompute`` option; ``floor``: searched for the smallest peak (a target of 0),
         feasible where that peak meets the budget."""
         config, spec = self.env.config, self.spec
+        self._plans += 1
+        what = [
+            w
+            for w, on in (
+                ("parameters on the host", bool(host)),
+                ("recomputing only", not swap),
+                ("swapping only", not recompute),
+                ("for the smallest peak", floor),
+            )
+            if on
+        ]
+        stage.say(f"the planner, call {self._plans}" + (f": {', '.join(what)}" if what else ""))
         model = self._joint_model(joint)
         if reserve is None:
             reserve = self.reserve(host)
@@ -269,11 +287,16 @@ class FragmentSearch:
         return max(0, budget - bare.plan.predicted_peak), bare
 
     # -- building ----------------------------------------------------------------------------
-    def build(self, cand: Candidate) -> Built:
+    def build(self, cand: Candidate, *, late: Sequence[Step] | None = None) -> Built:
         """The forward and backward graphs of ``cand`` (partitioned, swaps inserted), and for a
         plan over its target the rewrites that may still bring it under (the plan with the
-        peak they reach). Changes nothing outside the graphs."""
+        peak they reach). Changes nothing outside the graphs. The late rewrites applied are
+        recorded in the forward's ``meta`` (``plan_cache.LATE``); ``late``: apply those, as
+        recorded, without trying any (a cached plan, ``plan_cache.py``)."""
         config, spec, model, plan = self.env.config, self.spec, cand.model, cand.plan
+        self._builds += 1
+        building = f"building plan {self._builds}"
+        stage.say(building)
         ctx = PassContext(fragment=spec.name, graph="joint")
         fw, bw = partition_pass(cand.joint, ctx, model=model, plan=plan)
         if plan.swapped:
@@ -284,6 +307,11 @@ class FragmentSearch:
             holders = model.swap_holders(saved, by_storage)
             swaps = {holders[s]: tier for s, tier in by_storage.items()}
             fw, bw = swap_pass(fw, bw, ctx, swaps=swaps, store=self.env.store_key)
+        if late is not None:
+            fw, bw = built_rewrites.replay(spec, fw, bw, late)
+            fw.meta[LATE] = tuple(late)
+            return Built(cand.joint, fw, bw, model, plan)
+        applied: list[Step] = []
         # Not in a re-plan (planning/replan.py): its caps share the budget between fragments
         # by the joint model's figures, which do not price the splits.
         if not plan.feasible and spec.replan_resident is None:
@@ -294,7 +322,8 @@ class FragmentSearch:
                 self.num_fwd_outputs - model.num_mutated_outputs,
             )
             if switches.built_in_place and config.inner == "eager":
-                fw, bw, plan = built_rewrites.built_rewrite(
+                stage.say(f"{building}: elementwise ops in place")
+                fw2, bw2, plan = built_rewrites.built_rewrite(
                     spec,
                     fw,
                     bw,
@@ -303,8 +332,14 @@ class FragmentSearch:
                     lambda gm, ctx: in_place_pass(gm, ctx, built=True),
                     "elementwise results written into the graphs' own dying values",
                 )
+                if fw2 is not fw or bw2 is not bw:
+                    fw, bw = fw2, bw2
+                    applied.append(("in_place",))
             if not plan.feasible and switches.row_tiling and config.inner == "eager":
-                fw, bw, plan = built_rewrites.tiled(spec, fw, bw, plan, split)
+                stage.say(f"{building}: row tiling")
+                fw, bw, plan, kept = built_rewrites.tiled(spec, fw, bw, plan, split)
+                if kept is not None:
+                    applied.append(("tiling", kept))
                 row_tiled = tuple(
                     f"{graph}:{t.node}"
                     for graph, gm in (("forward", fw), ("backward", bw))
@@ -312,7 +347,11 @@ class FragmentSearch:
                 )
                 plan = dataclasses.replace(plan, row_tiled=row_tiled)
             if not plan.feasible and switches.rematerialize:
-                plan = built_rewrites.rematerialized(spec, fw, bw, plan, split)
+                stage.say(f"{building}: backward values made again")
+                plan, splits = built_rewrites.rematerialized(spec, fw, bw, plan, split)
+                if splits:
+                    applied.append(("remat", [dataclasses.asdict(r) for r in splits]))
+        fw.meta[LATE] = tuple(applied)
         return Built(cand.joint, fw, bw, model, plan)
 
     # -- alternatives of a plan over its target -----------------------------------------------
