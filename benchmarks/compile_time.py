@@ -51,12 +51,21 @@ def _digest(plan: Any) -> str:
 
 
 def run(
-    model: str, size: str, budget: int | str | None, steps: int, options: dict[str, Any]
+    model: str,
+    size: str,
+    budget: int | str | None,
+    steps: int,
+    options: dict[str, Any],
+    *,
+    cache: bool = False,
 ) -> dict:
-    """Time ``steps`` budgeted steps of zoo ``model`` and every planner call in them."""
+    """Time ``steps`` budgeted steps of zoo ``model`` and every planner call in them; the plan
+    cache across runs only with ``cache`` (else every plan is searched, whatever the user's
+    cache directory holds)."""
     import memcompile
     import memcompile.pipeline.search as search
     from memcompile import zoo
+    from memcompile.pipeline import features
 
     calls: list[dict[str, Any]] = []
     plan_fragment = search.plan_fragment
@@ -81,18 +90,19 @@ def run(
 
     search.plan_fragment = timed
     try:
-        wl = zoo.build(model, size=size)
-        compiled = memcompile.compile(
-            wl.model, budget=budget, on_infeasible="best_effort", **options
-        )
-        step_seconds = []
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", memcompile.MemoryBudgetWarning)
-            for step in range(steps):
-                start = time.perf_counter()
-                wl.loss(compiled, step).backward()
-                step_seconds.append(round(time.perf_counter() - start, 1))
-                print(f"step {step}: {step_seconds[-1]} s", file=sys.stderr, flush=True)
+        with features.patch(plan_cache=cache):
+            wl = zoo.build(model, size=size)
+            compiled = memcompile.compile(
+                wl.model, budget=budget, on_infeasible="best_effort", **options
+            )
+            step_seconds = []
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", memcompile.MemoryBudgetWarning)
+                for step in range(steps):
+                    start = time.perf_counter()
+                    wl.loss(compiled, step).backward()
+                    step_seconds.append(round(time.perf_counter() - start, 1))
+                    print(f"step {step}: {step_seconds[-1]} s", file=sys.stderr, flush=True)
     finally:
         search.plan_fragment = plan_fragment
     return dict(
@@ -146,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
 
     if args.child:
-        print("RESULT " + json.dumps(run(args.model, args.size, budget, args.steps, options)))
+        result = run(args.model, args.size, budget, args.steps, options, cache=True)
+        print("RESULT " + json.dumps(result))
         return 0
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from machine import write_results
@@ -176,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     notes = [
         f"memcompile from `{where}`, commit {commit or 'unknown'}",
         f"workload: zoo `{args.model}` ({args.size}), budget {args.budget}, options {options}, "
-        'on_infeasible="best_effort"',
+        'on_infeasible="best_effort"; every plan searched (the plan cache across runs off: '
+        "`--warm` measures it)",
         f"first step (compiles): **{first} s**, of it the planner **{result['planner_seconds']} "
         f"s** in {len(result['calls'])} calls"
         + (f"; later steps: {result['step_seconds'][1:]} s" if args.steps > 1 else ""),

@@ -8,7 +8,7 @@ wraps each fragment's compile in :func:`slow_compile_notice`:
     with slow_compile_notice("F3", nodes=812, budget=14_889_779):
         compiled = build...                # planning, rewriting, the inner compiler
 
-    # after SLOW_COMPILE_S seconds (from a timer thread), at WARNING:
+    # after SLOW_COMPILE_S seconds (from a thread of its own), at WARNING:
     #   memcompile: F3 is still compiling after 60 s (a graph of 812 nodes, budget 14.20 MiB;
     #   now: the planner, call 2: the parameters on the host): planning a large graph under a
     #   budget can take minutes; TORCH_LOGS="+memcompile" ...
