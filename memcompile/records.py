@@ -113,6 +113,9 @@ class FragmentRecord:
     #: (``InputSplit.summed``, rewrites/input_uses.py).
     summed_inputs: tuple[int, ...] = ()
     hostable: frozenset[int] = frozenset()
+    #: The plan cache's key when the plan was replayed from an earlier run's search
+    #: (``pipeline/plan_cache.py``), else ``None``.
+    plan_cached: str | None = None
 
     @property
     def name(self) -> str:

@@ -63,6 +63,8 @@ class FragmentReport:
     approximate: bool
     profile: FragmentProfile | None
     plan: FragmentPlan | None = None
+    #: The plan cache's key when the plan was replayed from an earlier run's search.
+    plan_cached: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -80,6 +82,7 @@ class FragmentReport:
             "approximate": self.approximate,
             "profile": self.profile.to_dict() if self.profile is not None else None,
             "plan": self.plan.to_dict() if self.plan is not None else None,
+            "plan_cached": self.plan_cached,
         }
 
 
@@ -289,6 +292,12 @@ class MemReport:
             lines.append(f"  budget: {self.measured_budget.describe()}")
         if self.iteration is not None:
             lines.append(_iteration_line(self.iteration))
+        cached = [f.name for f in self.fragments if f.plan_cached]
+        if cached:
+            lines.append(
+                f"  plans from the cache (searched by an earlier run): {', '.join(cached)} "
+                "(MEMCOMPILE_PLAN_CACHE=0 searches again)"
+            )
         for f in self.fragments:
             if f.plan is not None and f.plan.linear_ce:
                 # It costs time (rewrites/linearce.py): the user is told where it was needed.
@@ -501,6 +510,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
             approximate=r.profile is not None and r.profile.approximate,
             profile=r.profile,
             plan=r.plan,
+            plan_cached=r.plan_cached,
         )
         for r in records
     )

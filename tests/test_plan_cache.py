@@ -57,6 +57,12 @@ def test_a_second_run_replays_the_plan_without_a_search_and_trains_alike():
     assert calls2 == [], "a cached plan is not searched again"
     assert _plans(again) == _plans(first)  # the same plan, byte for byte
     assert again.predicted_peak == first.predicted_peak
+    # The report says where the plan came from.
+    assert first.fragments[0].plan_cached is None
+    assert again.fragments[0].plan_cached == _entries()[0].stem
+    assert again.to_dict()["fragments"][0]["plan_cached"] == _entries()[0].stem
+    assert "plans from the cache (searched by an earlier run): F0" in str(again)
+    assert "plans from the cache" not in str(first)
     assert all(torch.equal(a, b) for a, b in zip(grads, grads2, strict=True))
 
 

@@ -155,6 +155,8 @@ class FragmentBuild:
         self.released_tangents: frozenset[str] = frozenset()
         #: Where its frame begins (``code_location``): recompiles of one code replace each other.
         self.code = ""
+        #: The plan cache's key when its plan was replayed from an earlier run's search.
+        self.plan_cached: str | None = None
 
     def spec(self) -> FragmentSpec:
         """This fragment as the pipeline plans it."""
@@ -218,6 +220,7 @@ class FragmentBuild:
             profile_at=self.profile_at if self.size_slots else None,
             summed_inputs=self.summed_inputs,
             hostable=frozenset(storage_sizes(t for t in statics if may_host(t))),
+            plan_cached=self.plan_cached,
         )
         return compiled, record
 
@@ -279,6 +282,7 @@ class FragmentBuild:
         env, plan = self.env, decided.plan
         resident, config = env.pipeline.resident, env.pipeline.config
         self.prefetch_reserve = decided.prefetch_reserve
+        self.plan_cached = decided.cached
         if not plan.feasible:
             advice.infeasible(
                 config,

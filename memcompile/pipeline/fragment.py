@@ -62,6 +62,7 @@ class Decided:
         held_outputs: bytes of the user outputs the plan counts as held through the backward.
         joint: the joint graph the plan names (how it was derived from AOT's: its ``meta``,
             ``plan_cache.DERIVATION``).
+        cached: the plan cache's key when the plan was replayed from it, else ``None``.
     """
 
     fw: fx.GraphModule
@@ -73,6 +74,7 @@ class Decided:
     prefetch_reserve: int
     held_outputs: int
     joint: fx.GraphModule
+    cached: str | None = None
 
 
 def plan_partition(
@@ -97,7 +99,7 @@ def plan_partition(
             stage.say("replaying a cached plan")
             decided = _replayed(search, traced, joint, cached, placed)
             if decided is not None:
-                return decided
+                return dataclasses.replace(decided, cached=key)
     decided = _searched(search, joint, traced, placed, aligned)
     if key is not None:
         plan_cache.store(key, _cached(decided))
