@@ -23,7 +23,8 @@ import contextlib
 import contextvars
 import logging
 import operator
-from collections.abc import Collection, Iterable, Iterator, Mapping
+import re
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -45,12 +46,14 @@ __all__ = [
     "bound_sizes",
     "covers_storage",
     "draws_random",
+    "format_arg",
     "has_effect",
     "is_host_value",
     "node_cost",
     "profile_graph",
     "sym_to_int",
     "tensor_vals",
+    "value_meta",
 ]
 
 GraphKind = Literal["forward", "backward", "inference"]
@@ -313,6 +316,59 @@ def target_name(target: Any) -> str:
     if qual is None:
         return type(target).__name__
     return f"{mod}.{qual}" if mod else qual
+
+
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+_DTYPES = {
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float64: "f64",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "b8",
+}
+
+
+def format_arg(x: Any, node: Callable[[fx.Node], str]) -> str:
+    """A node's argument as stable text (fragment ids, plan cache keys): nodes as ``node``
+    writes them, targets by :func:`target_name`, addresses in reprs as ``0x?``."""
+    if isinstance(x, fx.Node):
+        return node(x)
+    if isinstance(x, (list, tuple)):
+        inner = ", ".join(format_arg(a, node) for a in x)
+        return f"[{inner}]" if isinstance(x, list) else f"({inner})"
+    if isinstance(x, dict):
+        return (
+            "{"
+            + ", ".join(
+                f"{k}: {format_arg(v, node)}"
+                for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))
+            )
+            + "}"
+        )
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return str(x)
+    if callable(x) and not isinstance(x, type):
+        return target_name(x)
+    return _ADDRESS.sub("0x?", repr(x))
+
+
+def value_meta(v: Any) -> str:
+    """A value's metadata as stable text: a tensor's dtype, shape, device, stride and whether
+    it requires grad; a symbolic size's expression; else the type's name."""
+    if isinstance(v, torch.Tensor):
+        dtype = _DTYPES.get(v.dtype, str(v.dtype).removeprefix("torch."))
+        shape = ", ".join(str(s) for s in v.shape)
+        stride = ", ".join(str(s) for s in v.stride())
+        grad = " grad" if v.requires_grad else ""
+        return f"{dtype}[{shape}]@{v.device.type} stride=({stride}){grad}"
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return f"{type(v).__name__}({v})"
+    return type(v).__name__
 
 
 def _flops(node: fx.Node) -> tuple[int, bool]:

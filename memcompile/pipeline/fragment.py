@@ -148,8 +148,7 @@ def _replayed(
             elif name == "fetch":
                 joint = search.fetch(joint, [int(i) for i in args[0]])
             elif name == "dropouts":
-                ctx = PassContext(fragment=spec.name, graph="joint")
-                joint = derived(joint, dropout_pass(joint, ctx, replay=bool(args[0])), name, *args)
+                joint = _with_dropout_rewrite(search, joint, replay=bool(args[0]))
             elif name == "heads":
                 joint = _with_heads(search, joint, _find_heads(search, joint))
             else:
@@ -286,15 +285,13 @@ def _with_dropouts(search: FragmentSearch, cand: Candidate) -> Candidate:
     config, mode = search.env.config, features.current().dropout_rewrite
     if config.budget is None or not config.recompute or mode == "never":
         return cand
-    ctx = PassContext(fragment=search.spec.name, graph="joint")
     original, plain = cand.joint, cand.plan
     kept = [d.tensor for d in plain.decisions if d.action != "recompute"]
     for replay in (False, True):
         forced = mode == ("replay" if replay else "always")
         if not forced and (cand.plan.feasible or mode != "auto"):
             continue
-        rewritten = dropout_pass(original, ctx, replay=replay)
-        rewritten = derived(original, rewritten, "dropouts", replay)
+        rewritten = _with_dropout_rewrite(search, original, replay=replay)
         rewrites = rewritten.meta["memcompile_dropouts"]
         if not rewrites or (replay and all(r.state is None for r in rewrites)):
             continue
@@ -312,6 +309,14 @@ def _with_dropouts(search: FragmentSearch, cand: Candidate) -> Candidate:
         if better or forced:
             cand = other
     return cand
+
+
+def _with_dropout_rewrite(
+    search: FragmentSearch, joint: fx.GraphModule, *, replay: bool
+) -> fx.GraphModule:
+    """``joint`` with its dropouts recomputable (derivation step ``dropouts``)."""
+    ctx = PassContext(fragment=search.spec.name, graph="joint")
+    return derived(joint, dropout_pass(joint, ctx, replay=replay), "dropouts", replay)
 
 
 def _with_host_params(

@@ -42,7 +42,7 @@ import torch
 from torch import fx
 
 from memcompile import config
-from memcompile.analysis.graph import target_name
+from memcompile.analysis.graph import format_arg, target_name, value_meta
 from memcompile.pipeline import features
 from memcompile.pipeline.env import FragmentEnv, FragmentSpec
 from memcompile.planning.plan import FragmentPlan
@@ -99,15 +99,7 @@ class CachedPlan:
     graphs: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "derivation": [list(s) for s in self.derivation],
-            "late": [list(s) for s in self.late],
-            "plan": self.plan.to_dict(),
-            "hosted": list(self.hosted),
-            "host_peak": self.host_peak,
-            "prefetch_reserve": self.prefetch_reserve,
-            "graphs": self.graphs,
-        }
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CachedPlan:
@@ -123,10 +115,10 @@ class CachedPlan:
 
 
 def _step(s: Any) -> Step:
-    """A step read back from JSON (a fetch's positions as a tuple, as recorded)."""
+    """A step read back from JSON: a name, then its arguments."""
     if not isinstance(s, list) or not s or not isinstance(s[0], str):
         raise ValueError(f"not a step: {s!r}")
-    return tuple(tuple(a) if isinstance(a, list) and s[0] == "fetch" else a for a in s)
+    return tuple(s)
 
 
 def derived(src: fx.GraphModule, out: fx.GraphModule, *step: Any) -> fx.GraphModule:
@@ -148,37 +140,23 @@ def cache_dir() -> Path:
     return Path(inductor_cache_dir()) / "memcompile" / "plans"
 
 
-def _version() -> str:
-    return config.VERSION
-
-
 # -- the key ---------------------------------------------------------------------------------
 def _meta(v: Any) -> str:
+    """``value_meta`` and what else a plan depends on: a tensor's offset, whether it is a
+    parameter and in the host tier; the values of the items of tuples and of plain numbers."""
     if isinstance(v, torch.Tensor):
-        host = " host" if is_host_placed(v) else ""
-        grad = " grad" if v.requires_grad else ""
         param = " param" if isinstance(v, torch.nn.Parameter) else ""
-        return (
-            f"{v.dtype}{list(v.shape)}@{v.device.type} {list(v.stride())} "
-            f"+{v.storage_offset()}{grad}{param}{host}"
-        )
+        host = " host" if is_host_placed(v) else ""
+        return f"{value_meta(v)} +{v.storage_offset()}{param}{host}"
     if isinstance(v, (list, tuple)):
         return "(" + ", ".join(_meta(x) for x in v) + ")"
-    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
+    if isinstance(v, (int, float, bool)):
         return f"{type(v).__name__}({v})"
-    return type(v).__name__
+    return value_meta(v)
 
 
-def _fmt(x: Any) -> str:
-    if isinstance(x, fx.Node):
-        return f"%{x.name}"
-    if isinstance(x, (list, tuple)):
-        return "[" + ", ".join(_fmt(a) for a in x) + "]"
-    if isinstance(x, dict):
-        return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in sorted(x.items())) + "}"
-    if callable(x) and not isinstance(x, type):
-        return target_name(x)
-    return repr(x)
+def _named(node: fx.Node) -> str:
+    return f"%{node.name}"  # a plan names nodes: their names are part of the key
 
 
 #: Arguments of memcompile's ops that are keys of this process's objects, not the plan.
@@ -200,7 +178,8 @@ def _graph_text(gm: fx.GraphModule) -> str:
                 for i, a in enumerate(args)
             )
         lines.append(
-            f"{n.name}={n.op}:{target_name(n.target)}({_fmt(args)}, {_fmt(n.kwargs)})"
+            f"{n.name}={n.op}:{target_name(n.target)}"
+            f"({format_arg(args, _named)}, {format_arg(n.kwargs, _named)})"
             f" :: {_meta(n.meta.get('val'))}"
         )
     return "\n".join(lines)
@@ -230,7 +209,7 @@ def fragment_key(
     resident = env.resident
     parts = {
         "format": FORMAT,
-        "memcompile": _version(),
+        "memcompile": config.VERSION,
         "torch": torch.__version__,
         "joint": hashlib.sha256(_graph_text(traced).encode()).hexdigest(),
         "num_fwd_outputs": num_fwd_outputs,
@@ -289,7 +268,7 @@ def store(key: str, entry: CachedPlan) -> None:
     A directory that cannot be written is a log line: the plan stands without the cache."""
     where = cache_dir()
     text = json.dumps(
-        {"format": FORMAT, "key": key, "memcompile": _version(), "entry": entry.to_dict()}
+        {"format": FORMAT, "key": key, "memcompile": config.VERSION, "entry": entry.to_dict()}
     )
     try:
         where.mkdir(parents=True, exist_ok=True)

@@ -309,7 +309,6 @@ class FragmentSearch:
             fw, bw = swap_pass(fw, bw, ctx, swaps=swaps, store=self.env.store_key)
         if late is not None:
             fw, bw = built_rewrites.replay(spec, fw, bw, late)
-            fw.meta[LATE] = tuple(late)
             return Built(cand.joint, fw, bw, model, plan)
         applied: list[Step] = []
         # Not in a re-plan (planning/replan.py): its caps share the budget between fragments
