@@ -92,36 +92,17 @@ SWEEP_SYSTEMS = ("eager", "checkpoint", "sac", "aot_amb10", "mc_r", "mc_h")
 
 def build(model: str, layers: int | None = None) -> Any:
     """The zoo workload at bench size; for GPT with ``layers`` blocks when given."""
-    import torch
-
     from memcompile import zoo
-    from memcompile.zoo.base import Workload
-    from memcompile.zoo.gpt import GPT
+    from memcompile.zoo import gpt
 
     wl = zoo.build(model, size="bench", seed=0)
     if layers is None or layers == wl.extra.get("layers"):
         return wl
     if model not in ("gpt", "gpt_manual"):
         raise ValueError("--layers applies to gpt and gpt_manual only")
-    e = wl.extra
-    torch.manual_seed(0)
-    net = GPT(
-        layers=layers,
-        d_model=e["d_model"],
-        heads=e["heads"],
-        seq_len=e["seq_len"],
-        vocab=e["vocab"],
-        p=e["p"],
-        manual=model == "gpt_manual",
-    )
-    return Workload(
-        name=f"{model}_{layers}l",
-        summary=f"{wl.summary} with {layers} layers",
-        model=net,
-        batch_fn=wl.batch_fn,
-        dynamic=False,
-        single_fragment=True,
-        extra={**e, "layers": layers},
+    cfg = {k: wl.extra[k] for k in ("d_model", "heads", "seq_len", "batch", "vocab")}
+    return gpt.workload(
+        {**cfg, "layers": layers}, manual=model == "gpt_manual", name=f"{model}_{layers}l"
     )
 
 

@@ -2,10 +2,15 @@
 
     python benchmarks/cuda_anchors.py                          # gpt + gpt_manual, default configs
     python benchmarks/cuda_anchors.py --models gpt --configs eager,mc_r50,mc_h25,mc_h25s
+    python benchmarks/cuda_anchors.py --size large --models gpt --configs eager,inductor,mci_r25
+    OMP_NUM_THREADS=1 python benchmarks/cuda_anchors.py --device cpu --size tiny   # plumbing only
 
-The GPU counterpart of ``anchors.py`` (same models at size ``bench``, same configurations and
-budget rule: ``resident + f * eager step peak``), all in one process per model. For each
-configuration:
+The GPU counterpart of ``anchors.py`` (same models, at size ``bench`` by default or the GPU
+check's ``large`` GPT: 12 layers, d 1024, T 1024, B 4; same configurations and budget rule:
+``resident + f * eager step peak``), all in one process per model. ``mci_`` runs a ``mc_``
+configuration with ``inner="inductor"`` (``mci_none``: no budget); ``mci_amb50`` / ``mci_amb10``
+take the measured peak of ``inductor_amb50`` / ``inductor_amb10`` as their budget (issue 42's
+comparison: memcompile given the memory Inductor's own budget ended at). For each configuration:
 
 * the model is built twice from one seed (an eager reference and the configured copy), moved to
   the GPU, and each runs 2 warm-up steps (compiles happen here);
@@ -18,7 +23,10 @@ configuration:
 
 A trailing ``s`` (``mc_h25s``) runs the same plan with synchronous host copies
 (``TieredStore(asynchronous=False)``): the difference to ``mc_h25`` is what the side stream and
-the prefetching buy. Results: ``benchmarks/results/cuda_anchors.md`` and ``.json``.
+the prefetching buy. ``--device cpu`` runs the same code on the CPU (peak from the CPU profiler,
+``memcompile.measure``; no reserved bytes): a dry run of the script, not a CPU benchmark
+(``anchors.py`` is that). Each row is printed as one JSON line as soon as it is measured
+(``gpu_check.py`` reads them). Results: ``benchmarks/results/cuda_anchors.md`` and ``.json``.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import argparse
 import datetime as dt
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -39,7 +48,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from anchors import _mib, budget_for, build, configure
+from anchors import _memcompile_options, _mib, budget_for, build, configure
 
 import memcompile
 from memcompile.report import find_compiler
@@ -49,6 +58,28 @@ DEFAULT_CONFIGS = (
     "eager,checkpoint,sac,inductor_amb50,inductor_amb10,mc_none,mc_r50,mc_r35,mc_r25,"
     "mc_s50,mc_s50s,mc_s35,mc_s35s,mc_h25,mc_h15,mc_h10"
 )
+#: The GPU check's GPT: a step takes >= 50 ms on an H100 in fp32 (issue 42).
+LARGE = dict(layers=12, d_model=1024, heads=16, seq_len=1024, batch=4, vocab=8192)
+
+
+def workload(model: str, size: str) -> Any:
+    """``model`` at ``size``: the zoo's sizes, or ``large`` (GPT only)."""
+    if size == "bench":
+        return build(model)
+    if size == "large":
+        if model not in ("gpt", "gpt_manual"):
+            raise ValueError("--size large applies to gpt and gpt_manual only")
+        from memcompile.zoo import gpt
+
+        return gpt.workload(LARGE, manual=model == "gpt_manual")
+    from memcompile import zoo
+
+    return zoo.build(model, size=size, seed=0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _step(fn: Any, net: torch.nn.Module, batch: tuple[Any, ...]) -> torch.Tensor:
@@ -59,32 +90,85 @@ def _step(fn: Any, net: torch.nn.Module, batch: tuple[Any, ...]) -> torch.Tensor
     return loss.detach()
 
 
-def _timed(fn: Any, net: torch.nn.Module, batch: tuple[Any, ...]) -> float:
-    torch.cuda.synchronize()
+def _timed(fn: Any, net: torch.nn.Module, batch: tuple[Any, ...], device: torch.device) -> float:
+    _sync(device)
     t0 = time.perf_counter()
     _step(fn, net, batch)
-    torch.cuda.synchronize()
+    _sync(device)
     return time.perf_counter() - t0
 
 
-def run(model: str, config: str, reps: int, eager: dict[str, Any] | None) -> dict[str, Any]:
-    """One configuration: peak, bit-identity and paired time against an eager copy."""
+def _split(config: str) -> tuple[str, str, bool]:
+    """``(base config, inner compiler, synchronous copies)``: ``mci_h25s`` is ``mc_h25`` with
+    ``inner="inductor"`` and a synchronous store."""
+    sync = config.startswith("mc") and config.endswith("s")
+    base = config[:-1] if sync else config
+    if base.startswith("mci_"):
+        return "mc_" + base[4:], "inductor", sync
+    return base, "eager", sync
+
+
+def _budget(config: str, rows: dict[str, dict[str, Any]]) -> int | None:
+    """The absolute budget of ``config`` from the rows measured before it in this process."""
+    base, _, _ = _split(config)
+    if base.startswith("mc_amb"):
+        source = rows.get("inductor_" + base[3:])
+        if source is None or "peak" not in source:
+            raise ValueError(f"{config} needs inductor_{base[3:]} measured before it")
+        return int(source["peak"])
+    return budget_for(base, rows["eager"]) if "eager" in rows else None
+
+
+def _configured(config: str, wl: Any, budget: int | None, disk_dir: str) -> Any:
+    base, inner, _ = _split(config)
+    if not base.startswith("mc_"):
+        return configure(base, wl, budget, disk_dir)
+    opts = (
+        {"budget": budget, "on_infeasible": "error"}
+        if base.startswith("mc_amb")
+        else _memcompile_options(base, budget, disk_dir)
+    )
+    return memcompile.compile(wl.model, **opts, inner=inner)
+
+
+def run(
+    model: str,
+    config: str,
+    reps: int,
+    rows: dict[str, dict[str, Any]],
+    *,
+    size: str = "bench",
+    device: str = "cuda",
+) -> dict[str, Any]:
+    """One configuration: peak, bit-identity and paired time against an eager copy.
+
+    ``rows`` holds the rows measured before it in this process, by configuration (``eager``
+    first: the budgets are set from it).
+    """
+    dev = torch.device(device)
     torch._dynamo.reset()
     torch._functorch.config.activation_memory_budget = 1.0
     gc.collect()  # the last configuration's models must not stay on the device
-    torch.cuda.empty_cache()
-    sync = config.startswith("mc_") and config.endswith("s")
-    base = config[:-1] if sync else config
-    budget = budget_for(base, eager) if eager is not None else None
-    ref, wl = build(model).to("cuda"), build(model).to("cuda")
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    _, _, sync = _split(config)
+    budget = _budget(config, rows)
+    ref, wl = workload(model, size), workload(model, size)
+    ref.model.to(dev)
+    wl.model.to(dev)
     ref.model.load_state_dict(wl.model.state_dict())
-    out: dict[str, Any] = {"model": wl.name, "config": config, "budget": budget}
-    batch = wl.batch(0)
+    out: dict[str, Any] = {"model": wl.name, "size": size, "config": config, "budget": budget}
+    batch = tuple(t.to(dev) for t in wl.batch(0))
     # The reference copy's parameters are on the device too; memcompile counts what is already
-    # allocated against its budget, so it gets them on top (they are subtracted below as well).
-    ref_bytes = sum(p.numel() * p.element_size() for p in ref.model.parameters())
+    # allocated on a GPU against its budget, so it gets them on top (they are subtracted below
+    # as well). The CPU profiler sees only what the step reaches: nothing to add there.
+    ref_bytes = (
+        sum(p.numel() * p.element_size() for p in ref.model.parameters())
+        if dev.type == "cuda"
+        else 0
+    )
     with tempfile.TemporaryDirectory(prefix="memcompile-cuda-") as disk_dir:
-        fn = configure(base, wl, None if budget is None else budget + ref_bytes, disk_dir)
+        fn = _configured(config, wl, None if budget is None else budget + ref_bytes, disk_dir)
         t0 = time.perf_counter()
         try:
             with warnings.catch_warnings(record=True) as caught:
@@ -102,35 +186,44 @@ def run(model: str, config: str, reps: int, eager: dict[str, Any] | None) -> dic
         loss = _step(fn, wl.model, batch)
         ref_loss = _step(ref.model, ref.model, batch)
         out["loss_equal"] = bool(torch.equal(loss, ref_loss))
+        out["loss_diff"] = float((loss.float() - ref_loss.float()).abs())
+        diffs = [
+            float((a.grad.float() - b.grad.float()).abs().max())
+            for a, b in zip(wl.model.parameters(), ref.model.parameters(), strict=True)
+            if a.grad is not None and b.grad is not None
+        ]
         out["grads_equal"] = all(
             (a.grad is None and b.grad is None)
-            or (
-                a.grad is not None
-                and b.grad is not None
-                and torch.equal(a.grad.cpu(), b.grad.cpu())
-            )
+            or (a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad))
             for a, b in zip(wl.model.parameters(), ref.model.parameters(), strict=True)
         )
+        out["grad_max_abs_diff"] = max(diffs, default=0.0)
         wl.model.zero_grad(set_to_none=True)
         ref.model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        # The reference copy stays resident (the same for every config): subtract it as well.
-        resident = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        _step(fn, wl.model, batch)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        _sync(dev)
+        if dev.type == "cuda":
+            # The reference copy stays resident (the same for every config): subtract it too.
+            resident = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            _step(fn, wl.model, batch)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+            reserved: int | None = torch.cuda.max_memory_reserved()
+        else:
+            m = memcompile.measure(lambda: _step(fn, wl.model, batch), device="cpu")
+            peak, resident, reserved = m.peak, m.resident_bytes, None
         out.update(
             peak=peak - ref_bytes,
             resident=resident - ref_bytes,
             step_peak=peak - resident,
-            reserved=torch.cuda.max_memory_reserved(),
+            reserved=reserved,
         )
         if budget is not None:
             out["within_budget"] = out["peak"] <= budget * 1.02
-        if config.startswith("mc_"):
+        if config.startswith("mc"):
             rep = memcompile.report(fn)
             out["predicted_peak"] = rep.predicted_peak - ref_bytes
+            out["prediction_error"] = out["predicted_peak"] / out["peak"] - 1
             plans = rep.plan.fragments
             out["recomputed"] = sum(len(p.recomputed) for p in plans)
             out["swapped"] = sum(len(p.swapped) for p in plans)
@@ -141,8 +234,8 @@ def run(model: str, config: str, reps: int, eager: dict[str, Any] | None) -> dic
             out["device_other"] = find_compiler(fn)[0].device_other_bytes
         ratios, times, eager_times = [], [], []
         for _ in range(reps):
-            a = _timed(ref.model, ref.model, batch)
-            b = _timed(fn, wl.model, batch)
+            a = _timed(ref.model, ref.model, batch, dev)
+            b = _timed(fn, wl.model, batch, dev)
             ratios.append(b / a)
             times.append(b)
             eager_times.append(a)
@@ -163,11 +256,13 @@ def render(result: dict[str, Any]) -> str:
         "",
         "step peak = max_memory_allocated − memory allocated at the step's start (parameters, "
         "batch); vs eager = step peak / eager's; time = median paired wall-time ratio vs an "
-        "eager copy (each step synchronized). bit-id = loss and every gradient equal to eager.",
+        "eager copy (each step synchronized). bit-id = loss and every gradient equal to eager "
+        "(else the largest gradient difference). pred. = predicted peak / measured − 1. "
+        '`mci_` = memcompile with inner="inductor".',
         "",
-        "| model | config | budget MiB | peak MiB | predicted MiB | step peak MiB | vs eager "
-        "| reserved MiB | time × eager | step ms | bit-id | plan |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | config | budget MiB | peak MiB | predicted MiB | pred. | step peak MiB "
+        "| vs eager | reserved MiB | time × eager | step ms | bit-id | plan |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     eager: dict[str, float] = {}
     for r in result["rows"]:
@@ -176,7 +271,7 @@ def render(result: dict[str, Any]) -> str:
         if not r.get("fits", False):
             lines.append(
                 f"| {r['model']} | {r['config']} | {_mib(r.get('budget'))} | does not fit: "
-                f"{r.get('error', '')[:90]} |||||||||"
+                f"{r.get('error', '')[:90]} ||||||||||"
             )
             continue
         vs = r["step_peak"] / eager[r["model"]] if r["model"] in eager else None
@@ -186,14 +281,25 @@ def render(result: dict[str, Any]) -> str:
             if "recomputed" in r
             else ""
         )
+        pred = f"{100 * r['prediction_error']:+.1f} %" if "prediction_error" in r else ""
+        bit_id = (
+            "yes"
+            if r["loss_equal"] and r["grads_equal"]
+            else f"no ({r.get('grad_max_abs_diff', float('nan')):.1e})"
+        )
         lines.append(
             f"| {r['model']} | {r['config']} | {_mib(r.get('budget'))} | {_mib(r['peak'])} "
-            f"| {_mib(r.get('predicted_peak'))} | {_mib(r['step_peak'])} "
+            f"| {_mib(r.get('predicted_peak'))} | {pred} | {_mib(r['step_peak'])} "
             f"| {'—' if vs is None else f'{vs:.2f}×'} | {_mib(r['reserved'])} "
-            f"| {r['time_ratio']:.2f} | {r['step_ms']:.2f} "
-            f"| {'yes' if r['loss_equal'] and r['grads_equal'] else 'no'} | {plan} |"
+            f"| {r['time_ratio']:.2f} | {r['step_ms']:.2f} | {bit_id} | {plan} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def machine(device: str) -> str:
+    """The device, torch and the platform, in one line."""
+    name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    return f"{name}, torch {torch.__version__}, {platform.platform()}"
 
 
 def main() -> None:
@@ -202,29 +308,27 @@ def main() -> None:
     )
     p.add_argument("--models", default="gpt,gpt_manual")
     p.add_argument("--configs", default=DEFAULT_CONFIGS)
+    p.add_argument("--size", default="bench", choices=("tiny", "small", "bench", "large"))
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("cuda_anchors.py needs a CUDA device")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("cuda_anchors.py needs a CUDA device (--device cpu runs it as a dry run)")
     rows = []
     for model in args.models.split(","):
-        eager = run(model, "eager", args.reps, None)
-        rows.append(eager)
-        print(json.dumps(eager), flush=True)
-        for config in args.configs.split(","):
-            if config == "eager":
-                continue
+        done: dict[str, dict[str, Any]] = {}
+        for config in ["eager", *(c for c in args.configs.split(",") if c != "eager")]:
             try:
-                row = run(model, config, args.reps, eager)
+                row = run(model, config, args.reps, done, size=args.size, device=args.device)
             except Exception as e:  # one broken configuration must not lose the others
                 row = {"model": model, "config": config, "error": f"{type(e).__name__}: {e}"}
+            done[config] = row
             rows.append(row)
             print(json.dumps(row), flush=True)
     result = {
         "command": "python " + " ".join(sys.argv),
-        "machine": f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
-        f"{platform.platform()}",
+        "machine": machine(args.device),
         "date": dt.date.today().isoformat(),
         "rows": rows,
     }

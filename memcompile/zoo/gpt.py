@@ -113,8 +113,13 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _build(name: str, size: str, seed: int, manual: bool) -> Workload:
-    cfg = _CONFIGS[size]
+def workload(
+    cfg: dict[str, int], *, seed: int = 0, manual: bool = False, name: str | None = None
+) -> Workload:
+    """A GPT workload of any size: ``cfg`` holds ``layers``, ``d_model``, ``heads``,
+    ``seq_len``, ``batch`` and ``vocab`` (the zoo's sizes are three such dicts; the GPU check's
+    large GPT is another)."""
+    name = name or ("gpt_manual" if manual else "gpt")
     torch.manual_seed(seed)
     model = GPT(
         layers=cfg["layers"],
@@ -150,10 +155,10 @@ def _build(name: str, size: str, seed: int, manual: bool) -> Workload:
 @register("gpt")
 def build_gpt(size: str, seed: int) -> Workload:
     """GPT with :func:`~torch.nn.functional.scaled_dot_product_attention`."""
-    return _build("gpt", size, seed, manual=False)
+    return workload(_CONFIGS[size], seed=seed)
 
 
 @register("gpt_manual")
 def build_gpt_manual(size: str, seed: int) -> Workload:
     """GPT with hand-written attention that materialises the ``T x T`` score matrices."""
-    return _build("gpt_manual", size, seed, manual=True)
+    return workload(_CONFIGS[size], seed=seed, manual=True)
