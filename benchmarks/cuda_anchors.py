@@ -248,7 +248,9 @@ def run(
 
 def render(result: dict[str, Any]) -> str:
     lines = [
-        "# memcompile on CUDA: peak (CUDA allocator) and time vs PyTorch's features",
+        "# memcompile on CUDA: peak (CUDA allocator) and time vs PyTorch's features"
+        if "CPU" not in result["machine"]
+        else "# memcompile on the CPU device: peak (CPU profiler) and time vs PyTorch's features",
         "",
         f"Command: `{result['command']}`  ",
         f"Machine: {result['machine']}  ",

@@ -116,6 +116,9 @@ class FragmentRecord:
     #: The plan cache's key when the plan was replayed from an earlier run's search
     #: (``pipeline/plan_cache.py``), else ``None``.
     plan_cached: str | None = None
+    #: Why the inner compiler's code was not measured at compile time
+    #: (``backends/inner_peak.py``; ``""``: measured, or the eager inner compiler).
+    inner_unmeasured: str = ""
 
     @property
     def name(self) -> str:

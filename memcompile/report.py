@@ -14,6 +14,7 @@ last observed step, and predicts the step peak with
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,8 @@ class FragmentReport:
     plan: FragmentPlan | None = None
     #: The plan cache's key when the plan was replayed from an earlier run's search.
     plan_cached: str | None = None
+    #: Why the inner compiler's code was not measured (``""``: measured, or eager).
+    inner_unmeasured: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -83,6 +86,8 @@ class FragmentReport:
             "profile": self.profile.to_dict() if self.profile is not None else None,
             "plan": self.plan.to_dict() if self.plan is not None else None,
             "plan_cached": self.plan_cached,
+            "inner_adjust": list(self.profile.inner_adjust) if self.profile is not None else None,
+            "inner_unmeasured": self.inner_unmeasured,
         }
 
 
@@ -292,6 +297,8 @@ class MemReport:
             lines.append(f"  budget: {self.measured_budget.describe()}")
         if self.iteration is not None:
             lines.append(_iteration_line(self.iteration))
+        if self.config.inner != "eager":
+            lines.extend(_inner_lines(self.config.inner, self.fragments))
         cached = [f.name for f in self.fragments if f.plan_cached]
         if cached:
             lines.append(
@@ -483,6 +490,35 @@ def find_compiler(compiled: Any) -> tuple[MemCompiler, torch.nn.Module | None]:
     raise TypeError(f"this model was compiled with backend {name!r}, not memcompile")
 
 
+def _inner_lines(inner: str, fragments: Sequence[FragmentReport]) -> list[str]:
+    """What the report says of the inner compiler's code, measured at compile time or not."""
+    measured, unmeasured = [], []
+    for f in fragments:
+        if f.profile is None or not f.profile.training:
+            continue
+        if f.inner_unmeasured:
+            unmeasured.append(f"{f.name} ({f.inner_unmeasured})")
+        else:
+            fw, bw = f.profile.inner_adjust
+            measured.append(f"{f.name} (forward {_signed(fw)}, backward {_signed(bw)})")
+    lines = []
+    if measured:
+        lines.append(
+            f"  {inner}'s code, measured at compile time beside the graphs' profile: "
+            + ", ".join(measured)
+        )
+    if unmeasured:
+        lines.append(
+            f"  {inner}'s code not measured, predicted as the graphs' profile (approximate): "
+            + ", ".join(unmeasured)
+        )
+    return lines
+
+
+def _signed(n: int) -> str:
+    return ("-" if n < 0 else "+") + format_bytes(abs(n))
+
+
 def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) -> MemReport:
     """Report of ``compiler`` (``model``, when known, adds its unused parameters to the resident
     set)."""
@@ -511,6 +547,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
             profile=r.profile,
             plan=r.plan,
             plan_cached=r.plan_cached,
+            inner_unmeasured=r.inner_unmeasured,
         )
         for r in records
     )

@@ -121,6 +121,12 @@ class FragmentProfile:
             (forward inputs are the caller's); where nothing else holds one (the caller dropped
             it: a multi-fragment step's previous output), autograd frees it after that reader,
             which :meth:`backward_peak_holding` prices when told (``releasing``).
+        inner_adjust: ``(forward, backward)`` bytes by which the inner compiler's code peaks
+            above (negative: below) these graphs' profile, measured when it compiled them
+            (``backends/inner_peak.py``: Inductor fuses, reuses and reorders buffers; the eager
+            inner compiler runs the profile exactly, ``(0, 0)``). :attr:`forward_peak`,
+            :attr:`backward_peak`, :attr:`handed_peak` and :meth:`backward_peak_holding`
+            include it; ``forward`` and ``backward`` (the graphs' node by node profiles) do not.
     """
 
     forward: GraphProfile
@@ -143,10 +149,31 @@ class FragmentProfile:
     tangent_names: tuple[str, ...] = ()
     released: tuple[int, ...] = ()
     saved_input_reads: tuple[tuple[int, int, int], ...] = ()
+    inner_adjust: tuple[int, int] = (0, 0)
 
     @property
     def training(self) -> bool:
         return self.backward is not None
+
+    @property
+    def forward_peak(self) -> int:
+        """The forward's tracked peak as the inner compiler's code runs it."""
+        return self.forward.peak_bytes + self.inner_adjust[0]
+
+    @property
+    def backward_peak(self) -> int:
+        """The backward's tracked peak (``backward.peak_bytes``) as the inner compiler's code
+        runs it."""
+        if self.backward is None:
+            raise ValueError("an inference fragment has no backward")
+        return self.backward.peak_bytes + self.inner_adjust[1]
+
+    @property
+    def handed_peak(self) -> int | None:
+        """``backward_handed_peak`` as the inner compiler's code runs it."""
+        if self.backward_handed_peak is None:
+            return None
+        return self.backward_handed_peak + self.inner_adjust[1]
 
     @property
     def approximate(self) -> bool:
@@ -156,9 +183,9 @@ class FragmentProfile:
 
     def phase_peaks(self) -> dict[str, int]:
         """Tracked peak of each phase, relative to the forward inputs ``R``."""
-        peaks = {"forward": self.forward.peak_bytes}
+        peaks = {"forward": self.forward_peak}
         if self.backward is not None:
-            peaks["backward"] = self.held_output_bytes + self.backward.peak_bytes
+            peaks["backward"] = self.held_output_bytes + self.backward_peak
             peaks["accumulate"] = (
                 self.held_output_bytes + self.backward.end_bytes + self.clone_bytes
             )
@@ -174,6 +201,10 @@ class FragmentProfile:
         inputs nothing else holds, counted until their last reader (``saved_input_reads``)."""
         if self.backward is None:
             raise ValueError("an inference fragment has no backward")
+        return self._holding(held, releasing) + self.inner_adjust[1]
+
+    def _holding(self, held: Collection[int] | None, releasing: Collection[int]) -> int:
+        assert self.backward is not None
         inputs = [(b, k) for pos, b, k in self.saved_input_reads if pos in releasing]
         if held is None:
             if self.backward_handed_peak is None:

@@ -443,14 +443,14 @@ def simulate_step(
                 for a, n in (views if reading is None else reading).items()
                 if view_refs.get(a) and a not in callers
             )
-            own = prof.forward.peak_bytes
+            own = prof.forward_peak
             # The cache beside the graph (its copies, taken or not) and at its end.
             training = kind == "forward"
             cache = call_cache[i] if training and call_cache is not None else 0
             use = call_cache_use[i] if training and call_cache_use is not None else None
             during = max(own, prof.forward.end_bytes + cache) if cache else own
             if use is not None:
-                during = max(during, cache_peak(prof.forward, use))
+                during = max(during, cache_peak(prof.forward, use) + prof.inner_adjust[0])
             earlier = outputs_held.bytes - (outputs_held.among(reading) if reading else 0)
             p = base + saved + viewed - mine + grads + activations + during + earlier
             if kind == "forward":
@@ -529,11 +529,11 @@ def simulate_step(
             # forward input as the caller's).
             # Incoming gradients another backward made die at their last use; the step's first
             # backward's (the loss's) is held by the engine's root (fragment.py).
-            handed = prof.backward_handed_peak
+            handed = prof.handed_peak
             if first_backward:
                 root = call_tangents[i] if call_tangents is not None else None
                 if root is None and not releasing:
-                    bw_peak = bw.peak_bytes
+                    bw_peak = prof.backward_peak
                 elif root is None:  # as profiled: all held to the end but the released
                     as_profiled = {p for p, _ in prof.tangent_storages} - set(prof.released)
                     bw_peak = prof.backward_peak_holding(as_profiled, releasing)
@@ -542,7 +542,7 @@ def simulate_step(
             elif releasing:
                 bw_peak = prof.backward_peak_holding(None, releasing)
             else:
-                bw_peak = bw.peak_bytes if handed is None else handed
+                bw_peak = prof.backward_peak if handed is None else handed
             first_backward = False
             own = max(bw_peak, bw.end_bytes + accumulate)
             p = base + held + others + inputs + viewed - sum(freed.values()) + grads

@@ -68,6 +68,7 @@ def infeasible(
     sharded: bool,
     device_other: int | None,
     untaken: int,
+    inner_over: tuple[str, int] | None = None,
 ) -> None:
     """No plan fits: raise MemoryBudgetError, or warn (``on_infeasible="best_effort"``); a
     re-plan only logs it (the next step's prediction tells whether the step fits).
@@ -77,10 +78,19 @@ def infeasible(
     ``held_outputs``: bytes of the user outputs the plan counts as held by the caller through
     the backward; ``sharded``: FSDP2 manages the model's parameters; ``device_other``: bytes
     others had allocated on the device; ``untaken``: bytes of the model's parameters and
-    buffers no fragment reads."""
+    buffers no fragment reads; ``inner_over``: the inner compiler and the bytes its code was
+    measured to need past the budget with the smallest plan found."""
     budget = config.budget
     assert budget is not None
-    tips = _resident_tips(config, spec, plan, hosted=hosted, host_peak=host_peak, sharded=sharded)
+    tips = []
+    if inner_over is not None:
+        inner, over = inner_over
+        tips.append(
+            f"{inner}'s code, measured at compile time, peaks {format_bytes(over)} above the "
+            "budget with the smallest plan found (the eager model of the graphs fits it: "
+            "inner='eager' runs them as planned)"
+        )
+    tips += _resident_tips(config, spec, plan, hosted=hosted, host_peak=host_peak, sharded=sharded)
     tips += _others_tips(device_other, untaken)
     if held_outputs >= plan.predicted_peak // 100 and not spec.dropped_outputs:
         # Step 1 cannot know what the caller keeps; the first backward shows it.
@@ -226,19 +236,33 @@ def _resident_tips(
 
 
 def check_budget(
-    config: MemConfig, index: int, plan: FragmentPlan | None, profile: FragmentProfile | None
+    config: MemConfig,
+    index: int,
+    plan: FragmentPlan | None,
+    profile: FragmentProfile | None,
+    *,
+    counted: int = 0,
+    inner: str | None = None,
 ) -> None:
     """Warn if F{index}'s built graphs' exact profile exceeds a budget its plan claimed to
-    meet."""
+    meet. ``counted``: bytes of ``plan.resident_bytes`` the profile counts already (what the
+    inner compiler's code was measured to need, planned around); ``inner``: the inner
+    compiler whose measured peaks the profile carries, named in the warning."""
     budget = config.budget
     if budget is None or plan is None or profile is None or not plan.feasible:
         return
-    peak = plan.resident_bytes + max(profile.phase_peaks().values())
+    peak = plan.resident_bytes - counted + max(profile.phase_peaks().values())
     if peak > budget:
+        measured = (
+            f"; {inner}'s code was measured at compile time and planned around as far as a "
+            "plan fits: a larger budget, or inner='eager', whose plans are exact, fits it"
+            if inner is not None
+            else ""
+        )
         warnings.warn(
             f"memcompile: F{index}'s built graphs are predicted to peak at "
             f"{format_bytes(peak)}, over budget={format_bytes(budget)} (the planner expected "
-            f"{format_bytes(plan.predicted_peak)})",
+            f"{format_bytes(plan.predicted_peak)}{measured})",
             MemoryBudgetWarning,
             stacklevel=2,
         )

@@ -4,8 +4,12 @@ compilers, sharing the fragment's state (the backward compiles lazily, at the fi
     partition      the pipeline decides (pipeline/fragment.py); then, and only then, what was
                    decided is applied: an infeasible plan raises (or warns), the pilot's reserve
                    is registered, parameters move to the host tier
+                   (with inner="inductor": the pair compiled and run once, what Inductor's code
+                   peaks beside the eager run measured, the plan made again while that puts it
+                   over the budget: inner_peak.py)
     fw compiler    where the pilot predicts (pipeline/finish.py), the exact profile of the
-                   forward and backward, reloads hoisted, the budget checked, the inner compiler
+                   forward and backward (with Inductor's measured difference), reloads
+                   hoisted, the budget checked, the inner compiler
     bw compiler    the inner compiler
     each graph     wrapped (call_wrapper.py): counted, watched, its block keys recorded
 
@@ -14,6 +18,7 @@ A build reaches its compiler only through the :class:`BuildEnv` it is handed.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -37,8 +42,10 @@ from memcompile.backends.build_env import BuildEnv
 from memcompile.backends.call_wrapper import wrap, wrap_plain
 from memcompile.backends.fallbacks import code_label
 from memcompile.backends.inner import BoxedCallable, compile_inner, decompositions
+from memcompile.backends.inner_peak import InnerPeaks, measure_inner, unmeasurable
 from memcompile.errors import format_bytes
-from memcompile.pipeline.built import profile_args
+from memcompile.pipeline import features
+from memcompile.pipeline.built import Split, joint_split, profile_args
 from memcompile.pipeline.env import FragmentSpec
 from memcompile.pipeline.finish import early_reloads, pilot_op
 from memcompile.pipeline.fragment import BelowBound, Decided, plan_partition
@@ -53,6 +60,8 @@ log = logging.getLogger(__name__)
 
 #: Profiles kept per fragment for the sizes its calls had (dynamic shapes).
 MAX_SIZE_PROFILES = 256
+#: Plans made again for what the inner compiler's code was measured to need (inner_peak.py).
+MAX_INNER_REPLANS = 2
 
 
 def device_of(values: Sequence[Any]) -> torch.device | None:
@@ -157,6 +166,15 @@ class FragmentBuild:
         self.code = ""
         #: The plan cache's key when its plan was replayed from an earlier run's search.
         self.plan_cached: str | None = None
+        #: What the inner compiler's code peaks beside the eager run of the planned graphs
+        #: (``None``: not measured; ``inner_unmeasured`` says why when it could not be).
+        self.inner_peaks: InnerPeaks | None = None
+        self.inner_unmeasured = ""
+        #: Bytes the plan was made around for the inner compiler (``FragmentSpec``'s field).
+        self.inner_excess = 0
+        #: Bytes the inner compiler's code was measured to need past the budget with the
+        #: smallest plan found (the plan is then infeasible), else 0.
+        self.inner_over = 0
 
     def spec(self) -> FragmentSpec:
         """This fragment as the pipeline plans it."""
@@ -172,6 +190,7 @@ class FragmentBuild:
             replan_start=self.replan_start,
             host_replan=self.host_replan,
             code=self.code,
+            inner_excess=self.inner_excess,
         )
 
     # -- compiling ---------------------------------------------------------------------------
@@ -221,6 +240,7 @@ class FragmentBuild:
             summed_inputs=self.summed_inputs,
             hostable=frozenset(storage_sizes(t for t in statics if may_host(t))),
             plan_cached=self.plan_cached,
+            inner_unmeasured=self.inner_unmeasured,
         )
         return compiled, record
 
@@ -254,14 +274,10 @@ class FragmentBuild:
             )
         else:
             spec = self.spec()
+            static = static_lifetime_input_indices or []
             try:
-                decided = plan_partition(
-                    joint,
-                    num_fwd_outputs,
-                    static_lifetime_input_indices or [],
-                    spec,
-                    self.env.pipeline,
-                )
+                decided = plan_partition(joint, num_fwd_outputs, static, spec, self.env.pipeline)
+                decided, spec = self._inner_fitted(joint, num_fwd_outputs, static, spec, decided)
             except BelowBound as below:
                 resident = self.env.pipeline.resident
                 advice.below_bound(
@@ -275,6 +291,96 @@ class FragmentBuild:
             fw, bw = decided.fw, decided.bw
         self.bw_gm = bw
         return fw, bw
+
+    def _inner_fitted(
+        self,
+        joint: fx.GraphModule,
+        num_fwd_outputs: int,
+        static: Sequence[int],
+        spec: FragmentSpec,
+        decided: Decided,
+    ) -> tuple[Decided, FragmentSpec]:
+        """With an inner compiler other than eager: what its code peaks beside the planned
+        graphs, measured (inner_peak.py); while that puts the fragment over its budget, the plan
+        made again with the code's excess over the graphs' profile counted as resident (at most
+        ``MAX_INNER_REPLANS`` times); when no plan fits, the plan kept is marked infeasible
+        with its measured peak (``_apply`` raises or warns, as for any plan that misses)."""
+        config = self.env.pipeline.config
+        if config.inner == "eager" or decided.bw is None or not features.current().inner_measure:
+            return decided, spec
+        device = self.device or torch.device("cpu")
+        if device.type == "cpu" and torch.autograd.profiler._is_profiler_enabled:
+            # The CPU measurement needs its own profiler session; nested ones corrupt the outer.
+            self.inner_unmeasured = "a profiler session was active"
+            log.info("F%d: %s's code not measured: %s", self.index, config.inner, "a profiler ran")
+            return decided, spec
+        split = joint_split(joint, num_fwd_outputs, static)
+        for round_ in range(MAX_INNER_REPLANS + 1):
+            why = unmeasurable(decided.fw, decided.bw)
+            if why is not None:
+                self.inner_unmeasured = why
+                log.info("F%d: %s's code not measured: %s", self.index, config.inner, why)
+                return decided, spec
+            bw = self._hoisted(spec, decided, split)
+            self.inner_peaks = peaks = measure_inner(
+                config.inner,
+                decided.fw,
+                bw,
+                static_input_indices=static,
+                device=device,
+                real_inputs=self.example_inputs,
+            )
+            if config.budget is None or not decided.plan.feasible:
+                break
+            args = profile_args(spec, decided.fw, bw, split=split)
+            profile = profile_fragment(decided.fw, bw, clone_workspace=clone_workspace, **args)
+            planned = max(profile.phase_peaks().values())
+            measured = max(peaks.applied(profile).phase_peaks().values())
+            peak = decided.plan.resident_bytes - spec.inner_excess + measured
+            over = peak - config.budget
+            if over <= 0:
+                break
+            # Plan again with the code's excess over these graphs' profile counted as resident
+            # (more, if an earlier round's was not enough: the next plan's code may differ).
+            excess = max(measured - planned, spec.inner_excess + over)
+            again = None
+            if round_ < MAX_INNER_REPLANS:
+                log.info(
+                    "F%d: %s's code is measured to peak %s over budget=%s: planning again with "
+                    "that much less",
+                    self.index,
+                    config.inner,
+                    format_bytes(over),
+                    format_bytes(config.budget),
+                )
+                tighter = dataclasses.replace(spec, inner_excess=excess)
+                try:
+                    again = plan_partition(
+                        joint, num_fwd_outputs, static, tighter, self.env.pipeline
+                    )
+                except BelowBound:
+                    again = None
+            if again is None or not again.plan.feasible:
+                # No plan fits what the inner compiler's code needs: infeasible, with the
+                # measured peak of the one kept as the smallest found.
+                self.inner_over = over
+                plan = dataclasses.replace(decided.plan, feasible=False, predicted_peak=peak)
+                return dataclasses.replace(decided, plan=plan), spec
+            decided, spec = again, tighter
+            self.inner_excess = tighter.inner_excess
+        return decided, spec
+
+    def _hoisted(self, spec: FragmentSpec, decided: Decided, split: Split) -> fx.GraphModule:
+        """A copy of ``decided``'s backward with its reloads moved up as the forward compiler
+        will move them (``early_reloads``): what the inner compiler is then given."""
+        bw = copy.deepcopy(decided.bw)
+        if decided.plan.swapped:
+            args = profile_args(spec, decided.fw, bw, split=split)
+            profile = profile_fragment(decided.fw, bw, clone_workspace=clone_workspace, **args)
+            inputs = [p.meta.get("val") for p in decided.fw.graph.find_nodes(op="placeholder")]
+            cost = self.env.pipeline.cost_profile(inputs)
+            early_reloads(bw, decided.plan, profile, cost, spec)
+        return bw
 
     def _apply(self, spec: FragmentSpec, decided: Decided) -> None:
         """What the pipeline decided, applied: only now, so an infeasible plan raises with the
@@ -295,6 +401,7 @@ class FragmentBuild:
                 sharded=env.fsdp.sharded is not None,
                 device_other=resident.device_other_bytes,
                 untaken=resident.untaken_bytes(self.example_inputs),
+                inner_over=(config.inner, self.inner_over) if self.inner_over else None,
             )
         self.hosted_inputs = decided.hosted + decided.placed
         env.budget.compiled(self.index, None, reserve=self.prefetch_reserve)
@@ -363,7 +470,14 @@ class FragmentBuild:
             trace_structured_artifact(
                 f"memcompile_plan_F{self.index}", "json", lambda: json.dumps(final.to_dict())
             )
-        advice.check_budget(env.pipeline.config, self.index, self.plan, self.profile)
+        advice.check_budget(
+            env.pipeline.config,
+            self.index,
+            self.plan,
+            self.profile,
+            counted=self.inner_excess,
+            inner=env.pipeline.config.inner if self.inner_peaks is not None else None,
+        )
         fn = compile_inner(
             env.pipeline.config.inner,
             gm,
@@ -397,9 +511,10 @@ class FragmentBuild:
     def _profile(self, gm: fx.GraphModule, bw: fx.GraphModule | None) -> None:
         self._profile_args = profile_args(self.spec(), gm, bw)
         self.static_inputs = self._profile_args["static_input_indices"]
-        self.profile = profile_fragment(
-            gm, bw, clone_workspace=clone_workspace, **self._profile_args
-        )
+        profile = profile_fragment(gm, bw, clone_workspace=clone_workspace, **self._profile_args)
+        if self.inner_peaks is not None:
+            profile = self.inner_peaks.applied(profile)
+        self.profile = profile
         self.size_slots = _size_slots(gm)
         self._sized_profiles.clear()
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._functorch import partitioners as P
 
 from memcompile.analysis.fragment_profile import (
     FragmentProfile,
@@ -88,6 +89,14 @@ def profile_args(
         dropped_outputs=spec.dropped_outputs,
         released_tangents=spec.released_tangents,
     )
+
+
+def joint_split(joint: fx.GraphModule, num_fwd_outputs: int, static: Sequence[int]) -> Split:
+    """The :data:`Split` of graphs partitioned from ``joint`` (AOT's joint graph), before AOT's
+    metadata of the forward exists (in the partitioner)."""
+    _, _, descs, _ = P._extract_fwd_bwd_outputs(joint, num_fwd_outputs=num_fwd_outputs)
+    mutated = sum(type(d).__name__ == "InputMutationAOTOutput" for d in descs)
+    return tuple(static), mutated, num_fwd_outputs - mutated
 
 
 _Workspaces = tuple[dict[str, Any], Callable[[str, fx.GraphModule], dict[str, int]]]

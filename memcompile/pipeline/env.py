@@ -43,6 +43,10 @@ class FragmentSpec:
             planned as a new fragment, but the step's check says whether the step fits.
         code: where its frame begins, ``function (file:line)``: fragments compiled from one
             code (recompiles for new shapes) replace each other in a step.
+        inner_excess: bytes by which the inner compiler's code was measured to peak above an
+            earlier plan of this fragment, beyond its budget (Inductor:
+            ``backends/inner_peak.py``): planned as if that much more were resident, as the
+            prefetch reserve is (``plan.resident_bytes`` includes it).
     """
 
     index: int
@@ -56,6 +60,7 @@ class FragmentSpec:
     replan_start: tuple[str, ...] = ()
     host_replan: bool = False
     code: str = ""
+    inner_excess: int = 0
 
     @property
     def name(self) -> str:

@@ -61,6 +61,10 @@ class Features:
         regional: the ``torch.nn`` modules called from a model frame Dynamo runs eagerly are
             compiled as fragments of their own (backends/regions.py); ``False`` leaves them
             eager (tests and benchmarks that compare).
+        inner_measure: with ``inner="inductor"``, a fragment's graphs are compiled and run
+            once at compile time, and its predictions carry what Inductor's code peaks beside
+            the graphs' profile; a plan that puts over the budget is planned again
+            (backends/inner_peak.py); ``False``: the eager profile alone (tests that compare).
         plan_cache: what a fragment's search decided is kept in the user's cache directory
             and replayed by the next process instead of searching (pipeline/plan_cache.py);
             off where the environment sets ``MEMCOMPILE_PLAN_CACHE=0``.
@@ -76,6 +80,7 @@ class Features:
     pilot_in_graph: bool = True
     fast_no: bool = True
     regional: bool = True
+    inner_measure: bool = True
     plan_cache: bool = dataclasses.field(
         default_factory=lambda: os.environ.get("MEMCOMPILE_PLAN_CACHE", "1") != "0"
     )

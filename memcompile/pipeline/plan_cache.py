@@ -225,6 +225,7 @@ def fragment_key(
             spec.replan_saved_cap,
             list(spec.replan_start),
             spec.host_replan,
+            spec.inner_excess,
         ],
         "config": repr(sorted(options.items())),
         "features": repr(features.current()),

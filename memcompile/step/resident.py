@@ -51,6 +51,9 @@ class Planned(Protocol):
     @property
     def code(self) -> str: ...
 
+    @property
+    def inner_excess(self) -> int: ...
+
 
 class ResidentSet:
     """The device's resident bytes and the host tier's accounting for one compiler.
@@ -205,7 +208,9 @@ class ResidentSet:
         replace each other in a step and are not counted.
 
         A re-plan (``fragment.replan_resident``) takes the step prediction's figure instead,
-        less the inputs at ``host`` that would leave the device now."""
+        less the inputs at ``host`` that would leave the device now. Either way the bytes its
+        inner compiler's code was measured to need beyond an earlier plan
+        (``fragment.inner_excess``) count as resident too."""
         inputs, index, replan_resident = (
             fragment.example_inputs,
             fragment.index,
@@ -214,7 +219,7 @@ class ResidentSet:
         skip = set(host)
         if replan_resident is not None:
             moved = storage_sizes(inputs[i] for i in skip)
-            return max(0, replan_resident - sum(moved.values()))
+            return max(0, replan_resident - sum(moved.values())) + fragment.inner_excess
         storages = storage_sizes(t for i, t in enumerate(inputs) if i not in skip)
         # The model's parameters no fragment takes (read by eager frames, or by fragments not
         # compiled yet) count too; but for those the later fragments will move to the host
@@ -243,7 +248,8 @@ class ResidentSet:
             if r.profile is not None and r.profile.training:
                 others += r.profile.saved_bytes + r.profile.saved_input_bytes
         known = sum(storages.values())
-        return known + others + self._loop() + self._device_other(fragment.device, known)
+        device_other = self._device_other(fragment.device, known)
+        return known + others + self._loop() + device_other + fragment.inner_excess
 
     def _device_other(self, device: torch.device | None, known: int) -> int:
         # The budget is what max_memory_allocated sees, so on CUDA it covers device memory that

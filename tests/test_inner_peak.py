@@ -1,0 +1,193 @@
+"""With ``inner="inductor"``, Inductor's code is measured at compile time (backends/inner_peak.py):
+predictions carry the difference, a plan it puts over the budget is made again, and when none
+fits the error says so. The fast tests stand a synthetic difference in for the measurement (and
+the eager kernels for Inductor's); one slow test runs Inductor itself."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+import memcompile
+from memcompile import zoo
+from memcompile.backends import fragment_build
+from memcompile.backends import inner as inner_mod
+from memcompile.backends.inner_peak import InnerPeaks, measure_inner
+from memcompile.report import find_compiler
+
+
+def _workload() -> Any:
+    return zoo.build("gpt_manual", size="tiny", seed=0)
+
+
+def _eager_step_peak(wl: Any) -> tuple[int, int]:
+    """Eager's absolute step peak and the bytes resident at its start."""
+    m = memcompile.measure(lambda: wl.loss(wl.model, 0).backward())
+    wl.model.zero_grad(set_to_none=True)
+    return m.peak, m.resident_bytes
+
+
+@pytest.fixture
+def eager_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``inner="inductor"`` plans and measures as with Inductor, but runs eager kernels (no
+    45 s compiles): only the measurement is stood in for, by each test."""
+
+    def compile_eager(inner: str, *args: Any, **kwargs: Any) -> Any:
+        return inner_mod.compile_inner("eager", *args, **kwargs)
+
+    monkeypatch.setattr(fragment_build, "compile_inner", compile_eager)
+
+
+def _synthetic(monkeypatch: pytest.MonkeyPatch, backward: int) -> list[InnerPeaks]:
+    """Every measurement says Inductor's backward peaks ``backward`` bytes above the eager run."""
+    made: list[InnerPeaks] = []
+
+    def measured(*args: Any, **kwargs: Any) -> InnerPeaks:
+        made.append(InnerPeaks(forward=0, held=0, backward=backward, eager=(0, 0)))
+        return made[-1]
+
+    monkeypatch.setattr(fragment_build, "measure_inner", measured)
+    return made
+
+
+def test_the_eager_inner_compiler_measured_against_itself_differs_by_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[InnerPeaks] = []
+    original = fragment_build.FragmentBuild.forward_compiler
+
+    def spy(self: Any, gm: Any, example_inputs: Any) -> Any:
+        state = torch.random.get_rng_state()
+        seen.append(
+            measure_inner(
+                "eager",
+                gm,
+                self.bw_gm,
+                static_input_indices=self.static_inputs,
+                device=torch.device("cpu"),
+            )
+        )
+        # The runs draw dropout masks from a forked generator: the user's stream is untouched.
+        with _disable_current_modes():  # the compilers run under AOT's fake mode
+            assert torch.equal(torch.random.get_rng_state(), state)
+        return original(self, gm, example_inputs)
+
+    monkeypatch.setattr(fragment_build.FragmentBuild, "forward_compiler", spy)
+    wl = _workload()
+    compiled = memcompile.compile(wl.model, budget=2**30)
+    wl.loss(compiled, 0).backward()
+    (peaks,) = seen
+    assert (peaks.forward, peaks.held, peaks.backward) == (0, 0, 0)
+    assert peaks.eager[0] > 0 and peaks.eager[1] > 0
+
+
+def test_inner_adjust_moves_every_peak_a_prediction_reads() -> None:
+    wl = _workload()
+    compiled = memcompile.compile(wl.model, budget=2**30)
+    wl.loss(compiled, 0).backward()
+    (record,) = find_compiler(compiled)[0].records()
+    profile = record.profile
+    assert profile is not None and profile.backward is not None
+    assert profile.inner_adjust == (0, 0)
+    moved = dataclasses.replace(profile, inner_adjust=(-1000, 3000))
+    assert moved.forward_peak == profile.forward.peak_bytes - 1000
+    assert moved.backward_peak == profile.backward.peak_bytes + 3000
+    before, after = profile.phase_peaks(), moved.phase_peaks()
+    assert after["forward"] == before["forward"] - 1000
+    assert after["backward"] == before["backward"] + 3000
+    assert after["accumulate"] == before["accumulate"]
+    held = [p for p, _ in profile.tangent_storages]
+    assert moved.backward_peak_holding(held) == profile.backward_peak_holding(held) + 3000
+    assert moved.backward_peak_holding(None) == profile.backward_peak_holding(None) + 3000
+    if profile.backward_handed_peak is not None:
+        assert moved.handed_peak == profile.backward_handed_peak + 3000
+
+
+@pytest.mark.usefixtures("eager_kernels")
+def test_a_measured_excess_over_the_budget_is_planned_around(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    wl = _workload()
+    peak, resident = _eager_step_peak(wl)
+    budget = int(resident + 0.5 * (peak - resident))
+    # The plan the eager model makes at this budget, and what it leaves of it.
+    wl_first = _workload()
+    first = memcompile.compile(wl_first.model, budget=budget)
+    wl_first.loss(first, 0).backward()
+    planned = memcompile.report(first).predicted_peak
+    assert planned is not None and planned <= budget
+    excess = budget - planned + 64 * 1024
+    torch._dynamo.reset()
+
+    made = _synthetic(monkeypatch, excess)
+    wl = _workload()
+    compiled = memcompile.compile(wl.model, budget=budget, inner="inductor")
+    with caplog.at_level(logging.INFO, logger="memcompile.backends.fragment_build"):
+        wl.loss(compiled, 0).backward()
+    assert "planning again with that much less" in caplog.text
+    assert len(made) >= 2  # measured, planned again, measured again
+    rep = memcompile.report(compiled)
+    assert rep.predicted_peak is not None and rep.predicted_peak <= budget
+    (f,) = rep.fragments
+    assert f.profile is not None and f.profile.inner_adjust == (0, excess)
+    assert "inductor's code, measured at compile time beside the graphs' profile: F0" in str(rep)
+    assert f"backward +{memcompile.errors.format_bytes(excess)}" in str(rep)
+
+
+@pytest.mark.usefixtures("eager_kernels")
+def test_when_no_plan_fits_the_measured_code_the_error_says_so_with_its_peak(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    wl = _workload()
+    peak, _ = _eager_step_peak(wl)
+    _synthetic(monkeypatch, 64 * 2**20)
+    compiled = memcompile.compile(wl.model, budget=int(peak), inner="inductor")
+    with pytest.raises(memcompile.MemoryBudgetError) as err:
+        wl.loss(compiled, 0).backward()
+    assert "inductor's code, measured at compile time, peaks" in str(err.value)
+    assert "inner='eager' runs them as planned" in str(err.value)
+    assert err.value.min_feasible > peak + 63 * 2**20
+
+
+@pytest.mark.usefixtures("eager_kernels")
+def test_under_a_profiler_the_code_is_not_measured_and_the_report_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made = _synthetic(monkeypatch, 1)
+    wl = _workload()
+    compiled = memcompile.compile(wl.model, budget=2**30, inner="inductor")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        wl.loss(compiled, 0).backward()
+    assert made == []
+    rep = memcompile.report(compiled)
+    assert rep.fragments[0].inner_unmeasured == "a profiler session was active"
+    assert (
+        "inductor's code not measured, predicted as the graphs' profile (approximate): F0 (a "
+        in str(rep)
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fraction", [0.6, 0.5])
+def test_inductor_plans_hold_the_budget_and_predict_the_measured_peak(fraction: float) -> None:
+    # Without the measurement the prediction is the eager model of the graphs Inductor is
+    # given, which on this GPT at d 128 was 11 % to 20 % above Inductor's measured peak (it
+    # fuses pointwise ops and sinks the reloads the plan hoisted) and at 0.1 9 % below it.
+    wl = _workload()
+    peak, resident = _eager_step_peak(wl)
+    budget = int(resident + fraction * (peak - resident))
+    compiled = memcompile.compile(wl.model, budget=budget, inner="inductor")
+    for step in range(2):
+        wl.loss(compiled, step).backward()
+        wl.model.zero_grad(set_to_none=True)
+    measured = memcompile.measure(lambda: wl.loss(compiled, 2).backward()).peak
+    rep = memcompile.report(compiled)
+    assert rep.predicted_peak is not None
+    assert measured <= budget * 1.02
+    assert abs(rep.predicted_peak - measured) <= 0.03 * measured, (rep.predicted_peak, measured)
+    assert "inductor's code, measured at compile time" in str(rep)
