@@ -20,6 +20,7 @@ from memcompile.backends.fallbacks import EagerFallbackWarning, Fallback
 from memcompile.config import VERSION, MemConfig, parse_bytes
 from memcompile.errors import (
     GradientOrderWarning,
+    InnerCompilerWarning,
     MemcompileError,
     MemoryBudgetError,
     MemoryBudgetWarning,
@@ -35,6 +36,7 @@ __all__ = [
     "Fallback",
     "FragmentReport",
     "GradientOrderWarning",
+    "InnerCompilerWarning",
     "MemCompiler",
     "MemConfig",
     "MemReport",

@@ -23,7 +23,14 @@ from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEVICE_PROFILES", "VERSION", "MemConfig", "parse_bytes", "parse_fraction"]
+__all__ = [
+    "DEVICE_PROFILES",
+    "VERSION",
+    "MemConfig",
+    "parse_bytes",
+    "parse_fraction",
+    "resolve_inner",
+]
 
 #: memcompile's version (``memcompile.__version__``); here, in the lowest room, so that what
 #: records it (the plan cache's keys) need not import the package.
@@ -184,7 +191,11 @@ class MemConfig:
     offload_optimizer: Literal["auto"] | bool = "auto"
     pilot: Literal["auto", "lightgbm", "markov", "off"] = "auto"
     prefetch_depth: int = 2
-    inner: Literal["eager", "inductor"] = "eager"
+    #: The compiler of the rewritten graphs: ``"eager"`` runs them as planned, bit-identical to
+    #: eager PyTorch; ``"inductor"`` is Inductor (its tolerance; its code measured and planned
+    #: around); ``"auto"``: Inductor for a CUDA fragment where Triton is there, else eager
+    #: (:func:`resolve_inner`, per fragment: ``FragmentRecord.inner`` says which ran).
+    inner: Literal["auto", "eager", "inductor"] = "auto"
     device_profile: str = "auto"
     on_infeasible: Literal["error", "best_effort"] = "error"
     trace_path: str | None = None
@@ -259,7 +270,7 @@ class MemConfig:
             ),
             pilot=_choice("pilot", o.get("pilot", "auto"), ("auto", "lightgbm", "markov", "off")),
             prefetch_depth=prefetch_depth,
-            inner=_choice("inner", o.get("inner", "eager"), ("eager", "inductor")),
+            inner=_choice("inner", o.get("inner", "auto"), ("auto", "eager", "inductor")),
             device_profile=_choice("device_profile", device_profile, DEVICE_PROFILES),
             on_infeasible=_choice(
                 "on_infeasible", o.get("on_infeasible", "error"), ("error", "best_effort")
@@ -285,3 +296,20 @@ class MemConfig:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict of every option."""
         return dataclasses.asdict(self)
+
+
+def resolve_inner(
+    inner: Literal["auto", "eager", "inductor"], device_type: str | None
+) -> Literal["eager", "inductor"]:
+    """The inner compiler a fragment on a device of ``device_type`` (``"cuda"``, ``"cpu"``;
+    ``None``: no tensor input) runs with: ``inner`` itself, or for
+    ``"auto"`` Inductor on a CUDA device where Triton is installed (it is what makes Inductor
+    fast there) and eager kernels elsewhere (on the CPU, Inductor's code was measured no faster
+    under a budget, and a first compile costs ~45 s)."""
+    if inner != "auto":
+        return inner
+    if device_type != "cuda":
+        return "eager"
+    from torch.utils._triton import has_triton
+
+    return "inductor" if has_triton() else "eager"

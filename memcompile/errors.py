@@ -11,6 +11,7 @@ from typing import Any
 from torch._dynamo.exc import ShortenTraceback
 
 __all__ = [
+    "InnerCompilerWarning",
     "MemcompileError",
     "MemoryBudgetError",
     "MemoryBudgetWarning",
@@ -104,6 +105,11 @@ class GradientOrderWarning(UserWarning):
     """A parameter's gradient was added up in another order than eager's (its contributions
     summed in a fragment's backward graph after another call added to it), so it may differ
     from eager's in the last bits; ``split_param_reads=True`` adds them in eager's order."""
+
+
+class InnerCompilerWarning(UserWarning):
+    """``inner="auto"`` chose Inductor for a fragment and Inductor failed on it: its graphs run
+    on eager kernels instead (correct, at eager's speed)."""
 
 
 class PilotWarning(UserWarning):

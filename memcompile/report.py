@@ -68,6 +68,8 @@ class FragmentReport:
     plan_cached: str | None = None
     #: Why the inner compiler's code was not measured (``""``: measured, or eager).
     inner_unmeasured: str = ""
+    #: The inner compiler its graphs ran on (``inner="auto"`` resolved for its device).
+    inner: str = "eager"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -88,6 +90,7 @@ class FragmentReport:
             "plan_cached": self.plan_cached,
             "inner_adjust": list(self.profile.inner_adjust) if self.profile is not None else None,
             "inner_unmeasured": self.inner_unmeasured,
+            "inner": self.inner,
         }
 
 
@@ -297,8 +300,7 @@ class MemReport:
             lines.append(f"  budget: {self.measured_budget.describe()}")
         if self.iteration is not None:
             lines.append(_iteration_line(self.iteration))
-        if self.config.inner != "eager":
-            lines.extend(_inner_lines(self.config.inner, self.fragments))
+        lines.extend(_inner_lines(self.fragments))
         cached = [f.name for f in self.fragments if f.plan_cached]
         if cached:
             lines.append(
@@ -490,12 +492,15 @@ def find_compiler(compiled: Any) -> tuple[MemCompiler, torch.nn.Module | None]:
     raise TypeError(f"this model was compiled with backend {name!r}, not memcompile")
 
 
-def _inner_lines(inner: str, fragments: Sequence[FragmentReport]) -> list[str]:
-    """What the report says of the inner compiler's code, measured at compile time or not."""
+def _inner_lines(fragments: Sequence[FragmentReport]) -> list[str]:
+    """What the report says of the inner compiler's code (Inductor), measured at compile time
+    or not."""
     measured, unmeasured = [], []
+    inner = "inductor"
     for f in fragments:
-        if f.profile is None or not f.profile.training:
+        if f.inner == "eager" or f.profile is None or not f.profile.training:
             continue
+        inner = f.inner
         if f.inner_unmeasured:
             unmeasured.append(f"{f.name} ({f.inner_unmeasured})")
         else:
@@ -526,7 +531,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
     extra = [*model.parameters(), *model.buffers()] if model is not None else []
     prediction, seq, resident = compiler.predict_step(extra)
     per_fragment = prediction.fragment_peaks(seq) if prediction is not None else {}
-    eager = compiler.config.inner == "eager"
+    eager = all(r.inner == "eager" for r in records)
     budget, watch = compiler.budget, compiler.checks.peak_watch
     iteration = _iteration(compiler)
 
@@ -548,6 +553,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
             plan=r.plan,
             plan_cached=r.plan_cached,
             inner_unmeasured=r.inner_unmeasured,
+            inner=r.inner,
         )
         for r in records
     )

@@ -36,7 +36,7 @@ def test_parse_bytes_reads_ints_and_units(text: int | str, expected: int) -> Non
 def test_defaults_match_design_table() -> None:
     cfg = MemConfig.from_options(None)
     assert cfg == MemConfig()
-    assert cfg.budget is None and cfg.inner == "eager" and cfg.offload_to == "host"
+    assert cfg.budget is None and cfg.inner == "auto" and cfg.offload_to == "host"
     assert cfg.offload_params == "auto" and cfg.pilot == "auto" and cfg.prefetch_depth == 2
     assert cfg.offload_optimizer == "auto"
     assert cfg.on_infeasible == "error" and cfg.device_profile == "auto"
@@ -100,7 +100,11 @@ BAD = [
     ),
     ({"prefetch_depth": 0}, ValueError, r"option 'prefetch_depth' must be >= 1; got 0"),
     ({"prefetch_depth": 2.0}, TypeError, r"option 'prefetch_depth' must be an int; got 2.0"),
-    ({"inner": "tvm"}, ValueError, r"option 'inner' must be one of 'eager', 'inductor'; got 'tvm'"),
+    (
+        {"inner": "tvm"},
+        ValueError,
+        r"option 'inner' must be one of 'auto', 'eager', 'inductor'; got 'tvm'",
+    ),
     (
         {"device_profile": "tpu"},
         ValueError,
@@ -176,7 +180,7 @@ def test_torch_compile_reports_bad_options_at_first_call() -> None:
     torch._dynamo.reset()
     compiled = torch.compile(torch.nn.Linear(2, 2), backend="memcompile", options={"inner": "tvm"})
     with pytest.raises(
-        Exception, match="option 'inner' must be one of 'eager', 'inductor'; got 'tvm'"
+        Exception, match="option 'inner' must be one of 'auto', 'eager', 'inductor'; got 'tvm'"
     ):
         compiled(torch.randn(3, 2))
 

@@ -28,6 +28,43 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _eager_kernels_unless_asked(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """These tests check the eager inner compiler on CUDA (bit-identity, exact peaks), which
+    ``inner="auto"`` would not pick here: compiles default to ``inner="eager"``, except in the
+    tests of "auto" itself."""
+    if "auto" in request.node.name:
+        return
+    real = memcompile.compile
+    monkeypatch.setattr(
+        memcompile, "compile", lambda model, **o: real(model, **{"inner": "eager", **o})
+    )
+
+
+def test_auto_picks_inductor_on_cuda_and_its_measured_plan_holds_the_budget() -> None:
+    budget = _budget("gpt_manual", 0.5)
+    torch._dynamo.reset()
+    wl = zoo.build("gpt_manual", size="tiny").to("cuda")
+    compiled = memcompile.compile(wl.model, budget=budget)  # inner="auto"
+    for step in range(3):
+        wl.model.zero_grad(set_to_none=True)
+        loss = wl.loss(compiled, step)
+        loss.backward()
+        assert torch.isfinite(loss)
+    wl.model.zero_grad(set_to_none=True)
+    batch = wl.batch(3)
+    measured = memcompile.measure_peak(
+        lambda: compiled(*batch).backward(), resident=[wl.model, batch]
+    )
+    rep = memcompile.report(compiled)
+    assert [f.inner for f in rep.fragments] == ["inductor"]
+    assert rep.fragments[0].inner_unmeasured == ""
+    assert measured <= budget * 1.02, (measured, budget)
+    assert abs(rep.predicted_peak - measured) <= 0.03 * measured, (rep.predicted_peak, measured)
+
+
 def test_side_stream_round_trip_waits_before_use() -> None:
     store = TieredStore()
     key = register_store(store)

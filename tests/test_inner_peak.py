@@ -1,7 +1,8 @@
-"""With ``inner="inductor"``, Inductor's code is measured at compile time (backends/inner_peak.py):
-predictions carry the difference, a plan it puts over the budget is made again, and when none
-fits the error says so. The fast tests stand a synthetic difference in for the measurement (and
-the eager kernels for Inductor's); one slow test runs Inductor itself."""
+"""Inner compilers. ``inner="auto"`` picks Inductor for CUDA fragments (eager kernels on the CPU,
+and where Inductor fails). With Inductor, its code is measured at compile time
+(backends/inner_peak.py): predictions carry the difference, a plan it puts over the budget is
+made again, and when none fits the error says so. The fast tests stand a synthetic difference in
+for the measurement (and the eager kernels for Inductor's); one slow test runs Inductor itself."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 import memcompile
 from memcompile import zoo
-from memcompile.backends import fragment_build
+from memcompile.backends import fragment_build, inner_peak
 from memcompile.backends import inner as inner_mod
 from memcompile.backends.inner_peak import InnerPeaks, measure_inner
+from memcompile.config import resolve_inner
 from memcompile.report import find_compiler
 
 
@@ -191,3 +193,59 @@ def test_inductor_plans_hold_the_budget_and_predict_the_measured_peak(fraction: 
     assert measured <= budget * 1.02
     assert abs(rep.predicted_peak - measured) <= 0.03 * measured, (rep.predicted_peak, measured)
     assert "inductor's code, measured at compile time" in str(rep)
+
+
+def test_auto_is_inductor_on_cuda_with_triton_and_eager_kernels_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch.utils._triton as triton
+
+    assert resolve_inner("auto", "cpu") == "eager" and resolve_inner("auto", None) == "eager"
+    assert resolve_inner("eager", "cuda") == "eager"
+    assert resolve_inner("inductor", "cpu") == "inductor"
+    monkeypatch.setattr(triton, "has_triton", lambda: True)
+    assert resolve_inner("auto", "cuda") == "inductor"
+    monkeypatch.setattr(triton, "has_triton", lambda: False)
+    assert resolve_inner("auto", "cuda") == "eager"
+
+
+def test_the_default_on_the_cpu_is_eager_kernels_exactly() -> None:
+    wl, ref = _workload(), _workload()
+    compiled = memcompile.compile(wl.model, budget=2**30)
+    assert memcompile.MemConfig.from_options({}).inner == "auto"
+    assert torch.equal(wl.train(compiled, 2)[-1], ref.train(ref.model, 2)[-1])
+    rep = memcompile.report(compiled)
+    assert [f.inner for f in rep.fragments] == ["eager"] and rep.exact
+
+
+@pytest.mark.parametrize("budget", [None, 2**30])
+def test_auto_runs_eager_kernels_with_a_warning_where_inductor_fails(
+    monkeypatch: pytest.MonkeyPatch, budget: int | None
+) -> None:
+    # As on a CUDA device (auto picks Inductor), with an Inductor that cannot compile.
+    monkeypatch.setattr(fragment_build, "resolve_inner", lambda inner, device: "inductor")
+
+    def failing(inner: str, *args: Any, **kwargs: Any) -> Any:
+        if inner == "inductor":
+            raise RuntimeError("no compiler here\nsecond line")
+        return inner_mod.compile_inner(inner, *args, **kwargs)
+
+    monkeypatch.setattr(fragment_build, "compile_inner", failing)
+    monkeypatch.setattr(inner_peak, "compile_inner", failing)
+    wl, ref = _workload(), _workload()
+    for m in [*wl.model.modules(), *ref.model.modules()]:
+        if isinstance(m, torch.nn.Dropout):  # decomposed dropout draws other masks than eager
+            m.p = 0.0
+    compiled = memcompile.compile(wl.model, budget=budget)
+    with pytest.warns(memcompile.InnerCompilerWarning, match=r"Inductor failed on F0 \(Runtime"):
+        losses = wl.train(compiled, 2)
+    expected = ref.train(ref.model, 2)
+    # Correct (Inductor's decompositions, eager kernels): within eager's rounding.
+    torch.testing.assert_close(losses, expected)
+    assert [f.inner for f in memcompile.report(compiled).fragments] == ["eager"]
+    # inner="inductor" asked for it: the error is the user's.
+    torch._dynamo.reset()
+    wl = _workload()
+    strict = memcompile.compile(wl.model, budget=budget, inner="inductor")
+    with pytest.raises(Exception, match="no compiler here"):
+        wl.loss(strict, 0).backward()

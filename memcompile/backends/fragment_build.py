@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import json
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from types import CodeType
 from typing import Any
@@ -41,9 +42,10 @@ from memcompile.backends import advice
 from memcompile.backends.build_env import BuildEnv
 from memcompile.backends.call_wrapper import wrap, wrap_plain
 from memcompile.backends.fallbacks import code_label
-from memcompile.backends.inner import BoxedCallable, compile_inner, decompositions
+from memcompile.backends.inner import BoxedCallable, GraphRole, compile_inner, decompositions
 from memcompile.backends.inner_peak import InnerPeaks, measure_inner, unmeasurable
-from memcompile.errors import format_bytes
+from memcompile.config import resolve_inner
+from memcompile.errors import InnerCompilerWarning, format_bytes
 from memcompile.pipeline import features
 from memcompile.pipeline.built import Split, joint_split, profile_args
 from memcompile.pipeline.env import FragmentSpec
@@ -129,6 +131,11 @@ class FragmentBuild:
         self.example_inputs = list(example_inputs)
         #: The fragment's device, read before any of its parameters moves to the host tier.
         self.device = device_of(example_inputs)
+        #: Its inner compiler (``inner="auto"`` resolved for its device; falls back to eager
+        #: kernels, with a warning, where Inductor fails to compile under "auto").
+        self.inner = resolve_inner(
+            env.pipeline.config.inner, self.device.type if self.device is not None else None
+        )
         self.stats = FragmentStats()
         self.profile: FragmentProfile | None = None
         self.plan: FragmentPlan | None = None
@@ -198,7 +205,6 @@ class FragmentBuild:
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], identity: FragmentIdentity
     ) -> tuple[Callable[..., Any], FragmentRecord]:
         """``gm`` compiled through AOTAutograd with this build's hooks, and its record."""
-        config = self.env.pipeline.config
         why = getattr(gm, "compile_subgraph_reason", None)
         stack = list(getattr(why, "user_stack", None) or [])
         reason = (getattr(why, "reason", "") or "").strip().splitlines()
@@ -212,7 +218,7 @@ class FragmentBuild:
                 bw_compiler=self.backward_compiler,
                 inference_compiler=self.inference_compiler,
                 partition_fn=self.partition,
-                decompositions=decompositions(config.inner),
+                decompositions=decompositions(self.inner),
                 keep_inference_input_mutations=True,
             )(gm, example_inputs)
         else:
@@ -232,7 +238,7 @@ class FragmentBuild:
             static_storages=tuple(storage_sizes(statics).items()),
             profile=self.profile,
             plan=self.plan,
-            inner=config.inner,
+            inner=self.inner,
             stats=self.stats,
             blocks=self.blocks,
             block_inputs=self.block_inputs,
@@ -306,30 +312,37 @@ class FragmentBuild:
         ``MAX_INNER_REPLANS`` times); when no plan fits, the plan kept is marked infeasible
         with its measured peak (``_apply`` raises or warns, as for any plan that misses)."""
         config = self.env.pipeline.config
-        if config.inner == "eager" or decided.bw is None or not features.current().inner_measure:
+        if self.inner == "eager" or decided.bw is None or not features.current().inner_measure:
             return decided, spec
         device = self.device or torch.device("cpu")
         if device.type == "cpu" and torch.autograd.profiler._is_profiler_enabled:
             # The CPU measurement needs its own profiler session; nested ones corrupt the outer.
             self.inner_unmeasured = "a profiler session was active"
-            log.info("F%d: %s's code not measured: %s", self.index, config.inner, "a profiler ran")
+            log.info("F%d: %s's code not measured: %s", self.index, self.inner, "a profiler ran")
             return decided, spec
         split = joint_split(joint, num_fwd_outputs, static)
         for round_ in range(MAX_INNER_REPLANS + 1):
             why = unmeasurable(decided.fw, decided.bw)
             if why is not None:
                 self.inner_unmeasured = why
-                log.info("F%d: %s's code not measured: %s", self.index, config.inner, why)
+                log.info("F%d: %s's code not measured: %s", self.index, self.inner, why)
                 return decided, spec
             bw = self._hoisted(spec, decided, split)
-            self.inner_peaks = peaks = measure_inner(
-                config.inner,
-                decided.fw,
-                bw,
-                static_input_indices=static,
-                device=device,
-                real_inputs=self.example_inputs,
-            )
+            try:
+                peaks = measure_inner(
+                    self.inner,
+                    decided.fw,
+                    bw,
+                    static_input_indices=static,
+                    device=device,
+                    real_inputs=self.example_inputs,
+                )
+            except Exception as e:  # Inductor could not compile or run the graphs
+                if config.inner != "auto":
+                    raise
+                self._eager_instead(e)
+                return decided, spec
+            self.inner_peaks = peaks
             if config.budget is None or not decided.plan.feasible:
                 break
             args = profile_args(spec, decided.fw, bw, split=split)
@@ -349,7 +362,7 @@ class FragmentBuild:
                     "F%d: %s's code is measured to peak %s over budget=%s: planning again with "
                     "that much less",
                     self.index,
-                    config.inner,
+                    self.inner,
                     format_bytes(over),
                     format_bytes(config.budget),
                 )
@@ -401,7 +414,7 @@ class FragmentBuild:
                 sharded=env.fsdp.sharded is not None,
                 device_other=resident.device_other_bytes,
                 untaken=resident.untaken_bytes(self.example_inputs),
-                inner_over=(config.inner, self.inner_over) if self.inner_over else None,
+                inner_over=(self.inner, self.inner_over) if self.inner_over else None,
             )
         self.hosted_inputs = decided.hosted + decided.placed
         env.budget.compiled(self.index, None, reserve=self.prefetch_reserve)
@@ -476,36 +489,55 @@ class FragmentBuild:
             self.plan,
             self.profile,
             counted=self.inner_excess,
-            inner=env.pipeline.config.inner if self.inner_peaks is not None else None,
+            inner=self.inner if self.inner_peaks is not None else None,
         )
-        fn = compile_inner(
-            env.pipeline.config.inner,
-            gm,
-            example_inputs,
-            role="forward",
-            static_input_indices=self.static_inputs,
-        )
+        fn = self._compile(gm, example_inputs, "forward", self.static_inputs)
         return wrap(self, fn, "forward")
 
     def backward_compiler(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> BoxedCallable:
         if gm is not self.bw_gm:
             # AOT changed the graph after partitioning; the profile describes the partitioned one.
             log.debug("F%d: backward graph differs from the partitioned one", self.index)
-        fn = compile_inner(self.env.pipeline.config.inner, gm, example_inputs, role="backward")
+        fn = self._compile(gm, example_inputs, "backward", ())
         return wrap(self, fn, "backward")
 
     def inference_compiler(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any]
     ) -> BoxedCallable:
         self._profile(gm, None)
-        fn = compile_inner(
-            self.env.pipeline.config.inner,
-            gm,
-            example_inputs,
-            role="inference",
-            static_input_indices=self.static_inputs,
-        )
+        fn = self._compile(gm, example_inputs, "inference", self.static_inputs)
         return wrap(self, fn, "inference")
+
+    def _compile(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        role: GraphRole,
+        static: Sequence[int],
+    ) -> BoxedCallable:
+        """``gm`` compiled by this fragment's inner compiler; under ``inner="auto"`` a failed
+        Inductor compile is a warning and eager kernels."""
+        if self.inner == "inductor" and self.env.pipeline.config.inner == "auto":
+            try:
+                return compile_inner(
+                    "inductor", gm, example_inputs, role=role, static_input_indices=static
+                )
+            except Exception as e:
+                self._eager_instead(e)
+        return compile_inner(self.inner, gm, example_inputs, role=role, static_input_indices=static)
+
+    def _eager_instead(self, error: Exception) -> None:
+        """``inner="auto"``: Inductor failed on this fragment; its graphs run on eager kernels
+        from now on (correct, at eager's speed; the graphs keep Inductor's decompositions)."""
+        self.inner = "eager"
+        self.inner_peaks = None
+        warnings.warn(
+            f"memcompile: Inductor failed on F{self.index} ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}); inner='auto' runs its graphs "
+            "on eager kernels instead (inner='inductor' raises the error)",
+            InnerCompilerWarning,
+            stacklevel=2,
+        )
 
     # -- profiles ----------------------------------------------------------------------------
     def _profile(self, gm: fx.GraphModule, bw: fx.GraphModule | None) -> None:

@@ -31,6 +31,7 @@ from torch._functorch import partitioners as P
 from memcompile.analysis.fragment_profile import accumulate_clone_bytes
 from memcompile.analysis.joint_model import JointModel
 from memcompile.analysis.workspace import clone_workspace, probe_workspaces
+from memcompile.config import resolve_inner
 from memcompile.errors import format_bytes
 from memcompile.pipeline import built as built_rewrites
 from memcompile.pipeline import features, stage
@@ -157,6 +158,14 @@ class FragmentSearch:
         )
         return derived(joint, fetched, "fetch", tuple(primals))
 
+    @property
+    def eager_kernels(self) -> bool:
+        """The fragment's graphs run on the eager inner compiler (``inner="auto"`` resolved for
+        its device): the rewrites that rely on eager's kernels and order apply."""
+        device = self.spec.device
+        inner = self.env.config.inner
+        return resolve_inner(inner, device.type if device is not None else None) == "eager"
+
     def reserve(self, host: Sequence[int]) -> int:
         """The prefetch cache's share of the budget if this fragment fetches the inputs at
         ``host`` (and those already in the host tier); see dynamic/prefetch.py."""
@@ -188,7 +197,7 @@ class FragmentSearch:
                 else 0
             )
             joint = loss_head_pass(joint, ctx, min_block_bytes=min_block)
-        if switches.elementwise_in_place and config.inner == "eager":
+        if switches.elementwise_in_place and self.eager_kernels:
             joint = in_place_pass(joint, ctx)  # the same kernels, writing into dying gradients
         return derived(original, joint, "in_place")
 
@@ -293,7 +302,7 @@ class FragmentSearch:
         peak they reach). Changes nothing outside the graphs. The late rewrites applied are
         recorded in the forward's ``meta`` (``plan_cache.LATE``); ``late``: apply those, as
         recorded, without trying any (a cached plan, ``plan_cache.py``)."""
-        config, spec, model, plan = self.env.config, self.spec, cand.model, cand.plan
+        spec, model, plan = self.spec, cand.model, cand.plan
         self._builds += 1
         building = f"building plan {self._builds}"
         stage.say(building)
@@ -320,7 +329,7 @@ class FragmentSearch:
                 model.num_mutated_outputs,
                 self.num_fwd_outputs - model.num_mutated_outputs,
             )
-            if switches.built_in_place and config.inner == "eager":
+            if switches.built_in_place and self.eager_kernels:
                 stage.say(f"{building}: elementwise ops in place")
                 fw2, bw2, plan = built_rewrites.built_rewrite(
                     spec,
@@ -334,7 +343,7 @@ class FragmentSearch:
                 if fw2 is not fw or bw2 is not bw:
                     fw, bw = fw2, bw2
                     applied.append(("in_place",))
-            if not plan.feasible and switches.row_tiling and config.inner == "eager":
+            if not plan.feasible and switches.row_tiling and self.eager_kernels:
                 stage.say(f"{building}: row tiling")
                 fw, bw, plan, kept = built_rewrites.tiled(spec, fw, bw, plan, split)
                 if kept is not None:
