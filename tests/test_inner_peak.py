@@ -45,12 +45,15 @@ def eager_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fragment_build, "compile_inner", compile_eager)
 
 
-def _synthetic(monkeypatch: pytest.MonkeyPatch, backward: int) -> list[InnerPeaks]:
-    """Every measurement says Inductor's backward peaks ``backward`` bytes above the eager run."""
+def _synthetic(
+    monkeypatch: pytest.MonkeyPatch, backward: int, forward: int = 0
+) -> list[InnerPeaks]:
+    """Every measurement says Inductor's backward (forward) peaks ``backward`` (``forward``)
+    bytes above the eager run."""
     made: list[InnerPeaks] = []
 
     def measured(*args: Any, **kwargs: Any) -> InnerPeaks:
-        made.append(InnerPeaks(forward=0, held=0, backward=backward, eager=(0, 0)))
+        made.append(InnerPeaks(forward=forward, held=0, backward=backward, eager=(0, 0)))
         return made[-1]
 
     monkeypatch.setattr(fragment_build, "measure_inner", measured)
@@ -154,6 +157,25 @@ def test_when_no_plan_fits_the_measured_code_the_error_says_so_with_its_peak(
     assert "inductor's code, measured at compile time, peaks" in str(err.value)
     assert "inner='eager' runs them as planned" in str(err.value)
     assert err.value.min_feasible > peak + 63 * 2**20
+
+
+@pytest.mark.usefixtures("eager_kernels")
+def test_below_the_profiles_floor_the_code_measured_within_the_budget_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    wl = _workload()
+    compiled = memcompile.compile(wl.model, budget=1, inner="inductor")
+    with pytest.raises(memcompile.MemoryBudgetError) as err:
+        wl.loss(compiled, 0).backward()
+    floor = err.value.min_feasible
+    torch._dynamo.reset()
+    _synthetic(monkeypatch, backward=-256 * 1024, forward=-256 * 1024)
+    wl = _workload()
+    compiled = memcompile.compile(wl.model, budget=floor - 16 * 1024, inner="inductor")
+    wl.loss(compiled, 0).backward()  # no MemoryBudgetError: the code fits
+    rep = memcompile.report(compiled)
+    assert rep.predicted_peak is not None and rep.predicted_peak <= floor - 16 * 1024
+    assert rep.fragments[0].plan is not None and rep.fragments[0].plan.feasible
 
 
 @pytest.mark.usefixtures("eager_kernels")

@@ -310,7 +310,9 @@ class FragmentBuild:
         graphs, measured (inner_peak.py); while that puts the fragment over its budget, the plan
         made again with the code's excess over the graphs' profile counted as resident (at most
         ``MAX_INNER_REPLANS`` times); when no plan fits, the plan kept is marked infeasible
-        with its measured peak (``_apply`` raises or warns, as for any plan that misses)."""
+        with its measured peak (``_apply`` raises or warns, as for any plan that misses). A
+        plan the graphs' profile says misses the budget but whose code is measured within it
+        fits."""
         config = self.env.pipeline.config
         if self.inner == "eager" or decided.bw is None or not features.current().inner_measure:
             return decided, spec
@@ -343,7 +345,7 @@ class FragmentBuild:
                 self._eager_instead(e)
                 return decided, spec
             self.inner_peaks = peaks
-            if config.budget is None or not decided.plan.feasible:
+            if config.budget is None:
                 break
             args = profile_args(spec, decided.fw, bw, split=split)
             profile = profile_fragment(decided.fw, bw, clone_workspace=clone_workspace, **args)
@@ -351,6 +353,23 @@ class FragmentBuild:
             measured = max(peaks.applied(profile).phase_peaks().values())
             peak = decided.plan.resident_bytes - spec.inner_excess + measured
             over = peak - config.budget
+            if not decided.plan.feasible:
+                # The smallest plan of these graphs' profile misses the budget; the code that
+                # runs them may not (Inductor fuses what the profile counts): then it fits.
+                if over <= 0:
+                    log.info(
+                        "F%d: no plan of the graphs' profile fits budget=%s, but %s's code of "
+                        "the smallest is measured at %s: it fits",
+                        self.index,
+                        format_bytes(config.budget),
+                        self.inner,
+                        format_bytes(peak),
+                    )
+                    plan = dataclasses.replace(decided.plan, feasible=True)
+                    return dataclasses.replace(decided, plan=plan), spec
+                # Its error names what the code of the smallest plan was measured to peak at.
+                plan = dataclasses.replace(decided.plan, predicted_peak=peak)
+                return dataclasses.replace(decided, plan=plan), spec
             if over <= 0:
                 break
             # Plan again with the code's excess over these graphs' profile counted as resident
