@@ -128,10 +128,14 @@ def _peaks(
     bw_gm: fx.GraphModule,
     args: Sequence[Any],
     device: torch.device,
+    *,
+    measured: bool = True,
 ) -> tuple[int, int, int]:
     """``(forward peak, held after it, backward peak)`` of one forward and backward, each
     above what was allocated when the forward began (the backward's peak counts the saved
-    values it starts with, as the profile's ``backward.peak_bytes`` does)."""
+    values it starts with, as the profile's ``backward.peak_bytes`` does); ``measured=False``
+    runs them unwatched (a warm-up: the CPU profiler slows a step several times) and returns
+    zeros."""
     pairs = _saved_pairs(fw_gm, bw_gm)
     assert pairs is not None  # unmeasurable() said so
     placeholders = list(bw_gm.graph.find_nodes(op="placeholder"))
@@ -149,6 +153,9 @@ def _peaks(
             for p in placeholders
         ]
 
+    if not measured:
+        bw(bw_args(run_fw()))
+        return 0, 0, 0
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -251,7 +258,7 @@ def measure_inner(
             # Each twice, the second counted: a first call may allocate once-only caches.
             found: dict[str, tuple[int, int, int]] = {}
             for name in ("eager", inner):
-                _peaks(*compiled[name], fw_gm, bw_gm, args, device)
+                _peaks(*compiled[name], fw_gm, bw_gm, args, device, measured=False)
                 found[name] = _peaks(*compiled[name], fw_gm, bw_gm, args, device)
     eager, measured = found["eager"], found[inner]
     peaks = InnerPeaks(
