@@ -340,9 +340,16 @@ class FragmentBuild:
                     real_inputs=self.example_inputs,
                 )
             except Exception as e:  # Inductor could not compile or run the graphs
-                if config.inner != "auto":
-                    raise
-                self._eager_instead(e)
+                if config.inner == "auto":
+                    self._eager_instead(e)
+                else:  # asked for: the compile proper raises if Inductor cannot compile them
+                    self.inner_unmeasured = f"measuring failed ({type(e).__name__}: {e})"[:200]
+                    log.warning(
+                        "memcompile: F%d: %s's code %s",
+                        self.index,
+                        self.inner,
+                        self.inner_unmeasured,
+                    )
                 return decided, spec
             self.inner_peaks = peaks
             if config.budget is None:

@@ -19,7 +19,7 @@ The delta, not the inner peaks themselves: both runs see the same harness (input
 caller, saved outputs freed by the backward as they die), so what the harness does differently
 from a real step cancels, and the profile's own accounting (resident inputs, held outputs,
 gradients) stays as it is. ``FragmentProfile.inner_adjust`` carries the delta into every
-prediction; ``_FragmentBuild.partition`` re-plans a fragment the delta puts over its budget
+prediction; ``FragmentBuild.partition`` re-plans a fragment the delta puts over its budget
 (``FragmentSpec.inner_excess``). Graphs with the pilot's in-graph op (it calls the prefetcher)
 are not run: the delta stays ``None`` and the report says the prediction is the eager model's.
 """
@@ -149,7 +149,9 @@ def _peaks(
         return [
             outs[saved[p.name]]
             if p.name in saved
-            else torch.ones_like(materialize(p.meta["val"], device, bases))
+            else torch.ones_like(
+                materialize(p.meta["val"], _device_of(p.meta["val"], device), bases)
+            )
             for p in placeholders
         ]
 
@@ -218,9 +220,16 @@ def _arguments(fakes: Sequence[Any], reals: Sequence[Any], device: torch.device)
     if len(reals) != len(fakes):
         reals = [None] * len(fakes)
     return [
-        real if _same_meta(real, fake) else materialize(fake, device, bases)
+        real if _same_meta(real, fake) else materialize(fake, _device_of(fake, device), bases)
         for real, fake in zip(reals, fakes, strict=True)
     ]
+
+
+def _device_of(fake: Any, default: torch.device) -> torch.device:
+    # A host-placed input (a parameter the graph fetches) is made on the host, as it will be.
+    if isinstance(fake, torch.Tensor) and fake.device.type != "meta":
+        return fake.device
+    return default
 
 
 def measure_inner(
