@@ -43,10 +43,10 @@ class FragmentSpec:
             planned as a new fragment, but the step's check says whether the step fits.
         code: where its frame begins, ``function (file:line)``: fragments compiled from one
             code (recompiles for new shapes) replace each other in a step.
-        inner_excess: bytes by which the inner compiler's code was measured to peak above an
-            earlier plan of this fragment, beyond its budget (Inductor:
-            ``backends/inner_peak.py``): planned as if that much more were resident, as the
-            prefetch reserve is (``plan.resident_bytes`` includes it).
+        inner_excess: bytes by which the inner compiler's code was measured to peak above
+            the graphs' profile of an earlier plan of this fragment that it put over the
+            budget (Inductor: ``backends/inner_peak.py``): planned as if that much more were
+            resident, as the prefetch reserve is (``plan.resident_bytes`` includes it).
     """
 
     index: int
