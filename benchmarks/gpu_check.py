@@ -13,7 +13,7 @@ limit, and never past the whole check's ``--budget-s``), so one that hangs or ru
 only itself and what it measured so far is kept:
 
 1. ``tests``: ``pytest tests/test_cuda.py`` (log: ``test_cuda.log``).
-2. ``anchors``: ``cuda_anchors.py --size large`` (a GPT with 12 layers, d 1024, T 1024, B 4: a
+2. ``anchors``: ``cuda_anchors.py --size large`` (a GPT with 6 layers, d 1024, T 1024, B 8: a
    step takes >= 50 ms on an H100) with the configurations issue 42 compares: eager, per-block
    checkpointing, Inductor (plain and with ``activation_memory_budget`` 0.5 / 0.1), and memcompile
    with each inner compiler (``mc_`` eager kernels, ``mci_`` Inductor) at 0.5 / 0.25 of eager's
@@ -323,7 +323,7 @@ def _check(args: argparse.Namespace, stages: list[str], tmp: Path) -> int:
         "stages": [],
         "anchors": [],
         "anchors_model": "gpt, size "
-        + ("tiny" if args.dry_run else "large (12 layers, d 1024, T 1024, B 4)"),
+        + ("tiny" if args.dry_run else "large (6 layers, d 1024, T 1024, B 8)"),
         "not_run": [],
         "targets": [],
     }
