@@ -271,3 +271,27 @@ def test_auto_runs_eager_kernels_with_a_warning_where_inductor_fails(
     strict = memcompile.compile(wl.model, budget=budget, inner="inductor")
     with pytest.raises(Exception, match="no compiler here"):
         wl.loss(strict, 0).backward()
+
+
+@pytest.mark.slow
+def test_a_backward_compiled_for_the_layouts_inductors_forward_gives_is_measured() -> None:
+    # The zoo ResNet's saved activations leave Inductor's forward in other layouts than the
+    # traced ones: the measured backward is compiled for those (as AOTAutograd compiles the real
+    # one), else Inductor's stride assertions fail and nothing is measured. At half of eager's
+    # activations Inductor's code peaks above what any plan of its graphs fits: said, and
+    # predicted as measured.
+    wl = zoo.build("resnet", size="tiny", seed=0)
+    peak, resident = _eager_step_peak(wl)
+    budget = int(resident + 0.5 * (peak - resident))
+    compiled = memcompile.compile(
+        wl.model, budget=budget, inner="inductor", on_infeasible="best_effort"
+    )
+    with pytest.warns(memcompile.MemoryBudgetWarning, match="inductor's code, measured"):
+        for step in range(2):
+            wl.loss(compiled, step).backward()
+            wl.model.zero_grad(set_to_none=True)
+    measured = memcompile.measure(lambda: wl.loss(compiled, 2).backward()).peak
+    rep = memcompile.report(compiled)
+    assert rep.fragments[0].inner_unmeasured == ""
+    assert rep.predicted_peak is not None
+    assert abs(rep.predicted_peak - measured) <= 0.03 * measured, (rep.predicted_peak, measured)

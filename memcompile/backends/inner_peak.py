@@ -201,6 +201,27 @@ def _peaks(
     )
 
 
+def _with_layouts(bw_gm: fx.GraphModule, fw_gm: fx.GraphModule, outs: list[Any]) -> fx.GraphModule:
+    """A copy of ``bw_gm`` whose saved-value placeholders have the strides of ``outs`` (the
+    forward's outputs, as its compiled code made them)."""
+    bw = copy.deepcopy(bw_gm)
+    pairs = _saved_pairs(fw_gm, bw)
+    assert pairs is not None  # unmeasurable() said so
+    for position, p in pairs:
+        real, fake = outs[position], p.meta.get("val")
+        if (
+            isinstance(real, torch.Tensor)
+            and isinstance(fake, torch._subclasses.FakeTensor)
+            and real.shape == fake.shape
+            and real.stride() != fake.stride()
+        ):
+            with fake.fake_mode:
+                p.meta["val"] = torch.empty_strided(
+                    fake.shape, real.stride(), dtype=fake.dtype, device=fake.device
+                )
+    return bw
+
+
 def _same_meta(real: Any, fake: Any) -> bool:
     return (
         isinstance(real, torch.Tensor)
@@ -246,29 +267,29 @@ def measure_inner(
     fragment's own inputs, used where one matches its placeholder (its parameters are not
     copied: a model near the device's size must not need two); the others are made. The
     graphs are copied (Inductor's passes change the graph they compile)."""
-    fw_vals, bw_vals = _values(fw_gm), _values(bw_gm)
-    with _disable_current_modes():
-        compiled = {
-            name: (
-                compile_inner(
-                    name,
-                    copy.deepcopy(fw_gm),
-                    fw_vals,
-                    role="forward",
-                    static_input_indices=static_input_indices,
-                ),
-                compile_inner(name, copy.deepcopy(bw_gm), bw_vals, role="backward"),
+    fw_vals = _values(fw_gm)
+    devices = [device] if device.type == "cuda" else []
+    with _disable_current_modes(), torch.random.fork_rng(devices=devices), torch.no_grad():
+        args = _arguments(fw_vals, real_inputs, device)
+        compiled = {}
+        for name in ("eager", inner):
+            fw = compile_inner(
+                name,
+                copy.deepcopy(fw_gm),
+                fw_vals,
+                role="forward",
+                static_input_indices=static_input_indices,
             )
-            for name in ("eager", inner)
-        }
-        devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            args = _arguments(fw_vals, real_inputs, device)
-            # Each twice, the second counted: a first call may allocate once-only caches.
-            found: dict[str, tuple[int, int, int]] = {}
-            for name in ("eager", inner):
-                _peaks(*compiled[name], fw_gm, bw_gm, args, device, measured=False)
-                found[name] = _peaks(*compiled[name], fw_gm, bw_gm, args, device)
+            # The backward is compiled for the layouts the forward's code gives its saved values
+            # (Inductor's may differ from the traced ones; AOTAutograd restrides the same way,
+            # and Inductor's code asserts them).
+            bw = _with_layouts(bw_gm, fw_gm, list(fw(list(args))))
+            compiled[name] = (fw, compile_inner(name, bw, _values(bw), role="backward"))
+        # Each twice, the second counted: a first call may allocate once-only caches.
+        found: dict[str, tuple[int, int, int]] = {}
+        for name in ("eager", inner):
+            _peaks(*compiled[name], fw_gm, bw_gm, args, device, measured=False)
+            found[name] = _peaks(*compiled[name], fw_gm, bw_gm, args, device)
     eager, measured = found["eager"], found[inner]
     peaks = InnerPeaks(
         forward=measured[0] - eager[0],

@@ -112,6 +112,10 @@ class StepChecks:
         without a compile."""
         self.compiled_in_step = True
         self._compiled_in_sample = True
+        # A sample a compile runs in is dropped when it ends: stop it now, so that the compile
+        # is not profiled, and measures what it profiles itself (kernel workspaces, Inductor's
+        # code: neither runs inside another profiler session).
+        self.cancel_sample()
         self._samples_left = SAMPLED_ITERATIONS
         if self._device is None:
             self._device = device
