@@ -159,22 +159,38 @@ def test_when_no_plan_fits_the_measured_code_the_error_says_so_with_its_peak(
     assert err.value.min_feasible > peak + 63 * 2**20
 
 
+class _Deep(torch.nn.Module):
+    """Small, so that the search for its floor is quick."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
 @pytest.mark.usefixtures("eager_kernels")
 def test_below_the_profiles_floor_the_code_measured_within_the_budget_fits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    wl = _workload()
-    compiled = memcompile.compile(wl.model, budget=1, inner="inductor")
+    x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = _Deep()
+    compiled = memcompile.compile(model, budget=1, inner="inductor", offload_params=False)
     with pytest.raises(memcompile.MemoryBudgetError) as err:
-        wl.loss(compiled, 0).backward()
+        compiled(x).backward()
     floor = err.value.min_feasible
     torch._dynamo.reset()
-    _synthetic(monkeypatch, backward=-256 * 1024, forward=-256 * 1024)
-    wl = _workload()
-    compiled = memcompile.compile(wl.model, budget=floor - 16 * 1024, inner="inductor")
-    wl.loss(compiled, 0).backward()  # no MemoryBudgetError: the code fits
+    _synthetic(monkeypatch, backward=-2 * 2**20, forward=-2 * 2**20)
+    compiled = memcompile.compile(
+        model, budget=floor - 4 * 1024, inner="inductor", offload_params=False
+    )
+    compiled(x).backward()  # no MemoryBudgetError: the code fits
     rep = memcompile.report(compiled)
-    assert rep.predicted_peak is not None and rep.predicted_peak <= floor - 16 * 1024
+    assert rep.predicted_peak is not None and rep.predicted_peak <= floor - 4 * 1024
     assert rep.fragments[0].plan is not None and rep.fragments[0].plan.feasible
 
 
