@@ -2,7 +2,7 @@
 and where Inductor fails). With Inductor, its code is measured at compile time
 (backends/inner_peak.py): predictions carry the difference, a plan it puts over the budget is
 made again, and when none fits the error says so. The fast tests stand a synthetic difference in
-for the measurement (and the eager kernels for Inductor's); one slow test runs Inductor itself."""
+for the measurement (and the eager kernels for Inductor's); the slow ones run Inductor itself."""
 
 from __future__ import annotations
 
