@@ -224,6 +224,7 @@ def run(
             out["within_budget"] = out["peak"] <= budget * 1.02
         if config.startswith("mc"):
             rep = memcompile.report(fn)
+            assert rep.predicted_peak is not None  # a step ran
             out["predicted_peak"] = rep.predicted_peak - ref_bytes
             out["prediction_error"] = out["predicted_peak"] / out["peak"] - 1
             plans = rep.plan.fragments

@@ -30,14 +30,18 @@ device tool's eight. CUDA peak = ``torch.cuda.max_memory_allocated``.
 
 ``--dry-run`` runs the same stages on the CPU at tiny sizes, without the Inductor rows (a first
 Inductor compile takes ~45 s here): it checks the plumbing, and its numbers mean nothing. The
-device machine has its own torch (2.11 with CUDA) and no LightGBM; the stages run memcompile from
-this checkout (``PYTHONPATH``), and ``pilot="lightgbm"`` falls back as it does without LightGBM.
+device machine has its own torch (2.11 with CUDA) and, as far as its package list says, no
+LightGBM: the stages run memcompile from this checkout (``PYTHONPATH``), and without LightGBM the
+MoE stage runs the Markov predictor instead of the pilot (``markov`` for ``pilot``; the report says
+which). To run the pilot there, carry LightGBM's wheel as the device tool's README describes
+(``.whl``, named in ``carry``, installed to ``/tmp/site`` before the command).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.util
 import json
 import os
 import signal
@@ -115,7 +119,9 @@ def _stage_commands(args: argparse.Namespace, tmp: Path) -> dict[str, list[str]]
             "--device",
             device,
             "--kinds",
-            "off;on_demand;pilot",
+            "off;on_demand;pilot"
+            if importlib.util.find_spec("lightgbm")
+            else "off;on_demand;markov",
             "--out",
             str(args.out),
         ],
@@ -339,6 +345,9 @@ def _check(args: argparse.Namespace, stages: list[str], tmp: Path) -> int:
         if name == "tests":
             tail = [ln for ln in out_file.read_text().splitlines() if ln.strip()]
             stage["summary"] = tail[-1].strip("= ") if tail else ""
+        if name == "moe":
+            kinds = commands["moe"][commands["moe"].index("--kinds") + 1]
+            stage["summary"] = f"predictors {kinds.replace(';', ', ')}"
         if name == "anchors":
             result["anchors"] = _json_lines(out_file)
             done = {r["config"] for r in result["anchors"]}
