@@ -30,7 +30,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memcompile.analysis.graph import sym_to_int, tensor_vals
-from memcompile.runtime.measure import allocation_trace
+from memcompile.runtime.measure import allocation_trace, range_levels
 from memcompile.runtime.ops import HOST_RESULTS
 
 log = logging.getLogger(__name__)
@@ -238,11 +238,8 @@ def _run_probes(
     for name, t0, t1 in ranges:
         i = int(name[len(_RANGE_PREFIX) :])
         key, _, out_bytes = calls[i]
-        before = [lv for t, lv in levels if t < t0]
-        start = before[-1] if before else 0
-        inside = [lv for t, lv in levels if t0 <= t <= t1]
-        peak = max(inside, default=start) - start
-        results[key] = max(0, peak - out_bytes)
+        start, peak = range_levels(levels, t0, t1)
+        results[key] = max(0, peak - start - out_bytes)
     for i in failed:
         results[calls[i][0]] = 0
     return results

@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from memcompile.analysis.fragment_profile import FragmentProfile
 from memcompile.analysis.workspace import materialize
 from memcompile.backends.inner import InnerName, compile_inner
-from memcompile.runtime.measure import allocation_events
+from memcompile.runtime.measure import allocation_trace, range_levels
 
 log = logging.getLogger(__name__)
 
@@ -183,22 +183,12 @@ def _peaks(
         del outs
         with record_function(_RANGE + "backward"):
             bw(inputs)
-    events, ranges = allocation_events(prof, _RANGE)
+    levels, ranges = allocation_trace(prof, _RANGE)
     spans = {name[len(_RANGE) :]: (t0, t1) for name, t0, t1 in ranges}
-
-    def level_before(t0: int) -> int:
-        before = [lv for t, _, lv in events if t < t0]
-        return before[-1] if before else 0
-
-    def peak_in(t0: int, t1: int) -> int:
-        return max([level_before(t0), *(lv for t, _, lv in events if t0 <= t <= t1)])
-
-    base = level_before(spans["forward"][0])
-    return (
-        peak_in(*spans["forward"]) - base,
-        level_before(spans["held"][0]) - base,
-        peak_in(*spans["backward"]) - base,
-    )
+    base, fw_peak = range_levels(levels, *spans["forward"])
+    held, _ = range_levels(levels, *spans["held"])
+    _, bw_peak = range_levels(levels, *spans["backward"])
+    return fw_peak - base, held - base, bw_peak - base
 
 
 def _with_layouts(bw_gm: fx.GraphModule, fw_gm: fx.GraphModule, outs: list[Any]) -> fx.GraphModule:

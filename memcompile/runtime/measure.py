@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import logging
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,6 +268,15 @@ def allocation_events(
     return events, ranges
 
 
+def range_levels(levels: Sequence[tuple[int, int]], t0: int, t1: int) -> tuple[int, int]:
+    """``(opening, highest)`` allocation levels of a profiler range from ``t0`` to ``t1``:
+    the level of the last event before it, and the highest level from then to its end
+    (``levels``: :func:`allocation_trace`'s ``(time_ns, level)``)."""
+    before = [lv for t, lv in levels if t < t0]
+    opening = before[-1] if before else 0
+    return opening, max([opening, *(lv for t, lv in levels if t0 <= t <= t1)])
+
+
 class CpuInterval:
     """The CPU profiler's peak over an interval that is not one function call: begun in one
     place, ended in another (memcompile samples a training iteration this way, from its first
@@ -326,10 +335,7 @@ class CpuInterval:
         resident = self.resident
         per_range: dict[str, int] = {}
         for name, t0, t1 in ranges:
-            # Level when the range opens (last event before it), then every event inside it.
-            inside = [lv for t, lv in levels if t0 <= t <= t1]
-            opening = [lv for t, lv in levels if t < t0]
-            level = max([opening[-1] if opening else 0, *inside])
+            _, level = range_levels(levels, t0, t1)
             per_range[name] = max(per_range.get(name, 0), resident + level)
         # Reachable storages from before that are gone now were freed without a profiler event.
         after = storage_sizes(reachable_tensors(*self._roots), "cpu")
