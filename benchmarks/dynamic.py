@@ -1,7 +1,8 @@
 """Pilot accuracy on the zoo MoE's block traces: LightGBM vs Markov vs replaying the last step.
 
     OMP_NUM_THREADS=1 python benchmarks/dynamic.py [--steps 300] [--size small] [--batch 1]
-        [--seq-len 8] [--horizon 3] [--warmup 10] [--retrain-every 10] [--out DIR]
+        [--seq-len 8] [--horizon 3] [--warmup 10] [--retrain-every 10] [--extra-steps 100]
+        [--natural-steps 150] [--out DIR]
 
 Trains the zoo MoE (``moe_workload(size, batch=…, seq_len=…)``: the model's own router on the
 zoo's structured topic stream; few tokens per step, so some experts idle and the block sequence
@@ -19,7 +20,10 @@ The pilot retrains every ``--retrain-every`` steps after ``--warmup`` steps; her
 thread is joined at the step's end, so the swap point (and the figures) are deterministic. Every
 predictor is scored on the same predictions: those made from step ``--warmup`` on, at horizons
 1..``--horizon`` (``k``-ahead accuracy: the block ``k`` calls ahead is exactly the predicted one).
-The backward order is not predicted (the reverse of the forward's). Writes
+The backward order is not predicted (the reverse of the forward's). Then the same on the
+early-exit and TreeLSTM zoo models (tiny, ``--extra-steps``) and on the MoEs written the natural
+way (``moe_natural``, ``moe_natural_top2`` at ``--size``, ``--natural-steps``: Python routes with
+``int(argmax)`` / ``tolist()``, and the pilot sees those ints, runtime/int_reads.py). Writes
 ``benchmarks/results/dynamic.{md,json}`` with the command, machine and date.
 """
 
@@ -54,7 +58,7 @@ from memcompile.report import find_compiler  # noqa: E402
 from memcompile.zoo.moe import moe_workload  # noqa: E402
 
 Outputs = tuple[tuple[int, ...], ...]
-Stream = list[tuple[int, str, str, tuple[int, ...], tuple[int, ...] | None, Outputs]]
+Stream = list[tuple[int, str, str, tuple[int, ...], tuple[int, ...] | None, Outputs, Outputs]]
 
 
 def progress_ticks(steps: int, parts: int = 10) -> list[int]:
@@ -106,14 +110,16 @@ def collect_trace(
 
 
 def forward_stream(trace: list[StepTrace]) -> Stream:
-    """(step index, block, fragment, sizes, fragment idioms, small integer outputs) of every
-    non-backward call."""
+    """(step index, block, fragment, sizes, fragment idioms, small integer outputs, the ints
+    Python read after it) of every non-backward call."""
     out: Stream = []
     for i, s in enumerate(trace):
         idioms = dict(s.idioms)
         for e in s.events:
             if e.phase != "backward":
-                out.append((i, e.block, e.fragment, e.sizes, idioms.get(e.fragment), e.outputs))
+                out.append(
+                    (i, e.block, e.fragment, e.sizes, idioms.get(e.fragment), e.outputs, e.reads)
+                )
     return out
 
 
@@ -127,7 +133,8 @@ def run_pilot(
     outputs: bool = True,
     **options: Any,
 ) -> tuple:
-    """Replay ``stream`` through a pilot; ``outputs=False``: without the outputs (and rule)."""
+    """Replay ``stream`` through a pilot; ``outputs=False``: without the outputs and reads
+    (and rule)."""
     pilot = Pilot(
         horizon=horizon,
         warmup_steps=warmup,
@@ -138,8 +145,10 @@ def run_pilot(
         **options,
     )
     preds: list[tuple[str | None, ...]] = []
-    for t, (step, block, fragment, sizes, idioms, outs) in enumerate(stream):
+    for t, (step, block, fragment, sizes, idioms, outs, reads) in enumerate(stream):
         pilot.observe(block, fragment, sizes, idioms, outputs=outs if outputs else None)
+        for values in reads if outputs else ():
+            pilot.observe_read(values)  # scored: the prediction made after the last read
         preds.append(pilot.predict().blocks)
         if t + 1 == len(stream) or stream[t + 1][0] != step:
             pilot.end_step()
@@ -216,7 +225,8 @@ def _stream_facts(trace: list[StepTrace], stream: Stream) -> dict[str, Any]:
         # periodic: a step repeats the one before it (replay would be exact)
         "steps_repeating_the_previous": sum(a == b for a, b in itertools.pairwise(seqs)),
         "forward_blocks_per_step": round(sum(map(len, seqs)) / len(seqs), 1),
-        "events_with_outputs": sum(1 for *_, outs in stream if outs),
+        "events_with_outputs": sum(1 for *_, outs, _reads in stream if outs),
+        "events_with_reads": sum(1 for *_, reads in stream if reads),
     }
 
 
@@ -250,6 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--retrain-every", type=int, default=10)
     ap.add_argument("--extra-steps", type=int, default=100, help="early_exit, treelstm (0: skip)")
+    ap.add_argument(
+        "--natural-steps",
+        type=int,
+        default=150,
+        help="moe_natural and moe_natural_top2 at --size, the ints their Python reads (0: skip)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     if args.steps <= args.warmup:
@@ -259,7 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     torch.set_num_threads(1)
     # "progress I/N TEXT" on stderr: `memcompile bench --suite dynamic` draws its bar from them
-    extras = ("early_exit", "treelstm") if args.extra_steps > 0 else ()
+    # (zoo name, size, steps): the natural MoEs route in Python (int(argmax), tolist()): their
+    # pilot learns from the ints read (runtime/int_reads.py)
+    extras = [(n, "tiny", args.extra_steps) for n in ("early_exit", "treelstm")]
+    extras += [(n, args.size, args.natural_steps) for n in ("moe_natural", "moe_natural_top2")]
+    extras = [e for e in extras if e[2] > 0]
     total = len(progress_ticks(args.steps)) + 1 + 2 * len(extras)
     done = 0
 
@@ -285,10 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     facts["pilots"] = stats
     extra: dict[str, Any] = {}
-    for name in extras:
-        wl = zoo.build(name, size="tiny")
-        t2, f2 = collect_trace(args.extra_steps, size="tiny", batch=0, seq_len=0, workload=wl)
-        report(f"trained {args.extra_steps} {name} steps")
+    for name, size, steps in extras:
+        wl = zoo.build(name, size=size)
+        t2, f2 = collect_trace(steps, size=size, batch=0, seq_len=0, workload=wl)
+        f2["size"] = size
+        report(f"trained {steps} {name} steps")
         s2 = forward_stream(t2)
         r2, st2 = _compare(s2, h, args.warmup, args.retrain_every)
         report(f"{name} predictors replayed")
@@ -310,13 +331,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{facts['distinct_blocks']} distinct blocks, {facts['distinct_step_sequences']} distinct "
         f"step sequences in {facts['steps']} steps, {facts['steps_repeating_the_previous']} steps "
         f"repeat the previous one (not periodic); {facts['events_with_outputs']} forward calls "
-        f"with small integer outputs",
+        f"with small integer outputs, {facts['events_with_reads']} followed by ints Python "
+        "read (runtime/int_reads.py)",
         f"- scored: predictions made from step {args.warmup} on "
         f"({facts['scored_predictions']} at horizon 1), after the block's outputs are seen; the "
         f"pilot trains after {args.warmup} steps, then every {args.retrain_every}",
         "- pilot: output rule (rules.py) where it has a plan, else LightGBM, else Markov below "
         "probability 0.5; no threshold: LightGBM wherever the rule has no plan; without "
-        "outputs: the pilot before the rule (no outputs given, no rule)",
+        "outputs: the pilot before the rule (no outputs or reads given, no rule)",
         "",
         *_table(results, h),
         "",
@@ -326,14 +348,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, e in extra.items():
         f2 = e["facts"]
         lines += [
-            f"## {name} (tiny, {f2['steps']} steps)",
+            f"## {name} ({f2['size']}, {f2['steps']} steps)",
             "",
             f"- workload: {f2['workload']}; {f2['fragments']} fragments, "
             f"{f2['eager_fallbacks']} eager fallbacks",
             f"- stream: {f2['forward_blocks_per_step']} forward blocks per step, "
             f"{f2['distinct_blocks']} distinct blocks, {f2['distinct_step_sequences']} distinct "
             f"step sequences, {f2['steps_repeating_the_previous']} steps repeat the previous one; "
-            f"{f2['events_with_outputs']} forward calls with small integer outputs",
+            f"{f2['events_with_outputs']} forward calls with small integer outputs, "
+            f"{f2['events_with_reads']} followed by ints Python read",
             "",
             *_table(e["accuracy"], h),
             "",

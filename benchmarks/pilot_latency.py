@@ -72,7 +72,7 @@ def _live(pilots: list[Pilot], stream: list, *, train: bool) -> list[tuple[np.nd
     obs: list[list[int]] = [[] for _ in pilots]
     pred: list[list[int]] = [[] for _ in pilots]
     order = list(range(len(pilots)))
-    for t, (step, block, fragment, sizes, idioms, outs) in enumerate(stream):
+    for t, (step, block, fragment, sizes, idioms, outs, *_) in enumerate(stream):
         for k in order if t % 2 == 0 else order[::-1]:
             pilot = pilots[k]
             a = time.perf_counter_ns()
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     print("progress 2/3 training the pilot", file=sys.stderr, flush=True)
     stream = forward_stream(trace)
     pilot = Pilot(horizon=2, warmup_steps=args.steps, retrain_every=10_000, seed=0)
-    for t, (step, block, fragment, sizes, idioms, outs) in enumerate(stream):
+    for t, (step, block, fragment, sizes, idioms, outs, *_) in enumerate(stream):
         pilot.observe(block, fragment, sizes, idioms, outputs=outs)
         if t + 1 == len(stream) or stream[t + 1][0] != step:
             pilot.end_step()
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     times: list[int] = []
     observe_ns: list[int] = []
     booster_ran: list[bool] = []
-    for t, (step, block, fragment, sizes, idioms, outs) in enumerate(stream):
+    for t, (step, block, fragment, sizes, idioms, outs, *_) in enumerate(stream):
         start = time.perf_counter_ns()
         pilot.observe(block, fragment, sizes, idioms, outputs=outs)
         observe_ns.append(time.perf_counter_ns() - start)

@@ -168,8 +168,8 @@ def _script_args(script: str, opts: BenchOptions) -> list[str]:
         steps = opts.steps if opts.steps is not None else (60 if opts.quick else None)
         if steps is not None:
             args += ["--steps", str(steps)]
-            if script == "dynamic.py":  # the early-exit and TreeLSTM traces: as many steps
-                args += ["--extra-steps", str(steps)]
+            if script == "dynamic.py":  # the early-exit, TreeLSTM, natural MoE traces: as many
+                args += ["--extra-steps", str(steps), "--natural-steps", str(steps)]
         if opts.size is not None:
             args += ["--size", opts.size]
         if script == "pilot_latency.py" and (opts.quick or opts.steps is not None):

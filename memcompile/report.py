@@ -422,7 +422,8 @@ def _placement_line(p: PilotReport) -> str:
     late = p.sim_late_us or 0.0
     return (
         f"\n  pilot prefetch: {p.in_graph_predictions} predictions in-graph ({len(inside)} of "
-        f"{len(p.placements)} forward graphs), {p.tail_predictions} at a tail; simulated stall "
+        f"{len(p.placements)} forward graphs), {p.tail_predictions} at a tail, "
+        f"{p.read_predictions} after an int read; simulated stall "
         f"{p.sim_stall_us / 1000:.3f} ms ({late / 1000:.3f} ms waiting for late copies; "
         f"{p.sim_profile} profile estimate)"
     )

@@ -267,7 +267,13 @@ def test_bench_dry_run_lists_every_script_of_all_with_its_flags(
     assert scripts == {
         "anchors": [("anchors.py", ["--reps", "2", *out_flag])],
         "dynamic": [
-            ("dynamic.py", ["--steps", "40", "--extra-steps", "40", "--size", "tiny", *out_flag]),
+            (
+                "dynamic.py",
+                [
+                    *("--steps", "40", "--extra-steps", "40", "--natural-steps", "40"),
+                    *("--size", "tiny", *out_flag),
+                ],
+            ),
             ("pilot_latency.py", ["--steps", "40", "--size", "tiny", "--calls", "1000", *out_flag]),
         ],
     }

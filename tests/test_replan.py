@@ -51,6 +51,10 @@ def _train_under(
     return compiled, comp, caught
 
 
+def _budget_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, MemoryBudgetWarning)]
+
+
 @pytest.mark.parametrize("fraction", [0.92, 0.85])
 def test_moe_over_budget_fits_once_the_experts_saved_sets_are_capped(fraction: float) -> None:
     # MoE's four fragments, planned one at a time, together peak over what the step needs
@@ -61,7 +65,7 @@ def test_moe_over_budget_fits_once_the_experts_saved_sets_are_capped(fraction: f
     # fragment holds for its backward, it fits, measured.
     budget = int(_unplanned_peak("moe") * fraction)
     compiled, wl, caught = _train_under("moe", budget, 4)
-    assert not [w for w in caught if issubclass(w.category, MemoryBudgetWarning)]
+    assert not _budget_warnings(caught), _budget_warnings(caught)
     rep = memcompile.report(compiled)
     first = rep.replans[0]
     assert first.round == 1 and first.predicted_peak > budget and rep.replans[-1].fits
@@ -118,7 +122,7 @@ def test_auto_moves_parameters_to_the_host_with_less_reserve_for_the_pilot(name:
     # (The pilot asked for: "auto" no longer runs on the CPU device, nor reserves anything.)
     budget = 431_570 if name == "early_exit" else int(_unplanned_peak("moe") * 0.70)
     compiled, wl, caught = _train_under(name, budget, 4, pilot="lightgbm")
-    assert not [w for w in caught if issubclass(w.category, MemoryBudgetWarning)]
+    assert not _budget_warnings(caught), _budget_warnings(caught)
     measured = measure_settled(compiled, wl, wl.batch(4))
     rep = memcompile.report(compiled)
     assert rep.host_param_bytes > 0 and not rep.over_budget
@@ -163,7 +167,7 @@ def test_auto_puts_the_whole_steps_parameters_on_the_host_when_saved_sets_cannot
 
     monkeypatch.setattr(ResidentSet, "resident_bytes", spy)
     compiled, wl, caught = _train_under("moe", budget, 4, pilot="lightgbm")  # with its reserve
-    assert not [w for w in caught if issubclass(w.category, MemoryBudgetWarning)]
+    assert not _budget_warnings(caught), _budget_warnings(caught)
     measured = measure_settled(compiled, wl, wl.batch(4))  # (a step that checks the last round)
     rep = memcompile.report(compiled)
     hosting = [r for r in rep.replans if r.host_params]

@@ -11,6 +11,8 @@ predict the next ``horizon`` blocks:
             if e.phase != "backward":
                 pilot.observe(e.block, e.fragment, e.sizes, idioms.get(e.fragment),
                               outputs=e.outputs)         # or observe_outputs() once it returned
+                for r in e.reads:                        # ints Python read after it
+                    pilot.observe_read(r)
                 nxt = pilot.predict()                    # Prediction(blocks=(b1, b2), ...)
         pilot.end_step()                                 # may start retraining (a thread)
     pilot.stats()                                        # PilotStats: accuracies, latency
@@ -33,6 +35,9 @@ run next), validates it on every emission, and once trusted predicts the blocks 
 (source ``"rule"``): within a layer, and the next router. Its predictions are features too
 (``rule_j``, ``rule_left``), with the values of the output behind the current plan (``plan_out_*``:
 the router's counts) and of the step's first output (``step_out_*``: e.g. the input token ids).
+Ints the model's Python reads from tensors after a block (:meth:`observe_read`;
+runtime/int_reads.py: an expert's index from ``int(router(x).argmax())``) teach the rule the
+same way, as indices of the blocks that run next (rules.py).
 LightGBM is trained, per horizon, on the rows the rule did not cover (all rows while fewer than 16
 are left): the cross-layer predictions, where the next router has not run.
 
@@ -336,6 +341,7 @@ class Pilot:
         self._prev_seq: list[int] = []
         self._row: list[float] | None = None
         self._plan_out: tuple[float, ...] = (_NAN,) * PLAN_OUTPUTS
+        self._reads = 0  # reads observed since the last block (observe_read)
         self._step_out: tuple[float, ...] | None = None
         self._t = 0  # forward blocks observed
         # training rows: (row, targets); the last ``horizon`` rows still wait for targets
@@ -416,6 +422,7 @@ class Pilot:
         for j in range(1, (h if h < n else n) + 1):
             rows[-j][1][j - 1] = b
         self.markov.observe(b)
+        self._reads = 0
         if self.rule is not None:
             self.rule.observe(b)
         if type(sizes) is not tuple:
@@ -478,10 +485,30 @@ class Pilot:
             self._step_out = tuple(
                 float(first[i]) if i < len(first) else _NAN for i in range(STEP_OUTPUTS)
             )
+        self._emitted(row, outputs, indices=False)
+
+    def observe_read(self, values: Sequence[int]) -> bool:
+        """After the last observed block returned, the model's Python read these ints from a
+        tensor (runtime/int_reads.py: ``int(router(x).argmax())``, an expert's index): the rule
+        learns which blocks they name (rules.py), and the next prediction's features include
+        them. Each read after a block is its own rule slot, in order. Returns whether the rule
+        made a new plan from it (else the next prediction is the one made before)."""
+        row = self._row
+        if row is None or not self._recent or not values:
+            return False
+        self._reads += 1
+        rule = self.rule
+        plans = rule.plans if rule is not None else 0
+        self._emitted(row, (tuple(values),), indices=True, first=self._reads - 1)
+        return rule is not None and rule.plans != plans
+
+    def _emitted(
+        self, row: list[float], outputs: Outputs, *, indices: bool, first: int = 0
+    ) -> None:
         rule = self.rule
         if rule is not None:
             plans = rule.plans
-            rule.emitted(self._recent[0], outputs)
+            rule.emitted(self._recent[0], outputs, indices=indices, first=first)
             if rule.plans != plans:
                 vec = rule.plan_values
                 self._plan_out = tuple(

@@ -256,6 +256,8 @@ class PilotReport:
             two blocks ahead) wasted more than it saved lately (see the module doc).
         in_graph_predictions: predictions made inside a forward graph (``pilot_prefetch``).
         tail_predictions: predictions made at a forward call's tail (graphs without the op).
+        read_predictions: predictions made again when the model's Python read ints from a
+            tensor after a forward call (``int(router(x).argmax())``: runtime/int_reads.py).
         sim_stall_us: simulated device stall of the training forwards, microseconds: the
             copies on the device profile's host link, issued where they were (see the module
             doc; ``None`` before any fragment was placed). A GPU estimate with a GPU profile.
@@ -293,6 +295,7 @@ class PilotReport:
     muted_predictions: int = 0
     in_graph_predictions: int = 0
     tail_predictions: int = 0
+    read_predictions: int = 0
     sim_stall_us: float | None = None
     sim_late_us: float | None = None
     sim_profile: str | None = None
@@ -385,6 +388,7 @@ class Prefetcher:
         self._sim_profile: str | None = None
         self.in_graph_predictions = 0
         self.tail_predictions = 0
+        self.read_predictions = 0
         #: the key the graphs' ``memcompile::pilot_prefetch`` nodes carry (runtime/ops.py)
         self.key = register_hook(self)
         # A weak reference: the hook must not keep the prefetcher (and its cache) alive.
@@ -537,6 +541,27 @@ class Prefetcher:
         wanted = self._predict(small_ints)
         self._copy(wanted, self.capacity, issue_s=cache.sim_clock)
 
+    def takes_reads(self) -> bool:
+        """Whether :meth:`read` would use a read now (running, with a predictor that learns
+        from reads: the Pilot's rule)."""
+        return self.enabled and hasattr(self.predictor, "observe_read")
+
+    def read(self, values: tuple[int, ...]) -> None:
+        """The model's Python read ``values`` from a tensor after the latest forward call's tail
+        (runtime/int_reads.py: the expert an ``int(router(x).argmax())`` names): show the
+        predictor; when its rule made a new plan from the read, predict again, free
+        mispredicted copies, prefetch. Nothing outside a forward or when the predictor takes no
+        reads (Markov)."""
+        observe_read = getattr(self.predictor, "observe_read", None)
+        if not self.enabled or not self._in_forward or observe_read is None:
+            return
+        if not observe_read(values):
+            return  # the prediction made at the call's tail stands
+        self.read_predictions += 1
+        if self._made and self._made[-1][0] == self._t - 1:
+            self._made.pop()  # scored as this prediction: the block's latest
+        self._copy(self._predict(None), self.capacity, issue_s=self.cache.sim_clock)
+
     def _predict(self, outputs: tuple[tuple[int, ...], ...] | None) -> _Wanted:
         """Show the predictor ``outputs`` (``None``: none known), predict; the host-placed
         parameters to copy, nearest block first, muted tags left out."""
@@ -664,6 +689,7 @@ class Prefetcher:
             muted_predictions=self.muted_predictions,
             in_graph_predictions=self.in_graph_predictions,
             tail_predictions=self.tail_predictions,
+            read_predictions=self.read_predictions,
             sim_stall_us=c.sim_stall_s * 1e6 if self._sim_profile is not None else None,
             sim_late_us=c.sim_late_s * 1e6 if self._sim_profile is not None else None,
             sim_profile=self._sim_profile,

@@ -17,6 +17,12 @@ that does not list blocks (token ids, an ``arange``) never predicts anything, an
 window of its checks is under half right it is retired (no more checks: they cost time in
 :meth:`observe`). ``E`` is used only when it is trusted the same way.
 
+Reads (runtime/int_reads.py) are the other form: the model's Python turned a block's output into
+ints itself (``e = int(router(x).argmax())``, ``top.indices.tolist()``) and calls the blocks
+they name, in the order read. A read ``r`` after block ``B`` is learnt like an output in slot
+``READ_SLOT + k`` (its ``k``-th read since ``B``), with positions ``r[0], r[1], ...`` in that
+order, each of value 1: the next blocks are ``X[r[0]], X[r[1]], ...``, then ``E``.
+
 The votes are keyed by ``(p, min(v[p], 2))`` first, falling back to ``p`` alone: Dynamo
 specialises a graph for sizes 0 and 1, so an expert given one token runs another fragment (a
 different block id) than the same expert given several.
@@ -24,6 +30,7 @@ different block id) than the same expert given several.
     rule = RoutingRule()
     rule.observe(b)              # a block ran (ids as the pilot numbers them)
     rule.emitted(b, outputs)     # ...and returned these small integer outputs
+    rule.emitted(b, reads, indices=True)   # ...or Python read these ints after it
     rule.ahead(1)                # the block 1 call ahead, or UNKNOWN
     rule.end_step()              # pending checks of the step are misses
 """
@@ -40,7 +47,10 @@ from memcompile.dynamic.markov import UNKNOWN
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RoutingRule", "RuleSlotStats"]
+__all__ = ["READ_SLOT", "RoutingRule", "RuleSlotStats"]
+
+#: The rule slot of a block's first read (its outputs' slots are 0, 1, ...).
+READ_SLOT = 1000
 
 _Key = tuple[int, int]  # (emitting block id, output slot)
 
@@ -144,10 +154,12 @@ class _Slot:
 @dataclass
 class _Check:
     key: _Key
-    positions: tuple[tuple[int, int], ...]  # (p, v[p]) of the nonzero entries, increasing p
+    # (p, v[p]) of the nonzero entries, increasing p; of a read, (r[i], 1) in the read's order
+    positions: tuple[tuple[int, int], ...]
     run: tuple[int, ...] | None  # the predicted run (None: not every (p, bucket) seen before)
     exit: int  # the predicted exit (UNKNOWN: none yet)
     seen: list[int] = field(default_factory=list)
+    new: bool = False  # a block in its run or exit was seen for the first time
 
 
 @dataclass(frozen=True)
@@ -189,6 +201,7 @@ class RoutingRule:
         self.min_checks, self.min_accuracy, self.window = min_checks, min_accuracy, window
         self._slots: dict[_Key, _Slot] = {}
         self._pending: list[_Check] = []
+        self._known: set[int] = set()  # blocks observed so far
         self._plan: tuple[int, ...] = ()
         self._done = 0  # plan blocks already seen
         self._plan_accuracy = 0.0  # of the slot that made the plan
@@ -200,10 +213,15 @@ class RoutingRule:
     # -- the stream -------------------------------------------------------------------------
     def observe(self, block: int) -> None:
         """Block ``block`` ran: check pending emissions, follow (or drop) the current plan."""
+        known = self._known
+        new = block not in known
+        if new:
+            known.add(block)
         if self._pending:
             still: list[_Check] = []
             for c in self._pending:
                 c.seen.append(block)
+                c.new |= new
                 if len(c.seen) > len(c.positions):
                     self._finish(c, complete=True)
                 else:
@@ -221,10 +239,16 @@ class RoutingRule:
                 return
         self._plan, self._done = (), 0
 
-    def emitted(self, block: int, outputs: Sequence[Sequence[int]]) -> None:
-        """The block just observed returned these small integer outputs."""
+    def emitted(
+        self, block: int, outputs: Sequence[Sequence[int]], *, indices: bool = False, first: int = 0
+    ) -> None:
+        """The block just observed returned these small integer outputs (per-position counts).
+        ``indices``: these are reads after it instead, each the indices of the blocks that run
+        next in their order, the first of them the block's read number ``first`` (its slot is
+        ``READ_SLOT + first``; module docstring)."""
         best: tuple[float, tuple[int, ...], Sequence[int], int] | None = None
-        for slot, values in enumerate(outputs):
+        base = READ_SLOT + first if indices else 0
+        for slot, values in enumerate(outputs, base):
             if not values or any(v < 0 for v in values):
                 continue
             key = (block, slot)
@@ -235,7 +259,11 @@ class RoutingRule:
                 s = self._slots[key] = _Slot(
                     recent=_Recent(self.window), exit_recent=_Recent(self.window)
                 )
-            positions = tuple((p, v) for p, v in enumerate(values) if v > 0)
+            positions = (
+                tuple((p, 1) for p in values)
+                if indices
+                else tuple((p, v) for p, v in enumerate(values) if v > 0)
+            )
             found = [s.label(p, v) for p, v in positions]
             labels = tuple(b for b, _ in found)
             # Scored only when every (position, bucket) has been seen: an unseen bucket is a
@@ -298,13 +326,17 @@ class RoutingRule:
         seen = c.seen
         for (p, v), b in zip(c.positions, seen, strict=False):
             s.vote(p, v, b)
-        if c.run is not None:
+        # A block never seen before followed: the first call of an expert, or the stream
+        # changed under the rule (a fragment compiled again mid-step). No output could have
+        # named it: the check votes (that is how the rule learns it) but does not count
+        # against the rule's accuracy.
+        if c.run is not None and not c.new:
             s.recent.append(complete and tuple(seen[:m]) == c.run)
             if len(s.recent) == s.recent.maxlen and s.recent.right < len(s.recent) / 2:
                 s.retired = True  # this output does not list blocks: stop paying for checks
         if complete:
             s.vote_exit(seen[m])
-            if c.exit != UNKNOWN:
+            if c.exit != UNKNOWN and not c.new:
                 s.exit_recent.append(seen[m] == c.exit)
 
     def trusted(self, key: _Key) -> bool:
@@ -374,5 +406,12 @@ class RoutingRule:
             s.rebuild_best()
             slots[(block_id(str(d["block"])), int(d["slot"]))] = s
         self._slots = slots
+        # The blocks the votes name were seen by the rule that learnt them.
+        self._known = {b for b, _ in slots} | {
+            x
+            for slot in slots.values()
+            for votes in (*slot.by_value.values(), *slot.by_position.values(), slot.exit_votes)
+            for x in votes
+        }
         self._pending = []
         self._plan, self._done = (), 0

@@ -66,6 +66,9 @@ class BlockObserver(Protocol):
     # forward or inference call returned, with its outputs and their small integer values
     # (runtime/small_ints.py's ``small_int_outputs``, computed once per call and shared with
     # the prefetcher); called only on observers that define it, see ``StepMonitor.on_return``.
+    # Optional: ``on_block_reads(step, index, kind, block, values)`` runs when the model's Python
+    # reads ints from tensors after a forward or inference call returned (``int(t)``,
+    # ``t.tolist()``: runtime/int_reads.py), one tuple per read; see ``StepMonitor.on_reads``.
 
 
 class StepListener(Protocol):
@@ -289,6 +292,24 @@ class StepMonitor:
         if site.kind != "backward":  # observers see the outputs (a router's counts)
             small_ints = self._on_call_end(site, call.block, outputs, small_ints)
         return small_ints
+
+    def wants_reads(self) -> bool:
+        """Whether an observer takes the ints the model's Python reads (``on_block_reads``)."""
+        return any(hasattr(o, "on_block_reads") for o in self.observers)
+
+    def on_reads(self, values: tuple[int, ...]) -> None:
+        """The model's Python read ``values`` from a tensor (runtime/int_reads.py): hand them to
+        the observers as a read after the step's latest call, when that is a forward or
+        inference call (a router's, whose output decided them)."""
+        if not self._step:
+            return
+        index, kind, block = self._step[-1]
+        if kind == "backward":
+            return
+        for observer in self.observers:
+            read = getattr(observer, "on_block_reads", None)
+            if read is not None:
+                read(self.steps_observed, index, kind, block, values)
 
     def on_cache(self, nbytes: int, use: CacheUse) -> None:
         """The forward call just recorded left the pilot's prefetch cache holding ``nbytes``
