@@ -206,3 +206,15 @@ def test_the_pilot_prefetches_the_expert_a_read_names(
     assert all("<memcompile region " in f.code for f in rep.fragments), [
         f.code for f in rep.fragments
     ]
+
+
+def test_without_a_trace_or_the_pilot_nothing_is_wrapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The default costs nothing: no model call wraps torch.Tensor's methods (~14 us a call).
+    started: list[object] = []
+    monkeypatch.setattr(int_reads, "start", lambda sink: started.append(sink))
+    wl = zoo.build("moe_natural", size="tiny")
+    compiled = memcompile.compile(wl.model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EagerFallbackWarning)
+        wl.train(compiled, 3)
+    assert memcompile.report(compiled).regions and not started
