@@ -22,8 +22,9 @@ predictor is scored on the same predictions: those made from step ``--warmup`` o
 1..``--horizon`` (``k``-ahead accuracy: the block ``k`` calls ahead is exactly the predicted one).
 The backward order is not predicted (the reverse of the forward's). Then the same on the
 early-exit and TreeLSTM zoo models (tiny, ``--extra-steps``) and on the MoEs written the natural
-way (``moe_natural``, ``moe_natural_top2`` at ``--size``, ``--natural-steps``: Python routes with
-``int(argmax)`` / ``tolist()``, and the pilot sees those ints, runtime/int_reads.py). Writes
+way (``moe_natural``, ``moe_natural_top2``, ``early_exit_natural`` at ``--size``,
+``--natural-steps``: Python routes with ``int(argmax)`` / ``tolist()`` and exits on
+``conf.item()``, and the pilot sees those numbers, runtime/scalar_reads.py). Writes
 ``benchmarks/results/dynamic.{md,json}`` with the command, machine and date.
 """
 
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "--natural-steps",
         type=int,
         default=150,
-        help="moe_natural and moe_natural_top2 at --size, the ints their Python reads (0: skip)",
+        help="the natural MoEs and early exit at --size: what their Python reads (0: skip)",
     )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
@@ -275,10 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     torch.set_num_threads(1)
     # "progress I/N TEXT" on stderr: `memcompile bench --suite dynamic` draws its bar from them
-    # (zoo name, size, steps): the natural MoEs route in Python (int(argmax), tolist()): their
-    # pilot learns from the ints read (runtime/int_reads.py)
+    # (zoo name, size, steps): the natural models decide in Python (int(argmax), tolist(),
+    # conf.item()): their pilot learns from the numbers read (runtime/scalar_reads.py)
     extras = [(n, "tiny", args.extra_steps) for n in ("early_exit", "treelstm")]
-    extras += [(n, args.size, args.natural_steps) for n in ("moe_natural", "moe_natural_top2")]
+    natural = ("moe_natural", "moe_natural_top2", "early_exit_natural")
+    extras += [(n, args.size, args.natural_steps) for n in natural]
     extras = [e for e in extras if e[2] > 0]
     total = len(progress_ticks(args.steps)) + 1 + 2 * len(extras)
     done = 0
@@ -331,8 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{facts['distinct_blocks']} distinct blocks, {facts['distinct_step_sequences']} distinct "
         f"step sequences in {facts['steps']} steps, {facts['steps_repeating_the_previous']} steps "
         f"repeat the previous one (not periodic); {facts['events_with_outputs']} forward calls "
-        f"with small integer outputs, {facts['events_with_reads']} followed by ints Python "
-        "read (runtime/int_reads.py)",
+        f"with small integer outputs, {facts['events_with_reads']} followed by numbers Python "
+        "read (runtime/scalar_reads.py)",
         f"- scored: predictions made from step {args.warmup} on "
         f"({facts['scored_predictions']} at horizon 1), after the block's outputs are seen; the "
         f"pilot trains after {args.warmup} steps, then every {args.retrain_every}",
@@ -356,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{f2['distinct_blocks']} distinct blocks, {f2['distinct_step_sequences']} distinct "
             f"step sequences, {f2['steps_repeating_the_previous']} steps repeat the previous one; "
             f"{f2['events_with_outputs']} forward calls with small integer outputs, "
-            f"{f2['events_with_reads']} followed by ints Python read",
+            f"{f2['events_with_reads']} followed by numbers Python read",
             "",
             *_table(e["accuracy"], h),
             "",

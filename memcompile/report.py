@@ -423,7 +423,7 @@ def _placement_line(p: PilotReport) -> str:
     return (
         f"\n  pilot prefetch: {p.in_graph_predictions} predictions in-graph ({len(inside)} of "
         f"{len(p.placements)} forward graphs), {p.tail_predictions} at a tail, "
-        f"{p.read_predictions} after an int read; simulated stall "
+        f"{p.read_predictions} after a read; simulated stall "
         f"{p.sim_stall_us / 1000:.3f} ms ({late / 1000:.3f} ms waiting for late copies; "
         f"{p.sim_profile} profile estimate)"
     )

@@ -78,7 +78,7 @@ from memcompile.pipeline.env import FragmentEnv
 from memcompile.records import FragmentIdentity, FragmentRecord, StepEvent
 from memcompile.rewrites.context import PassContext
 from memcompile.rewrites.input_uses import InputSplit, split_inputs_pass
-from memcompile.runtime import int_reads
+from memcompile.runtime import scalar_reads
 from memcompile.runtime.peakwatch import PeakWatch
 from memcompile.runtime.pinned import install_hooks as install_pinned_hooks
 from memcompile.runtime.store import HOSTABLE_DEVICES, TieredStore, register_store
@@ -590,14 +590,15 @@ class MemCompiler:
             self._dispatch_mode_call()
             cursor = fallback_monitor.cursor()
             regional.enter()
-            # The ints the model's Python reads from tensors (an expert's index) for the pilot
-            # and the trace; the tensor methods are wrapped only while such a call runs.
+            # The numbers the model's Python reads from tensors (an expert's index, an exit's
+            # confidence) for the pilot and the trace; the tensor methods are wrapped only while
+            # such a call runs.
             reads = self._wants_reads()
-            sink = int_reads.start(self._on_read) if reads else None
+            sink = scalar_reads.start(self._on_read) if reads else None
 
             def leave() -> None:
                 if reads:
-                    int_reads.stop(sink)
+                    scalar_reads.stop(sink)
                 regional.leave()
                 if self.checks.sampling and not self.iteration.optimizers:
                     # A loop without an optimizer: its sample, begun at this call's start
@@ -637,8 +638,8 @@ class MemCompiler:
             prefetcher is not None and prefetcher.takes_reads()
         )
 
-    def _on_read(self, values: tuple[int, ...]) -> None:
-        # An int the model's Python read from a tensor during its call (runtime/int_reads.py).
+    def _on_read(self, values: tuple[int | float, ...]) -> None:
+        # A number the model's Python read from a tensor during its call (runtime/scalar_reads.py).
         self.step_monitor.on_reads(values)
         if self.prefetcher is not None:
             self.prefetcher.read(values)

@@ -11,7 +11,7 @@ predict the next ``horizon`` blocks:
             if e.phase != "backward":
                 pilot.observe(e.block, e.fragment, e.sizes, idioms.get(e.fragment),
                               outputs=e.outputs)         # or observe_outputs() once it returned
-                for r in e.reads:                        # ints Python read after it
+                for r in e.reads:                        # numbers Python read after it
                     pilot.observe_read(r)
                 nxt = pilot.predict()                    # Prediction(blocks=(b1, b2), ...)
         pilot.end_step()                                 # may start retraining (a thread)
@@ -36,8 +36,9 @@ run next), validates it on every emission, and once trusted predicts the blocks 
 (``rule_j``, ``rule_left``), with the values of the output behind the current plan (``plan_out_*``:
 the router's counts) and of the step's first output (``step_out_*``: e.g. the input token ids).
 Ints the model's Python reads from tensors after a block (:meth:`observe_read`;
-runtime/int_reads.py: an expert's index from ``int(router(x).argmax())``) teach the rule the
-same way, as indices of the blocks that run next (rules.py).
+runtime/scalar_reads.py: an expert's index from ``int(router(x).argmax())``) teach the rule the
+same way, as indices of the blocks that run next (rules.py); a float it reads (an exit's
+confidence, ``conf.item()``) is the row's ``read`` feature.
 LightGBM is trained, per horizon, on the rows the rule did not cover (all rows while fewer than 16
 are left): the cross-layer predictions, where the next router has not run.
 
@@ -114,6 +115,7 @@ def feature_names(history: int, horizon: int) -> tuple[str, ...]:
         "rule_left",
         *(f"plan_out_{i}" for i in range(PLAN_OUTPUTS)),
         *(f"step_out_{i}" for i in range(STEP_OUTPUTS)),
+        "read",
     )
 
 
@@ -307,6 +309,7 @@ class Pilot:
             if n.startswith(("hist_", "prev_step_", "rule_")) and n != "rule_left"
         ]
         self._rule_at = self.features.index("rule_1")  # the rule's columns follow
+        self._read_at = self.features.index("read")
         self._params: dict[str, Any] = {
             "objective": "multiclass",
             "num_leaves": num_leaves,
@@ -487,20 +490,27 @@ class Pilot:
             )
         self._emitted(row, outputs, indices=False)
 
-    def observe_read(self, values: Sequence[int]) -> bool:
-        """After the last observed block returned, the model's Python read these ints from a
-        tensor (runtime/int_reads.py: ``int(router(x).argmax())``, an expert's index): the rule
-        learns which blocks they name (rules.py), and the next prediction's features include
-        them. Each read after a block is its own rule slot, in order. Returns whether the rule
-        made a new plan from it (else the next prediction is the one made before)."""
+    def observe_read(self, values: Sequence[int | float]) -> bool:
+        """After the last observed block returned, the model's Python read these numbers from a
+        tensor (runtime/scalar_reads.py). Ints (``int(router(x).argmax())``, an expert's index)
+        teach the rule which blocks they name (rules.py; each read after a block is its own
+        rule slot, in order); a float (``conf.item()``, an exit's confidence) is the ``read``
+        feature of the next prediction. Returns whether the next prediction may differ from the
+        one made before the read (the rule made a new plan, or a float was read)."""
         row = self._row
         if row is None or not self._recent or not values:
             return False
         self._reads += 1
-        rule = self.rule
-        plans = rule.plans if rule is not None else 0
-        self._emitted(row, (tuple(values),), indices=True, first=self._reads - 1)
-        return rule is not None and rule.plans != plans
+        if all(type(v) is int for v in values):
+            rule = self.rule
+            plans = rule.plans if rule is not None else 0
+            ints = tuple(int(v) for v in values)
+            self._emitted(row, (ints,), indices=True, first=self._reads - 1)
+            return rule is not None and rule.plans != plans
+        # Only floats: a prediction made at the block's tail never has them, so no row is
+        # trained on a value its prediction did not see (the read predicts again).
+        row[self._read_at] = float(values[0])
+        return True
 
     def _emitted(
         self, row: list[float], outputs: Outputs, *, indices: bool, first: int = 0
@@ -597,7 +607,10 @@ class Pilot:
                     ids[j] = b
                     conf[j] = p
                     code += digit[j]
-        self._made.append((self._t - 1, ids))
+        made = self._made
+        if made and made[-1][0] == self._t - 1:
+            made.pop()  # predicted again after a read: the latest prediction is scored
+        made.append((self._t - 1, ids))
         counted = self._by_code.get(code + code + (models is not None))
         if counted is None:
             counted = self._count_code(code + code + (models is not None))

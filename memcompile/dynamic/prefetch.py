@@ -256,8 +256,8 @@ class PilotReport:
             two blocks ahead) wasted more than it saved lately (see the module doc).
         in_graph_predictions: predictions made inside a forward graph (``pilot_prefetch``).
         tail_predictions: predictions made at a forward call's tail (graphs without the op).
-        read_predictions: predictions made again when the model's Python read ints from a
-            tensor after a forward call (``int(router(x).argmax())``: runtime/int_reads.py).
+        read_predictions: predictions made again when the model's Python read a number from a
+            tensor after a forward call (``int(router(x).argmax())``: runtime/scalar_reads.py).
         sim_stall_us: simulated device stall of the training forwards, microseconds: the
             copies on the device profile's host link, issued where they were (see the module
             doc; ``None`` before any fragment was placed). A GPU estimate with a GPU profile.
@@ -546,12 +546,12 @@ class Prefetcher:
         from reads: the Pilot's rule)."""
         return self.enabled and hasattr(self.predictor, "observe_read")
 
-    def read(self, values: tuple[int, ...]) -> None:
+    def read(self, values: tuple[int | float, ...]) -> None:
         """The model's Python read ``values`` from a tensor after the latest forward call's tail
-        (runtime/int_reads.py: the expert an ``int(router(x).argmax())`` names): show the
-        predictor; when its rule made a new plan from the read, predict again, free
-        mispredicted copies, prefetch. Nothing outside a forward or when the predictor takes no
-        reads (Markov)."""
+        (runtime/scalar_reads.py: the expert an ``int(router(x).argmax())`` names, an exit's
+        confidence): show the predictor; when that may change its prediction (its rule made a
+        new plan, a float was read), predict again, free mispredicted copies, prefetch. Nothing
+        outside a forward or when the predictor takes no reads (Markov)."""
         observe_read = getattr(self.predictor, "observe_read", None)
         if not self.enabled or not self._in_forward or observe_read is None:
             return

@@ -17,7 +17,7 @@ that does not list blocks (token ids, an ``arange``) never predicts anything, an
 window of its checks is under half right it is retired (no more checks: they cost time in
 :meth:`observe`). ``E`` is used only when it is trusted the same way.
 
-Reads (runtime/int_reads.py) are the other form: the model's Python turned a block's output into
+Reads (runtime/scalar_reads.py) are the other form: the model's Python turned a block's output into
 ints itself (``e = int(router(x).argmax())``, ``top.indices.tolist()``) and calls the blocks
 they name, in the order read. A read ``r`` after block ``B`` is learnt like an output in slot
 ``READ_SLOT + k`` (its ``k``-th read since ``B``), with positions ``r[0], r[1], ...`` in that

@@ -41,9 +41,9 @@ tensor that leaves a fragment is, in the case this is for, read by the model's o
 (the router's counts decide which experts it calls: the reason Dynamo broke the graph there),
 which waits the same. The values are read only while a recorder or the pilot runs. Traces
 written before outputs were recorded read back with ``outputs=()``. A model whose Python turns
-a fragment's output into ints itself (``e = int(router(x).argmax())``: a frame Dynamo runs
-eagerly, backends/regions.py) has those ints on the call's event as ``reads``
-(runtime/int_reads.py), one tuple per read, in order.
+a fragment's output into numbers itself (``e = int(router(x).argmax())``: a frame Dynamo runs
+eagerly, backends/regions.py) has those numbers on the call's event as ``reads``
+(runtime/scalar_reads.py), one tuple per read, in order.
 """
 
 from __future__ import annotations
@@ -98,9 +98,10 @@ class BlockEvent:
             inference calls; empty for backward calls).
         outputs: the values of the call's small integer outputs, flattened
             (:func:`small_int_outputs`; empty for backward calls and in older traces).
-        reads: the ints the model's Python read from tensors after the call returned and
-            before the next call (runtime/int_reads.py: ``int(router(x).argmax())``), one
-            tuple per read, in order (empty when none, and in older traces).
+        reads: the numbers the model's Python read from tensors after the call returned and
+            before the next call (runtime/scalar_reads.py: ``int(router(x).argmax())``,
+            ``conf.item()``), one tuple per read, in order (empty when none, and in older
+            traces).
     """
 
     phase: str
@@ -109,7 +110,7 @@ class BlockEvent:
     t_us: float
     sizes: tuple[int, ...] = ()
     outputs: tuple[tuple[int, ...], ...] = ()
-    reads: tuple[tuple[int, ...], ...] = ()
+    reads: tuple[tuple[int | float, ...], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -169,16 +170,26 @@ def _event_from(d: Any, where: str) -> BlockEvent:
         t_us=float(d["t_us"]),
         sizes=tuple(int(s) for s in d.get("sizes", ())),
         outputs=_outputs_from(d.get("outputs", ()), where),
-        reads=_outputs_from(d.get("reads", ()), where, "reads"),
+        reads=_reads_from(d.get("reads", ()), where),
     )
 
 
-def _outputs_from(v: Any, where: str, what: str = "outputs") -> tuple[tuple[int, ...], ...]:
+def _outputs_from(v: Any, where: str) -> tuple[tuple[int, ...], ...]:
     if not isinstance(v, (list, tuple)) or not all(
         isinstance(o, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in o)
         for o in v
     ):
-        raise ValueError(f"{where}: {what} must be a list of lists of ints")
+        raise ValueError(f"{where}: outputs must be a list of lists of ints")
+    return tuple(tuple(o) for o in v)
+
+
+def _reads_from(v: Any, where: str) -> tuple[tuple[int | float, ...], ...]:
+    if not isinstance(v, (list, tuple)) or not all(
+        isinstance(o, list)
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in o)
+        for o in v
+    ):
+        raise ValueError(f"{where}: reads must be a list of lists of numbers")
     return tuple(tuple(o) for o in v)
 
 
@@ -408,7 +419,7 @@ class TraceRecorder:
         self._events[-1] = dataclasses.replace(last, outputs=found)
 
     def on_block_reads(
-        self, step: int, index: int, kind: str, block: int, values: tuple[int, ...]
+        self, step: int, index: int, kind: str, block: int, values: tuple[int | float, ...]
     ) -> None:
         """The model's Python read ``values`` from a tensor after fragment ``index``'s call (the
         last :meth:`on_block`) returned: kept on its event, after the reads before it."""

@@ -67,8 +67,9 @@ class BlockObserver(Protocol):
     # (runtime/small_ints.py's ``small_int_outputs``, computed once per call and shared with
     # the prefetcher); called only on observers that define it, see ``StepMonitor.on_return``.
     # Optional: ``on_block_reads(step, index, kind, block, values)`` runs when the model's Python
-    # reads ints from tensors after a forward or inference call returned (``int(t)``,
-    # ``t.tolist()``: runtime/int_reads.py), one tuple per read; see ``StepMonitor.on_reads``.
+    # reads numbers from tensors after a forward or inference call returned (``int(t)``,
+    # ``t.item()``, ``t.tolist()``: runtime/scalar_reads.py), one tuple per read; see
+    # ``StepMonitor.on_reads``.
 
 
 class StepListener(Protocol):
@@ -294,11 +295,11 @@ class StepMonitor:
         return small_ints
 
     def wants_reads(self) -> bool:
-        """Whether an observer takes the ints the model's Python reads (``on_block_reads``)."""
+        """Whether an observer takes the numbers the model's Python reads (``on_block_reads``)."""
         return any(hasattr(o, "on_block_reads") for o in self.observers)
 
-    def on_reads(self, values: tuple[int, ...]) -> None:
-        """The model's Python read ``values`` from a tensor (runtime/int_reads.py): hand them to
+    def on_reads(self, values: tuple[int | float, ...]) -> None:
+        """The model's Python read ``values`` from a tensor (runtime/scalar_reads.py): hand them to
         the observers as a read after the step's latest call, when that is a forward or
         inference call (a router's, whose output decided them)."""
         if not self._step:

@@ -1,5 +1,6 @@
-"""Ints the model's Python reads from tensors (runtime/int_reads.py), in the trace and for the
-pilot: a natural MoE's ``int(router(x).argmax())`` names the next expert (issue 39, item 3)."""
+"""Numbers the model's Python reads from tensors (runtime/scalar_reads.py), in the trace and for
+the pilot: a natural MoE's ``int(router(x).argmax())`` names the next expert, a natural early
+exit's ``conf.item()`` tells whether the next block runs (issue 39, item 3)."""
 
 from __future__ import annotations
 
@@ -16,36 +17,38 @@ import memcompile
 from memcompile import EagerFallbackWarning, zoo
 from memcompile.backends.compiler import MemCompiler
 from memcompile.dynamic.markov import UNKNOWN
+from memcompile.dynamic.pilot import Pilot
 from memcompile.dynamic.rules import READ_SLOT, RoutingRule
 from memcompile.dynamic.trace import TraceRecorder, read_trace
 from memcompile.report import find_compiler
-from memcompile.runtime import int_reads
+from memcompile.runtime import scalar_reads
 
 from helpers import assert_same_state
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
-def test_ints_read_from_tensors_reach_the_sink_and_nothing_else_does() -> None:
+def test_numbers_read_from_tensors_reach_the_sink_and_nothing_else_does() -> None:
     got: list[tuple[int, ...]] = []
     x = torch.tensor([[3.0, 9.0, 1.0], [2.0, 0.0, 7.0]])
-    own = {name: vars(torch.Tensor).get(name) for name in int_reads.READ_METHODS}
-    with int_reads.reading(got.append):
+    own = {name: vars(torch.Tensor).get(name) for name in scalar_reads.READ_METHODS}
+    with scalar_reads.reading(got.append):
         assert {name: vars(torch.Tensor).get(name) for name in own} != own
         assert int(x.argmax()) == 1  # Tensor.__int__
         assert x.flatten().argmax().item() == 1  # an integer item
         assert x[0].topk(2).indices.tolist() == [1, 0]  # a list of indices, in its order
         assert ["a", "b", "c"][torch.tensor(2)] == "c"  # Tensor.__index__
-        float(x.sum()), x.sum().item(), (x > 0).all().item()  # floats and bools: no decision
-        x.long().tolist()  # a 2-D list: a tensor's contents, not indices
-        torch.arange(int_reads.MAX_READ + 1).tolist()  # too long for indices
-    assert got == [(1,), (1,), (1, 0), (2,)]
+        assert float(x.sum()) == x.sum().item() == 22.0  # Tensor.__float__, a float item
+        (x > 0).all().item()  # a bool: not a decision of this kind
+        x.tolist(), x[0].tolist()  # a 2-D list, a list of floats: a tensor's contents
+        torch.arange(scalar_reads.MAX_READ + 1).tolist()  # too long for indices
+    assert got == [(1,), (1,), (1, 0), (2,), (22.0,), (22.0,)]
     # Outside, torch.Tensor is as it was, to its own attributes.
-    assert not int_reads.installed()
+    assert not scalar_reads.installed()
     assert {name: vars(torch.Tensor).get(name) for name in own} == own
     assert torch.Tensor.item is torch._C.TensorBase.item
     int(x.argmax())
-    assert len(got) == 4
+    assert len(got) == 6
 
 
 def test_nested_sinks_get_their_own_reads_and_other_threads_none() -> None:
@@ -53,29 +56,29 @@ def test_nested_sinks_get_their_own_reads_and_other_threads_none() -> None:
     inner: list[tuple[int, ...]] = []
     other: list[int] = []
     t = torch.tensor(5)
-    with int_reads.reading(outer.append):
+    with scalar_reads.reading(outer.append):
         int(t)
-        with int_reads.reading(inner.append):
+        with scalar_reads.reading(inner.append):
             int(t + 1)
             thread = threading.Thread(target=lambda: other.append(int(t + 2)))
             thread.start()
             thread.join()
         int(t + 3)
-        assert int_reads.installed()
+        assert scalar_reads.installed()
     assert (outer, inner, other) == ([(5,), (8,)], [(6,)], [7])
-    assert not int_reads.installed()
+    assert not scalar_reads.installed()
 
 
 def test_a_failing_sink_changes_nothing_the_user_computes(caplog: pytest.LogCaptureFixture) -> None:
     def sink(values: tuple[int, ...]) -> None:
         raise RuntimeError("observer broke")
 
-    with caplog.at_level(logging.WARNING, logger="memcompile.runtime.int_reads"):
-        with int_reads.reading(sink):
+    with caplog.at_level(logging.WARNING, logger="memcompile.runtime.scalar_reads"):
+        with scalar_reads.reading(sink):
             assert int(torch.tensor(4)) == 4
             assert torch.tensor([1, 2]).tolist() == [1, 2]
     assert "failed in its observer" in caplog.text
-    assert not int_reads.installed()
+    assert not scalar_reads.installed()
 
 
 def test_dynamo_traces_the_unwrapped_tensor_methods() -> None:
@@ -84,7 +87,7 @@ def test_dynamo_traces_the_unwrapped_tensor_methods() -> None:
     seen_installed: list[bool] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        seen_installed.append(int_reads.installed())
+        seen_installed.append(scalar_reads.installed())
         return gm.forward
 
     def fn(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -100,9 +103,9 @@ def test_dynamo_traces_the_unwrapped_tensor_methods() -> None:
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     got: list[tuple[int, ...]] = []
-    with int_reads.reading(got.append):
+    with scalar_reads.reading(got.append):
         read = torch.compile(fn, backend=backend)(x)
-        assert int_reads.installed()  # back after the compile
+        assert scalar_reads.installed()  # back after the compile
     assert torch.equal(read[0], plain[0]) and read[1] == plain[1] == 0
     assert dict(torch._dynamo.utils.counters["graph_break"]) == breaks
     assert len(seen_installed) == 2 * graphs and not any(seen_installed)
@@ -131,7 +134,9 @@ def test_a_trace_line_with_malformed_reads_is_refused_with_its_place(tmp_path: P
     path = tmp_path / "bad.jsonl"
     event = {"phase": "forward", "fragment": "f", "block": "f/", "t_us": 0.0, "reads": [3]}
     path.write_text(json.dumps({"step": 0, "events": [event]}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl:1 event 0: reads must be a list of lists"):
+    with pytest.raises(
+        ValueError, match=r"bad.jsonl:1 event 0: reads must be a list of lists of n"
+    ):
         read_trace(path)
 
 
@@ -150,7 +155,7 @@ def _natural_trace(tmp_path: Path, name: str, steps: int, **options: object) -> 
     compiler, _ = find_compiler(compiled)
     (recorder,) = [o for o in compiler.block_observers if hasattr(o, "flush")]
     recorder.flush()  # type: ignore[attr-defined]
-    assert not int_reads.installed()  # only during the model's calls
+    assert not scalar_reads.installed()  # only during the model's calls
     steps = recorder.steps()  # type: ignore[attr-defined]
     assert read_trace(path) == steps  # the reads go through the file too
     return compiled, wl, steps
@@ -171,6 +176,33 @@ def test_a_natural_moes_trace_has_the_experts_its_python_read(tmp_path: Path, na
             ran = [e.block.split("/")[1] for e in forward[i + 1 : i + 1 + len(read)]]
             assert ran == [f"experts.{layer}.{e}" for e in read]
         assert all(not e.reads for i, e in enumerate(forward) if i not in routers)
+
+
+def test_a_natural_early_exits_confidence_is_read_and_predicts_the_exit(tmp_path: Path) -> None:
+    # Each exit head's `conf.item()` is on its event; replayed, the pilot that sees it predicts
+    # the block after each exit head (the next block, or the next step's first) better than
+    # the same pilot without it.
+    _, _, steps = _natural_trace(tmp_path, "early_exit_natural", 40)
+    exits = [e for s in steps for e in s.events if "/exits." in e.block and e.phase != "backward"]
+    assert exits and all(len(e.reads) == 1 and type(e.reads[0][0]) is float for e in exits)
+
+    def replay(reads: bool) -> float:
+        pilot = Pilot(horizon=1, warmup_steps=5, retrain_every=5, seed=0, background=False)
+        stream = [e for s in steps for e in (*s.events, None) if e is None or e.phase != "backward"]
+        for e in stream:
+            if e is None:
+                pilot.end_step()
+                continue
+            pilot.observe(e.block, e.fragment, e.sizes)
+            for values in e.reads if reads else ():
+                pilot.observe_read(values)
+            pilot.predict()
+        accuracy = pilot.stats().accuracy
+        assert accuracy is not None
+        return accuracy
+
+    with_reads, without = replay(True), replay(False)
+    assert with_reads > without + 0.03, (with_reads, without)
 
 
 def test_the_pilot_prefetches_the_expert_a_read_names(
@@ -200,7 +232,7 @@ def test_the_pilot_prefetches_the_expert_a_read_names(
     assert read.accuracy > plain.accuracy, (read, plain)
     assert read.hit_rate is not None and plain.hit_rate is not None
     assert read.hit_rate > plain.hit_rate, (read, plain)
-    assert "after an int read" in str(rep)
+    assert "after a read" in str(rep)
     # What the pilot does at a read (the prefetch cache's copies) is never compiled by Dynamo:
     # only the model's own modules are fragments.
     assert all("<memcompile region " in f.code for f in rep.fragments), [
@@ -211,7 +243,7 @@ def test_the_pilot_prefetches_the_expert_a_read_names(
 def test_without_a_trace_or_the_pilot_nothing_is_wrapped(monkeypatch: pytest.MonkeyPatch) -> None:
     # The default costs nothing: no model call wraps torch.Tensor's methods (~14 us a call).
     started: list[object] = []
-    monkeypatch.setattr(int_reads, "start", lambda sink: started.append(sink))
+    monkeypatch.setattr(scalar_reads, "start", lambda sink: started.append(sink))
     wl = zoo.build("moe_natural", size="tiny")
     compiled = memcompile.compile(wl.model)
     with warnings.catch_warnings():

@@ -1,20 +1,22 @@
-"""The integers Python reads from tensors during a compiled model's call.
+"""The numbers Python reads from tensors during a compiled model's call.
 
-A dynamic network written the natural way decides in Python: its eager frame turns a router's
-output into an int and calls the expert it names (zoo/natural.py)::
+A dynamic network written the natural way decides in Python: its eager frame turns a fragment's
+output into a number and branches on it (zoo/natural.py)::
 
     probs = self.routers[l](h).softmax(-1).mean((0, 1))    # a fragment, then eager glue
     e = int(probs.argmax())                                 # Tensor.__int__   -> sink((e,))
     x = x + experts[e](h)                                   # the next block: expert e
     ids = probs.topk(2).indices.tolist()                    # Tensor.tolist    -> sink((e1, e2))
+    if conf.item() >= threshold: break                      # Tensor.item      -> sink((0.93,))
 
-Those ints are what the pilot needs (dynamic/rules.py: the next blocks are ``X[e]``), and they
-never leave a graph as outputs. While a reader is active (:func:`reading`, around a model call
-whose compiler wants them), ``torch.Tensor``'s ``__int__``, ``__index__``, ``item`` and
-``tolist`` are wrapped: each calls the original and hands its integer result (a ``tolist`` of
-at most :data:`MAX_READ` ints; floats and bools are not decisions of this kind) to the calling
-thread's sink. Outside such calls the original methods are back in place, so nothing changes
-for other code; other threads meanwhile see the wrappers, which pass their reads to no sink.
+Those numbers are what the pilot needs (an int names the next block, dynamic/rules.py: ``X[e]``;
+a float is a feature of the next prediction, dynamic/pilot.py), and they never leave a graph as
+outputs. While a reader is active (:func:`reading`, around a model call whose compiler wants
+them), ``torch.Tensor``'s ``__int__``, ``__index__``, ``__float__``, ``item`` and ``tolist`` are
+wrapped: each calls the original and hands its result to the calling thread's sink: one int or
+float (bools are not decisions of this kind), or a ``tolist`` of at most :data:`MAX_READ` ints.
+Outside such calls the original methods are back in place, so nothing changes for other code;
+other threads meanwhile see the wrappers, which pass their reads to no sink.
 
 Dynamo must never trace a wrapper: it would inline it, and a frame it compiles would break its
 graph elsewhere than without memcompile (a user's ``.item()`` is a graph break of its own). So
@@ -35,14 +37,16 @@ from torch._dynamo.eval_frame import skip_code
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_READ", "READ_METHODS", "installed", "reading", "start", "stop"]
+__all__ = ["MAX_READ", "READ_METHODS", "Read", "installed", "reading", "start", "stop"]
 
 #: The tensor methods whose integer results are read.
-READ_METHODS = ("__int__", "__index__", "item", "tolist")
+READ_METHODS = ("__int__", "__index__", "__float__", "item", "tolist")
 #: Longest ``tolist`` result passed on (a list of expert indices, not a tensor's contents).
 MAX_READ = 64
 
-Sink = Callable[[tuple[int, ...]], None]
+#: One read: an int or float, or a list of ints.
+Read = tuple[int | float, ...]
+Sink = Callable[[Read], None]
 
 _local = threading.local()
 _lock = threading.Lock()
@@ -53,8 +57,8 @@ _wrapped = False
 _sink_failed = False
 
 
-def _ints(out: Any) -> tuple[int, ...] | None:
-    if type(out) is int:
+def _scalars(out: Any) -> Read | None:
+    if type(out) is int or type(out) is float:
         return (out,)
     if type(out) is list and 0 < len(out) <= MAX_READ and all(type(v) is int for v in out):
         return tuple(out)
@@ -66,7 +70,7 @@ def _wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         out = original(self, *args, **kwargs)
         sink = getattr(_local, "sink", None)
         if sink is not None:
-            values = _ints(out)
+            values = _scalars(out)
             if values is not None:
                 _deliver(sink, values)
         return out
@@ -82,7 +86,7 @@ skip_code(_wrapper("item", torch.Tensor.item).__code__)
 
 
 @torch._dynamo.disable
-def _deliver(sink: Sink, values: tuple[int, ...]) -> None:
+def _deliver(sink: Sink, values: Read) -> None:
     # Dynamo off for the sink and all it calls (the pilot, the prefetch cache): its callback
     # is set in the eager frame that reads, and would compile memcompile's own code.
     global _sink_failed
@@ -92,7 +96,7 @@ def _deliver(sink: Sink, values: tuple[int, ...]) -> None:
         if not _sink_failed:
             _sink_failed = True
             log.warning(
-                "memcompile: a read of a tensor's int failed in its observer", exc_info=True
+                "memcompile: a read of a tensor's value failed in its observer", exc_info=True
             )
 
 
@@ -150,7 +154,7 @@ def _install_callbacks() -> None:
 
 
 def start(sink: Sink) -> Sink | None:
-    """From now on, ints this thread reads from tensors (module docstring) go to ``sink``,
+    """From now on, numbers this thread reads from tensors (module docstring) go to ``sink``,
     until :func:`stop` is given what this returned (the sink it replaced)."""
     global _readers
     _install_callbacks()
