@@ -32,7 +32,6 @@ import torch
 import torch._dynamo
 from torch import fx
 from torch._C._dynamo.eval_frame import set_code_exec_strategy
-from torch._dynamo.callback import callback_handler
 from torch._dynamo.eval_frame import innermost_backend
 from torch._dynamo.types import FrameAction, FrameExecStrategy
 
@@ -79,6 +78,7 @@ from memcompile.records import FragmentIdentity, FragmentRecord, StepEvent
 from memcompile.rewrites.context import PassContext
 from memcompile.rewrites.input_uses import InputSplit, split_inputs_pass
 from memcompile.runtime import scalar_reads
+from memcompile.runtime.compile_callbacks import ensure_compile_callbacks
 from memcompile.runtime.peakwatch import PeakWatch
 from memcompile.runtime.pinned import install_hooks as install_pinned_hooks
 from memcompile.runtime.store import HOSTABLE_DEVICES, TieredStore, register_store
@@ -872,8 +872,7 @@ def install_start_hook() -> None:
     memcompile model is compiled or called: ``torch._dynamo.reset()`` clears Dynamo's callbacks
     (a model compiled by name after a reset, none of whose frames compiles, is then only attached
     by ``report()``)."""
-    if _on_compile_start not in callback_handler.start_callbacks:
-        callback_handler.register_start_callback(_on_compile_start)
+    ensure_compile_callbacks(_on_compile_start)
 
 
 install_start_hook()

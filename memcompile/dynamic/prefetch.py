@@ -558,8 +558,6 @@ class Prefetcher:
         if not observe_read(values):
             return  # the prediction made at the call's tail stands
         self.read_predictions += 1
-        if self._made and self._made[-1][0] == self._t - 1:
-            self._made.pop()  # scored as this prediction: the block's latest
         self._copy(self._predict(None), self.capacity, issue_s=self.cache.sim_clock)
 
     def _predict(self, outputs: tuple[tuple[int, ...], ...] | None) -> _Wanted:
@@ -573,7 +571,10 @@ class Prefetcher:
         self._latency_ns.append(time.perf_counter_ns() - start)
         blocks = tuple(prediction.blocks)[: self.horizon]
         sources = tuple(prediction.sources)
-        self._made.append((self._t - 1, blocks))
+        made = self._made
+        if made and made[-1][0] == self._t - 1:
+            made.pop()  # predicted again after a read: the latest prediction is scored
+        made.append((self._t - 1, blocks))
         wanted: _Wanted = []
         self._next_step = None
         for j, b in enumerate(blocks, 1):

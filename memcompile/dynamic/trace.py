@@ -169,27 +169,21 @@ def _event_from(d: Any, where: str) -> BlockEvent:
         block=str(d["block"]),
         t_us=float(d["t_us"]),
         sizes=tuple(int(s) for s in d.get("sizes", ())),
-        outputs=_outputs_from(d.get("outputs", ()), where),
-        reads=_reads_from(d.get("reads", ()), where),
+        outputs=_lists_from(d.get("outputs", ()), where, "outputs", (int,)),  # type: ignore[arg-type]
+        reads=_lists_from(d.get("reads", ()), where, "reads", (int, float)),
     )
 
 
-def _outputs_from(v: Any, where: str) -> tuple[tuple[int, ...], ...]:
+def _lists_from(
+    v: Any, where: str, what: str, kinds: tuple[type, ...]
+) -> tuple[tuple[int | float, ...], ...]:
+    """``v`` as a tuple of tuples, each value of one of ``kinds`` (never a bool)."""
     if not isinstance(v, (list, tuple)) or not all(
-        isinstance(o, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in o)
+        isinstance(o, list) and all(isinstance(x, kinds) and not isinstance(x, bool) for x in o)
         for o in v
     ):
-        raise ValueError(f"{where}: outputs must be a list of lists of ints")
-    return tuple(tuple(o) for o in v)
-
-
-def _reads_from(v: Any, where: str) -> tuple[tuple[int | float, ...], ...]:
-    if not isinstance(v, (list, tuple)) or not all(
-        isinstance(o, list)
-        and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in o)
-        for o in v
-    ):
-        raise ValueError(f"{where}: reads must be a list of lists of numbers")
+        names = "ints" if kinds == (int,) else "numbers"
+        raise ValueError(f"{where}: {what} must be a list of lists of {names}")
     return tuple(tuple(o) for o in v)
 
 

@@ -50,6 +50,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memcompile.runtime.compile_callbacks import ensure_compile_callbacks
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -173,14 +175,10 @@ _optimizer_hooked = False
 def install_hooks() -> None:
     """Register the Dynamo compile start/end callbacks (placeholders) unless they are there, and,
     once per process, a global optimizer pre-step hook (finish in-flight copies from the pinned
-    parameters). ``torch._dynamo.reset()`` drops compile callbacks: the compiler calls this
-    again before each model call (cheap: two list lookups)."""
+    parameters). ``torch._dynamo.reset()`` drops compile callbacks (runtime/compile_callbacks.py):
+    the compiler calls this again before each model call (cheap: two list lookups)."""
     global _optimizer_hooked
-    handler = torch._dynamo.callback_handler
-    if _on_compile_start not in handler.start_callbacks:
-        handler.register_start_callback(_on_compile_start)
-    if _on_compile_end not in handler.end_callbacks:
-        handler.register_end_callback(_on_compile_end)
+    ensure_compile_callbacks(_on_compile_start, _on_compile_end)
     if not _optimizer_hooked:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 

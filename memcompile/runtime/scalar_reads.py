@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch._dynamo.eval_frame import skip_code
 
+from memcompile.runtime.compile_callbacks import ensure_compile_callbacks
+
 log = logging.getLogger(__name__)
 
 __all__ = ["MAX_READ", "READ_METHODS", "Read", "installed", "reading", "start", "stop"]
@@ -144,20 +146,12 @@ def _on_compile_end(args: Any = None) -> None:
             _wrap()
 
 
-def _install_callbacks() -> None:
-    # torch._dynamo.reset() clears Dynamo's callbacks: registered again at each reading().
-    handler = torch._dynamo.callback_handler
-    if _on_compile_start not in handler.start_callbacks:
-        handler.register_start_callback(_on_compile_start)
-    if _on_compile_end not in handler.end_callbacks:
-        handler.register_end_callback(_on_compile_end)
-
-
 def start(sink: Sink) -> Sink | None:
     """From now on, numbers this thread reads from tensors (module docstring) go to ``sink``,
     until :func:`stop` is given what this returned (the sink it replaced)."""
     global _readers
-    _install_callbacks()
+    # torch._dynamo.reset() clears Dynamo's callbacks: registered again at each start.
+    ensure_compile_callbacks(_on_compile_start, _on_compile_end)
     previous: Sink | None = getattr(_local, "sink", None)
     _local.sink = sink
     with _lock:
