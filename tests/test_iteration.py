@@ -302,6 +302,53 @@ def test_a_model_call_that_raises_stops_the_iterations_sample():
     assert _sampled(compiled) == 0
 
 
+def test_the_optimizer_steps_price_is_kept_until_its_state_or_placement_changes(monkeypatch):
+    # The loop prices its optimizer step at every step; while the state, the groups and
+    # memcompile's placements are the same, the price is kept (walking every state tensor of
+    # a large model costs milliseconds a step), and it is made again when one changes.
+    from memcompile.step import iteration
+
+    torch._dynamo.reset()
+    wl = zoo.build("gpt", size="tiny")
+    compiled = memcompile.compile(wl.model)
+    opt = torch.optim.AdamW(wl.model.parameters(), lr=1e-3)
+    priced: list[int] = []
+    real = iteration.price_optimizer
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        priced.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(iteration, "price_optimizer", counting)
+
+    def step(i: int) -> None:
+        wl.loss(compiled, i).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(0)
+    watch = find_compiler(compiled)[0].iteration
+    first = watch.optimizers[opt]
+    assert first.state_bytes > 0  # the first step made the state: priced after it
+    n = len(priced)
+    for i in range(1, 4):
+        step(i)
+    assert len(priced) == n and watch.optimizers[opt] is first
+    opt.load_state_dict(opt.state_dict())  # a new state dict: priced again, the same bytes
+    step(4)
+    assert len(priced) == n + 1 and watch.optimizers[opt] == first
+    freed = watch.offload_state()  # the state moves to the host tier: priced again
+    assert freed == first.state_bytes
+    moved = watch.optimizers[opt]
+    assert moved.state_bytes == 0 and moved.host_state_bytes == first.state_bytes
+    step(5)
+    assert watch.optimizers[opt] is moved
+    extra = torch.nn.Parameter(torch.zeros(64))
+    opt.add_param_group({"params": [extra]})  # another model's parameter: priced again
+    step(6)
+    assert len(priced) == n + 3
+
+
 def test_an_optimizer_of_another_model_is_not_counted():
     torch._dynamo.reset()
     wl = zoo.build("gpt", size="tiny")

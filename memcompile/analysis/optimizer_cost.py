@@ -22,7 +22,7 @@ torch's default for the parameters' device (foreach on CUDA, the for-loop on the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -30,9 +30,10 @@ from torch.optim.optimizer import _default_to_fused_or_foreach
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memcompile.errors import format_bytes
+from memcompile.runtime import placement
 from memcompile.runtime.store import is_disk_placed, is_host_placed, is_off_device
 
-__all__ = ["OptimizerCost", "on_device", "plain", "price_optimizer", "state_bytes"]
+__all__ = ["OptimizerCost", "cost_key", "on_device", "plain", "price_optimizer", "state_bytes"]
 
 _ADAM = frozenset({"Adam", "AdamW"})
 
@@ -151,29 +152,68 @@ def state_bytes(
 ) -> int:
     """``device`` bytes of ``optimizer``'s state for the parameters with ids in ``params``
     (each storage once)."""
-    tensors = [
-        t
-        for p, state in optimizer.state.items()
-        if id(p) in params
-        for t in state.values()
-        if isinstance(t, torch.Tensor) and on_device(t, device)
-    ]
-    return sum(_storages(tensors).values())
+    return _state_tiers(optimizer, params, device)[0]
 
 
-def _tier_state_bytes(
-    optimizer: torch.optim.Optimizer,
-    params: Collection[int],
-    placed: Callable[[torch.Tensor], bool],
-) -> int:
-    tensors = [
-        t
-        for p, state in optimizer.state.items()
-        if id(p) in params
-        for t in state.values()
-        if isinstance(t, torch.Tensor) and (local := plain(t)) is not None and placed(local)
-    ]
-    return sum(_storages(tensors).values())
+def _state_tiers(
+    optimizer: torch.optim.Optimizer, params: Collection[int], device: torch.device
+) -> tuple[int, int, int]:
+    """Bytes of the state of the parameters with ids in ``params`` on ``device``, in the host
+    tier and in the disk tier (each storage once), in one pass: a loop prices its optimizer
+    step at every step, over every state tensor."""
+    seen: list[dict[int, int]] = [{}, {}, {}]  # device, host, disk: address -> bytes
+    for p, state in optimizer.state.items():
+        if id(p) not in params:
+            continue
+        for t in state.values():
+            if not isinstance(t, torch.Tensor):
+                continue
+            local = plain(t)
+            if local is None:
+                continue
+            if is_disk_placed(local):
+                where = 2
+            elif is_host_placed(local):
+                where = 1
+            elif local.device.type == device.type:
+                where = 0
+            else:
+                continue
+            storage = local.untyped_storage()
+            seen[where][storage.data_ptr()] = storage.nbytes()
+    device_bytes, host_bytes, disk_bytes = (sum(s.values()) for s in seen)
+    return device_bytes, host_bytes, disk_bytes
+
+
+#: Group settings the transient's price reads (a scheduler changing ``lr`` changes no price).
+_PRICED_SETTINGS = (
+    "fused",
+    "foreach",
+    "weight_decay",
+    "decoupled_weight_decay",
+    "maximize",
+    "nesterov",
+    "amsgrad",
+    "capturable",
+    "differentiable",
+)
+
+
+def cost_key(
+    optimizer: torch.optim.Optimizer, params: frozenset[int], device: torch.device
+) -> tuple[object, ...]:
+    """What :func:`price_optimizer`'s answer depends on, read cheaply: the state dict (a new
+    one after ``load_state_dict``), its entries and their tensors' count (state made lazily by
+    a first step, or for a parameter's first gradient), the groups and their priced settings,
+    and memcompile's placements (``runtime/placement.py``). Equal keys: the same price, short
+    of the loop replacing state tensors by hand with ones of other sizes or devices."""
+    state = optimizer.state
+    groups = tuple(
+        (id(g["params"]), len(g["params"]), *(repr(g.get(k)) for k in _PRICED_SETTINGS))
+        for g in optimizer.param_groups
+    )
+    entries = sum(len(s) for s in state.values())
+    return (params, str(device), id(state), len(state), entries, groups, placement.epoch())
 
 
 def price_optimizer(
@@ -198,13 +238,14 @@ def price_optimizer(
         transient, exact = max(transient, t), exact and priced
         impls.append((sum(sizes), impl))
     implementation = max(impls)[1] if impls else "for-loop"
+    on_device_bytes, host_bytes, disk_bytes = _state_tiers(optimizer, params, device)
     return OptimizerCost(
         kind=kind,
         implementation=implementation,
         param_bytes=sum(_storages(mine).values()),
-        state_bytes=state_bytes(optimizer, params, device),
-        host_state_bytes=_tier_state_bytes(optimizer, params, is_host_placed),
-        disk_state_bytes=_tier_state_bytes(optimizer, params, is_disk_placed),
+        state_bytes=on_device_bytes,
+        host_state_bytes=host_bytes,
+        disk_state_bytes=disk_bytes,
         transient=transient,
         exact=exact,
     )

@@ -50,6 +50,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memcompile.runtime import placement
 from memcompile.runtime.compile_callbacks import ensure_compile_callbacks
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ def place_pinned(p: torch.Tensor) -> int:
     freed = p.untyped_storage().nbytes()
     with torch.no_grad():
         p.data = pinned_copy(p)
+    placement.moved()
     install_hooks()
     if isinstance(p, torch.nn.Parameter):
         _params[p] = device
@@ -150,6 +152,7 @@ def _on_compile_start(args: Any = None) -> None:
                 _tracing[p] = (p.data, p.grad)
                 p.grad = None
                 p.data = _placeholder(p, device)
+                placement.moved()
 
 
 def _on_compile_end(args: Any = None) -> None:
@@ -160,6 +163,7 @@ def _on_compile_end(args: Any = None) -> None:
             p.data = host
             p.grad = grad
     _tracing.clear()
+    placement.moved()
 
 
 def _before_optimizer_step(*_: Any) -> None:

@@ -51,6 +51,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memcompile.errors import MemcompileError, format_bytes
+from memcompile.runtime import placement
 from memcompile.runtime.cache import PrefetchCache
 from memcompile.runtime.pinned import (
     is_pinned_host,
@@ -74,6 +75,7 @@ __all__ = [
     "is_disk_placed",
     "is_host_placed",
     "is_off_device",
+    "is_tier_address",
     "place_on_host",
     "register_store",
     "release_pages",
@@ -143,6 +145,13 @@ def is_disk_placed(t: torch.Tensor) -> bool:
     ):
         return False
     return t.untyped_storage().data_ptr() in _disk_maps
+
+
+def is_tier_address(address: int) -> bool:
+    """Whether a CPU storage at ``address`` is the host tier's or the disk tier's (no pinned
+    buffers: a CUDA model's host memory is not its device's anyway). The check per tensor
+    without the tensor: loops over every gradient at every step use it."""
+    return address in _host_storages or address in _disk_maps
 
 
 def is_off_device(t: torch.Tensor) -> bool:
@@ -244,13 +253,14 @@ def place_on_host(p: torch.Tensor) -> int:
         raise ValueError("a parameter that is a view of a larger buffer cannot be host-placed")
     if p.device.type == "cuda":
         grad, p.grad = p.grad, None  # a CPU parameter cannot hold a CUDA gradient
-        freed = place_pinned(p)
+        freed = place_pinned(p)  # counts as a move (placement.moved)
         if grad is not None:
             p.grad = pinned_copy(grad) if can_host_place(grad) else grad.cpu()
         return freed
     freed = p.untyped_storage().nbytes()
     with torch.no_grad():
         p.data = _host_copy(p)
+    placement.moved()
     _grad_to_host(p)
     if p.requires_grad:
         # The graphs send gradients to the host, but autograd may still make a device one:

@@ -37,8 +37,15 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from memcompile.analysis.optimizer_cost import OptimizerCost, on_device, plain, price_optimizer
+from memcompile.analysis.optimizer_cost import (
+    OptimizerCost,
+    cost_key,
+    on_device,
+    plain,
+    price_optimizer,
+)
 from memcompile.errors import format_bytes
+from memcompile.runtime import placement
 from memcompile.runtime.store import (
     Tier,
     TieredStore,
@@ -47,6 +54,7 @@ from memcompile.runtime.store import (
     host_tier_copy,
     is_disk_placed,
     is_host_placed,
+    is_tier_address,
     release_pages,
 )
 from memcompile.step.monitor import StepMonitor
@@ -97,9 +105,21 @@ def grad_bytes(params: Collection[torch.Tensor], device: torch.device) -> dict[i
     """Parameter storage address -> bytes of its ``.grad`` on the compute ``device``, for the
     parameters that have one (a host-tier gradient is not device memory)."""
     out: dict[int, int] = {}
+    plain_types = (torch.Tensor, torch.nn.Parameter)
     for p in params:
         g = p.grad
-        if g is None or not on_device(g, device):
+        if g is None:
+            continue
+        if type(g) is torch.Tensor and type(p) in plain_types:
+            # The common case, without the general checks (every parameter, every step).
+            if g.device.type != device.type:
+                continue
+            storage = g.untyped_storage()
+            if device.type == "cpu" and is_tier_address(storage.data_ptr()):
+                continue
+            out[p.untyped_storage().data_ptr()] = storage.nbytes()
+            continue
+        if not on_device(g, device):
             continue
         local, grad = plain(p), plain(g)
         if local is not None and grad is not None:
@@ -167,6 +187,10 @@ class IterationWatch:
         self._started_at_step = 0
         # The optimizers of this model that stepped since the iteration's first optimizer step.
         self._stepped_now: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        # Optimizer -> (cost_key, its price): the price while nothing it depends on changed.
+        self._prices: weakref.WeakKeyDictionary[
+            torch.optim.Optimizer, tuple[tuple[object, ...], OptimizerCost]
+        ] = weakref.WeakKeyDictionary()
         # Optimizer -> (its parameter count when decided, the ids of this model's among them).
         self._mine: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, frozenset[int]]] = (
             weakref.WeakKeyDictionary()
@@ -181,6 +205,7 @@ class IterationWatch:
             self._monitor = monitor
         self.optimizers.clear()
         self._mine.clear()
+        self._prices.clear()
         self.micro_batches = 1
         self.grads_at_step = 0
         self.grads_at_start = 0
@@ -233,9 +258,7 @@ class IterationWatch:
         freed = 0
         for optimizer in list(self.optimizers):
             freed += self._offload(optimizer, self._stepped(optimizer))
-            self.optimizers[optimizer] = price_optimizer(
-                optimizer, self._stepped(optimizer), self._device()
-            )
+            self.optimizers[optimizer] = self._price(optimizer, self._stepped(optimizer))
         if freed:
             log.info(
                 "memcompile: optimizer state (%s) moved to the %s tier",
@@ -262,6 +285,8 @@ class IterationWatch:
                     # whole, moved or not.
                     state[key] = self._put(t)
                     freed += t.untyped_storage().nbytes()
+        if freed:
+            placement.moved()
         return freed
 
     def _put(self, t: torch.Tensor) -> torch.Tensor:
@@ -295,9 +320,7 @@ class IterationWatch:
             # known for Adam/AdamW, whose state torch makes lazily from the parameters alone.
             lazy = _lazy_adam_state(optimizer, mine)
             new = sum(len(keys) * p.untyped_storage().nbytes() for p, keys in lazy)
-            if new and self._first_step_over(
-                new, price_optimizer(optimizer, mine, device).transient
-            ):
+            if new and self._first_step_over(new, self._price(optimizer, mine).transient):
                 log.info(
                     "memcompile: %s's first step would make %s of state on the device, over the "
                     "budget: it is made in the %s tier (offload_optimizer='auto')",
@@ -308,6 +331,19 @@ class IterationWatch:
                 self.offloading = True
         if self.offloading:
             self._make_state_in_tier(optimizer, mine)
+
+    def _price(self, optimizer: torch.optim.Optimizer, mine: frozenset[int]) -> OptimizerCost:
+        """:func:`price_optimizer`, kept while its :func:`cost_key` holds: a loop's steps after
+        the first find the same state in the same places, and pricing walks every state
+        tensor (20 ms a step for Adam over the zoo MoE's 440 parameters on this CPU)."""
+        device = self._device()
+        key = cost_key(optimizer, mine, device)
+        known = self._prices.get(optimizer)
+        if known is not None and known[0] == key:
+            return known[1]
+        cost = price_optimizer(optimizer, mine, device)
+        self._prices[optimizer] = (key, cost)
+        return cost
 
     def _make_state_in_tier(self, optimizer: torch.optim.Optimizer, mine: frozenset[int]) -> None:
         """Adam's and AdamW's state, made in the tier before their first step does it on the
@@ -323,6 +359,7 @@ class IterationWatch:
             optimizer.state[p].update(new)
             made += len(keys) * p.untyped_storage().nbytes()
         if made:
+            placement.moved()
             log.info(
                 "memcompile: %s state (%s) made in the %s tier before its first step",
                 type(optimizer).__name__,
@@ -336,7 +373,7 @@ class IterationWatch:
             return
         if self.offloading:
             self._offload(optimizer, mine)
-        cost = price_optimizer(optimizer, mine, self._device())
+        cost = self._price(optimizer, mine)
         new = optimizer not in self.optimizers
         self.optimizers[optimizer] = cost
         started = self._monitor.steps_started

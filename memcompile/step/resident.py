@@ -24,6 +24,7 @@ import torch
 from memcompile.config import MemConfig
 from memcompile.errors import format_bytes
 from memcompile.records import FragmentRecord
+from memcompile.runtime import placement
 from memcompile.runtime.measure import storage_sizes
 from memcompile.runtime.store import can_host_place, place_on_host
 
@@ -100,6 +101,8 @@ class ResidentSet:
         self._is_sharded = is_sharded
         # Device storage addresses of parameters moved to the host tier (``move_to_host``).
         self._moved: set[int] = set()
+        # step_storages' answer and what it was read from
+        self._step_storages: tuple[tuple[object, ...], dict[int, int]] | None = None
         self.host_param_bytes = 0
         self.host_params_pinned = False
         self.device_other_bytes: int | None = None
@@ -163,10 +166,26 @@ class ResidentSet:
 
     def step_storages(self) -> dict[int, int]:
         """Storage address -> bytes of what every step holds: the parameters and buffers of
-        every block that ran and of the compiled module (less those on the host tier)."""
+        every block that ran and of the compiled module (less those on the host tier). Kept
+        while the records, their blocks, the moves and memcompile's placements are the same
+        (the optimizer step asks at every step; walking the model costs milliseconds)."""
+        records = self._records()
+        key = (
+            tuple((id(r), len(r.blocks)) for r in records),
+            len(self._moved),
+            id(self._model()),
+            placement.epoch(),
+        )
+        if self._step_storages is not None and self._step_storages[0] == key:
+            return dict(self._step_storages[1])
+        static = self._walk_step_storages(records)
+        self._step_storages = (key, static)
+        return dict(static)
+
+    def _walk_step_storages(self, records: list[FragmentRecord]) -> dict[int, int]:
         static: dict[int, int] = {}
         moved = self._moved
-        for r in self._records():
+        for r in records:
             static.update(self.static_storages(r))
             for storages in list(r.blocks.values()):
                 static.update((a, n) for a, n in storages.items() if a not in moved)
