@@ -36,6 +36,7 @@ def test_offload_reload_round_trip_keeps_values_and_layout(tier: int, dtype: tor
     host = torch.ops.memcompile.offload(x, key, tier)
     assert host.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
     back = torch.ops.memcompile.reload(host, torch.device("cpu"), key, tier)
+    torch.ops.memcompile.wait(back, key)  # the copy may run on the CPU's copy thread
     assert torch.equal(back, x) and back.stride() == x.stride() and back.dtype == dtype
 
 

@@ -77,7 +77,7 @@ from memcompile.pipeline.env import FragmentEnv
 from memcompile.records import FragmentIdentity, FragmentRecord, StepEvent
 from memcompile.rewrites.context import PassContext
 from memcompile.rewrites.input_uses import InputSplit, split_inputs_pass
-from memcompile.runtime import scalar_reads
+from memcompile.runtime import copy_engine, scalar_reads
 from memcompile.runtime.compile_callbacks import ensure_compile_callbacks
 from memcompile.runtime.peakwatch import PeakWatch
 from memcompile.runtime.pinned import install_hooks as install_pinned_hooks
@@ -459,6 +459,8 @@ class MemCompiler:
             observer.reset()
         if self.prefetcher is not None:
             self.prefetcher.reset()
+        # The CPU's copy thread finishes what it was given and stops; the next copy starts it.
+        copy_engine.shutdown()
 
     def records(self) -> list[FragmentRecord]:
         """A snapshot of the compiled fragments, in compile order."""

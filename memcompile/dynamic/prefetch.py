@@ -79,10 +79,12 @@ tier; measured so far on no device, see below: the report says why it does not r
 Any object with ``observe``/``predict``/``end_step`` and an ``active`` name can replace
 :attr:`Prefetcher.predictor` (tests inject an adversarial one).
 
-**Devices.** On the CPU device the copies are synchronous (the time is spent inside the graph,
-where a GPU's copy would overlap compute): a prefetch hides nothing there and the pilot's work
-is added step time, so ``pilot="auto"`` stays off on the CPU (an explicit pilot runs, e.g. for
-its simulated GPU stall). On CUDA, host-placed parameters are pinned CPU
+**Devices.** On the CPU device a prefetch copies at once, on the computing thread (the time is
+spent inside the graph, where a GPU's copy would overlap compute; ``runtime/copy_engine.py``'s
+copy thread, off by default, was measured slower there: ``benchmarks/results/copy_thread.md``).
+A prefetch hides nothing there and the pilot's work is added step time, so ``pilot="auto"``
+stays off on the CPU (an explicit pilot runs, e.g. for its simulated GPU stall).
+On CUDA, host-placed parameters are pinned CPU
 tensors (``runtime/pinned.py``): a prefetch copies on the cache's side stream and records an
 event, and a hit makes the compute stream wait for that event (runtime/cache.py), so a copy
 issued by the in-graph op overlaps the rest of the graph. The report then gives, beside the

@@ -21,7 +21,8 @@ moved, e.g. an optimizer step) is dropped as stale and fetched again.
 Counters (bytes, for the report): ``needed`` (fetches of watched parameters while counting is
 on: the forward of a training step), ``hit`` (of those, served from the cache), ``prefetched``,
 ``wasted`` (copies freed unused, stale ones included), and ``stall_ns`` (time spent in on-demand
-fetches while counting: what the compute would wait for on a GPU, measured here on the CPU).
+fetches while counting, and on the CPU in waits for prefetches the copy thread has not finished:
+what the compute would wait for on a GPU, measured here on the CPU).
 
 **Simulated device time** (a GPU estimate with a GPU profile; ``sim_*``): the prefetcher advances
 :attr:`PrefetchCache.sim_clock` by each forward call's predicted compute time and issues each
@@ -55,12 +56,18 @@ stream reached the fetch; in a step the host cannot keep ahead of (small kernels
 inner compiler), the stream is idle by then and what they count is time the GPU would have
 waited for the host anyway. The events are read when :meth:`PrefetchCache.counters` is
 called (the report), which waits for them. ``PrefetchCache(asynchronous=False)`` copies on the
-compute stream instead (what the overlap buys, for benchmarks). On the CPU device copies are
-synchronous.
+compute stream instead (what the overlap buys, for benchmarks).
+
+**CPU.** A prefetch copies at once on the computing thread, unless the CPU's copy thread is on
+(``copy_engine.py``, the stand-in for a GPU's copy engine; off by default) and the copy is at
+least its ``MIN_BYTES``: then the computing thread goes on, a hit waits for the copy's job (while
+counting, the wait is stall time: ``thread_wait_ns``), and a copy dropped unused is waited for
+first, so its bytes are freed where the plan frees them. ``asynchronous=False`` copies at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -69,6 +76,8 @@ from dataclasses import dataclass
 
 import torch
 
+from memcompile.runtime import copy_engine
+from memcompile.runtime.copy_engine import CopyJob
 from memcompile.runtime.pinned import side_stream
 
 log = logging.getLogger(__name__)
@@ -94,6 +103,10 @@ class CacheCounters:
     gpu_wait_s: float | None = None
     gpu_late_bytes: int = 0
     gpu_miss_s: float | None = None
+    #: CPU copy thread (copy_engine.py): nanoseconds hits waited for copies still running
+    #: (part of ``stall_ns``), and those copies' bytes
+    thread_wait_ns: int = 0
+    thread_late_bytes: int = 0
 
 
 @dataclass
@@ -104,8 +117,9 @@ class _Entry:
     block: str
     tag: str
     ready_s: float = -math.inf
-    #: CUDA: recorded on the side stream when the copy is done (``None``: a synchronous copy)
-    done: torch.cuda.Event | None = None
+    #: CUDA: recorded on the side stream when the copy is done; CPU: the copy thread's job
+    #: (copy_engine.py); ``None``: a synchronous copy
+    done: torch.cuda.Event | CopyJob | None = None
 
 
 @dataclass
@@ -120,6 +134,14 @@ class TagCounters:
 #: Timed CUDA events kept before the cache reads those already done (a long run without a
 #: report must not hold an event per fetch forever).
 MAX_PENDING_EVENTS = 4096
+
+
+def _finish(entry: _Entry) -> None:
+    # A copy dropped unused: if the copy thread still writes it, wait, so its bytes are freed
+    # here, where the plan frees them, not when the thread is done with them.
+    if isinstance(entry.done, CopyJob) and not entry.done.done:
+        with contextlib.suppress(Exception):  # a failed copy nobody reads: nothing to report
+            entry.done.wait()
 
 
 def _key(t: torch.Tensor) -> int:
@@ -157,6 +179,8 @@ class PrefetchCache:
         #: what the cache held when it started is what it took (the rest stays cached).
         self.taken = 0
         self.stall_ns = self.misses = self.peak_bytes = 0
+        #: CPU copy thread: time hits waited for copies still running, and their bytes
+        self.thread_wait_ns = self.thread_late_bytes = 0
         #: per copy tag: bytes prefetched, hit, wasted
         self.by_tag: dict[str, TagCounters] = {}
         #: Simulated device time (see the module doc): the clock, the stall, the copy stream's
@@ -188,7 +212,9 @@ class PrefetchCache:
             )
             if fresh:
                 self.taken += entry.nbytes
-                if entry.done is not None:
+                if isinstance(entry.done, CopyJob):
+                    self._wait_for_thread(entry)
+                elif entry.done is not None:
                     self._wait_for(entry)
                 if self.counting:
                     self.needed += nbytes
@@ -199,6 +225,7 @@ class PrefetchCache:
                 self.by_tag[entry.tag].hit += entry.nbytes
                 return entry.copy
             # The parameter changed after the copy was made: never serve old values.
+            _finish(entry)
             self.stale += entry.nbytes
             self.wasted += entry.nbytes
             self.by_tag[entry.tag].wasted += entry.nbytes
@@ -254,7 +281,7 @@ class PrefetchCache:
         if key in self._entries:
             return 0
         copy = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
-        done = None
+        done: torch.cuda.Event | CopyJob | None = None
         if copy.device.type == "cuda" and self.asynchronous and h.is_pinned():
             compute = torch.cuda.current_stream(copy.device)
             side = side_stream(self._side, copy.device)
@@ -265,6 +292,12 @@ class PrefetchCache:
             done.record(side)
             # Freed unused while the copy runs (evicted, trimmed): not reused before it ends.
             copy.record_stream(side)
+        elif (
+            copy.device.type == "cpu"
+            and self.asynchronous
+            and copy_engine.worth(h.untyped_storage().nbytes())
+        ):
+            done = copy_engine.submit(copy, h)  # the CPU's copy engine (copy_engine.py)
         else:
             copy.copy_(h)
         nbytes = h.untyped_storage().nbytes()
@@ -311,6 +344,7 @@ class PrefetchCache:
 
     def _drop(self, key: int) -> int:
         entry = self._entries.pop(key)
+        _finish(entry)
         self.bytes -= entry.nbytes
         self.wasted += entry.nbytes
         self.by_tag[entry.tag].wasted += entry.nbytes
@@ -337,24 +371,43 @@ class PrefetchCache:
             gpu_wait_s=self._gpu_wait_s if self._gpu_timed else None,
             gpu_late_bytes=self._gpu_late_bytes,
             gpu_miss_s=self._gpu_miss_s if self._gpu_timed else None,
+            thread_wait_ns=self.thread_wait_ns,
+            thread_late_bytes=self.thread_late_bytes,
         )
+
+    def _wait_for_thread(self, entry: _Entry) -> None:
+        # A hit on a copy the CPU's copy thread made: wait until it is done (while counting,
+        # the wait is stall time: the copy was issued too late to hide).
+        job = entry.done
+        assert isinstance(job, CopyJob)
+        if job.done:
+            job.wait()  # raises the copy's error, if any
+            return
+        start = time.perf_counter_ns()
+        job.wait()
+        if self.counting:
+            waited = time.perf_counter_ns() - start
+            self.stall_ns += waited
+            self.thread_wait_ns += waited
+            self.thread_late_bytes += entry.nbytes
 
     # -- CUDA ------------------------------------------------------------------------------------
     def _wait_for(self, entry: _Entry) -> None:
         # A hit on a side-stream copy: the compute stream waits for it (and, while counting,
         # marks where it arrived, to measure how long it waited).
-        assert entry.done is not None
+        done = entry.done
+        assert isinstance(done, torch.cuda.Event)
         compute = torch.cuda.current_stream(entry.copy.device)
         if self.counting and self.time_gpu:
             arrived = self._event()
             arrived.record(compute)  # before the wait: where the stream arrived
-            compute.wait_event(entry.done)
-            self._hit_events.append((arrived, entry.done, entry.nbytes))
+            compute.wait_event(done)
+            self._hit_events.append((arrived, done, entry.nbytes))
             self._gpu_timed = True
             self._bound_events()
         else:
-            compute.wait_event(entry.done)
-            self._spare_events.append(entry.done)  # waited for: free to record again
+            compute.wait_event(done)
+            self._spare_events.append(done)  # waited for: free to record again
 
     def _event(self) -> torch.cuda.Event:
         # A timing event, reused once read: creating one per copy costs host time per fetch.

@@ -26,9 +26,14 @@ On CUDA the host tier's copies run on one side stream per device, so they overla
           block may have just been freed by compute work), copies, records an event for y
     wait  the compute stream waits for y's event; every reader of y comes after it
 
-The side stream is FIFO, so a reload always follows its tensor's offload. On CPU all three are
-synchronous and ``wait`` does nothing. ``TieredStore(asynchronous=False)`` makes the CUDA copies
-synchronous too (for benchmarks that measure what the overlap buys).
+The side stream is FIFO, so a reload always follows its tensor's offload. On CPU ``put`` is
+synchronous (its source is freed where the graph says, so the copy must be done by then); with
+the CPU's copy thread on (``copy_engine.py``: the stand-in for a GPU's copy engine, off by
+default: measured slower on this project's CPU) a ``get`` of a swapped tensor runs there and
+``wait`` blocks until it is done, so a reload issued early (``rewrites/early_reloads.py``)
+overlaps compute; a host-placed parameter's fetch (no ``wait`` in its graph) copies at once.
+``TieredStore(asynchronous=False)`` makes every copy synchronous (for benchmarks that measure
+what the overlap buys).
 
 Failures (disk full, I/O errors) raise :class:`OffloadError` naming the tier and path; they
 happen in the forward, before any parameter is updated.
@@ -51,8 +56,9 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memcompile.errors import MemcompileError, format_bytes
-from memcompile.runtime import placement
+from memcompile.runtime import copy_engine, placement
 from memcompile.runtime.cache import PrefetchCache
+from memcompile.runtime.copy_engine import CopyJob
 from memcompile.runtime.pinned import (
     is_pinned_host,
     is_pinned_param,
@@ -95,19 +101,34 @@ _host_storages: dict[int, int] = {}
 _host_lock = threading.Lock()
 
 
+# The addresses among those of swapped tensors (``TieredStore.put``'s host-tier results): their
+# reloads have a ``memcompile::wait`` before the first reader, so on the CPU the copy thread may
+# make them (copy_engine.py). A host-placed parameter's fetch has none: it copies at once.
+_swapped: set[int] = set()
+
+
 def _unregister(address: int) -> None:
     with _host_lock:
         _host_storages.pop(address, None)
+        _swapped.discard(address)
 
 
-def _host_buffer(nbytes: int) -> np.ndarray:
+def _host_buffer(nbytes: int, *, swapped: bool = False) -> np.ndarray:
     buffer = np.empty(nbytes, dtype=np.uint8)
     if nbytes:
         address = buffer.ctypes.data
         with _host_lock:
             _host_storages[address] = nbytes
+            if swapped:
+                _swapped.add(address)
         weakref.finalize(buffer, _unregister, address)
     return buffer
+
+
+def _is_swapped(h: torch.Tensor) -> bool:
+    # A swapped tensor (host or disk tier), read back with a ``wait`` before its first reader.
+    address = h.untyped_storage().data_ptr()
+    return address in _swapped or address in _disk_maps
 
 
 def _as_torch(buffer: np.ndarray, like: torch.Tensor) -> torch.Tensor:
@@ -194,9 +215,9 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(_host_buffer(numel * dtype.itemsize)).view(dtype).view(shape)
 
 
-def _host_copy(x: torch.Tensor) -> torch.Tensor:
+def _host_copy(x: torch.Tensor, *, swapped: bool = False) -> torch.Tensor:
     # A copy of a CPU tensor that covers its storage, in a (registered) host-tier buffer.
-    out = _as_torch(_host_buffer(x.untyped_storage().nbytes()), x)
+    out = _as_torch(_host_buffer(x.untyped_storage().nbytes(), swapped=swapped), x)
     out.copy_(x)
     return out
 
@@ -291,7 +312,7 @@ class TieredStore:
         disk_path: folder for the disk tier's files (created if missing); ``None``: a temporary
             folder, removed at exit.
         asynchronous: CUDA host-tier copies run on a side stream (else on the current stream,
-            blocking the host until done).
+            blocking the host until done); CPU reloads of swapped tensors on the copy thread.
     """
 
     def __init__(self, disk_path: str | None = None, *, asynchronous: bool = True) -> None:
@@ -303,8 +324,9 @@ class TieredStore:
         self.bytes_out = {"host": 0, "disk": 0}
         self.bytes_in = {"host": 0, "disk": 0}
         self._side: dict[int, torch.cuda.Stream] = {}  # device index -> copy stream
-        # Copies in flight on a side stream, by the destination's data pointer, until ``wait``.
-        self._pending: dict[int, torch.cuda.Event] = {}
+        # Copies in flight on a side stream (CUDA) or the copy thread (CPU), by the
+        # destination's data pointer, until ``wait``.
+        self._pending: dict[int, torch.cuda.Event | CopyJob] = {}
         #: Prefetched device copies of host-placed parameters (the pilot's, cache.py): ``get``
         #: serves a hit from it. ``None``: every ``get`` copies on demand.
         self.prefetched: PrefetchCache | None = None
@@ -339,7 +361,7 @@ class TieredStore:
             else:
                 out.copy_(x)
         elif tier == "host":
-            out = _host_copy(x)
+            out = _host_copy(x, swapped=True)
         else:
             out = self._to_disk(x, nbytes)
         with self._lock:
@@ -349,8 +371,9 @@ class TieredStore:
     def get(self, h: torch.Tensor, device: torch.device, tier: Tier) -> torch.Tensor:
         """A new tensor on ``device`` with ``h``'s values (allocated by torch).
 
-        On CUDA from a pinned buffer the copy is asynchronous: call :meth:`wait` on the result
-        before any use. A host-placed parameter the prefetch cache holds comes from there."""
+        On CUDA from a pinned buffer, and on the CPU from a swapped tensor with the copy thread
+        on, the copy is asynchronous: call :meth:`wait` on the result before any use. A
+        host-placed parameter the prefetch cache holds comes from there."""
         cache = self.prefetched
         if cache is not None and tier == "host" and cache.watches(h):
             return cache.fetch(h, lambda: self._get(h, device, tier))
@@ -372,6 +395,16 @@ class TieredStore:
                     event.record(side)
                 with self._lock:
                     self._pending[out.data_ptr()] = event
+            elif (
+                out.device.type == "cpu"
+                and self.asynchronous
+                and copy_engine.worth(h.numel() * h.element_size())
+                and _is_swapped(h)
+            ):
+                # The CPU's copy engine (copy_engine.py): ``wait`` comes before the first reader.
+                job = copy_engine.submit(out, h)
+                with self._lock:
+                    self._pending[out.data_ptr()] = job
             else:
                 out.copy_(h)
         except (OSError, RuntimeError) as e:
@@ -383,14 +416,24 @@ class TieredStore:
         return out
 
     def wait(self, y: torch.Tensor) -> None:
-        """Make the current stream wait until :meth:`get`'s copy into ``y`` is done (no-op on CPU
-        and for synchronous copies)."""
-        if y.device.type != "cuda":
+        """Make the current stream wait until :meth:`get`'s copy into ``y`` is done (CUDA), or
+        block until the copy thread made it (CPU); a no-op for synchronous copies.
+
+        Raises:
+            OffloadError: the copy thread's copy failed."""
+        if not self._pending:
             return
         with self._lock:
             event = self._pending.pop(y.data_ptr(), None)
-        if event is not None:
-            torch.cuda.current_stream(y.device).wait_event(event)
+        if event is None:
+            return
+        if isinstance(event, CopyJob):
+            try:
+                event.wait()
+            except (OSError, RuntimeError) as e:
+                raise OffloadError(f"reading a swapped tensor back failed: {e}") from e
+            return
+        torch.cuda.current_stream(y.device).wait_event(event)
 
     def finish_puts(self, device: torch.device) -> None:
         """Block the host until this store's side-stream copies on the CUDA ``device`` are done:
