@@ -404,12 +404,14 @@ def _pilot_line(p: PilotReport) -> str:
             f"{p.gpu_miss_us / 1000:.2f} ms, late prefetches {p.gpu_wait_us / 1000:.2f} ms; "
             "measured)"
         )
+    decided = f"\n  pilot trial: {p.decision}" if p.decision else ""
     return (
         f"  pilot ({p.mode}, active {p.active}): next-block accuracy {pct(p.accuracy)}, "
         f"{p.horizon}-ahead {pct(p.k_ahead_accuracy)}, hit rate {pct(p.hit_rate)} of "
         f"{format_bytes(p.needed_bytes)} fetched, wasted {format_bytes(p.wasted_bytes)}, "
         f"{stall}, predict p50 {us}, reserve "
         f"{format_bytes(p.reserve_bytes)}, {p.muted_predictions} predictions muted (wasteful)"
+        + decided
         + _placement_line(p)
     )
 

@@ -15,10 +15,9 @@ from torch import fx, nn
 
 import memcompile
 from memcompile import zoo
-from memcompile.backends import advice
 from memcompile.backends.compiler import DYNAMIC_RECOMPILE_LIMIT, MemCompiler
 from memcompile.config import MemConfig
-from memcompile.dynamic import prefetch, trace
+from memcompile.dynamic import prefetch, trace, trial
 from memcompile.dynamic.pilot import Prediction
 from memcompile.pipeline import features
 from memcompile.report import find_compiler
@@ -264,21 +263,81 @@ def test_pilot_auto_stays_off_for_a_static_model() -> None:
     assert rep.pilot.active == "none" and "not running" in str(rep)
 
 
-def test_pilot_auto_stays_off_on_the_cpu_device_and_says_why() -> None:
-    # On the CPU device a prefetched copy runs on the computing thread: it hides nothing and
-    # the pilot's work is added step time (61.1 against 46.9 ms a step on the small MoE). The
-    # dynamic MoE with parameters on the host is where "auto" ran before: the report names
-    # the reason, the plans reserve nothing and the graphs hold no prediction op.
-    rep = _run("moe", "auto", 3)
+class _FakeClock:
+    """The trial's clock: each step takes ``on`` seconds with the pilot, ``off`` without."""
+
+    def __init__(self, prefetcher: prefetch.Prefetcher, on: float, off: float) -> None:
+        self.prefetcher, self.on, self.off, self.now = prefetcher, on, off, 0.0
+
+    def __call__(self) -> float:
+        # Called at each step's first forward call, before the switch: the step that ended
+        # ran with the prefetcher as it is now.
+        self.now += self.on if self.prefetcher.enabled else self.off
+        return self.now
+
+
+@pytest.mark.parametrize("faster", ["pilot", "on_demand"])
+def test_pilot_auto_times_the_pilot_against_fetching_on_demand_and_keeps_the_faster(
+    faster: str,
+) -> None:
+    # The dynamic MoE with parameters on the host: "auto" runs a trial (dynamic/trial.py),
+    # steps with the pilot against steps fetching on demand, and keeps the faster; the
+    # report says what it measured. Training is bit-identical either way.
+    torch._dynamo.reset()
+    eager, comp = zoo.build("moe", size="tiny"), zoo.build("moe", size="tiny")
+    steps = 2 + 4 * trial.ROUNDS + 3
+    expected = eager.train(eager.model, steps)
+    compiled = memcompile.compile(comp.model, offload_params=True)  # pilot="auto"
+    prefetcher = find_compiler(compiled)[0].prefetcher
+    assert prefetcher is not None and prefetcher.mode == "auto"
+    on, off = (0.010, 0.020) if faster == "pilot" else (0.020, 0.010)
+    prefetcher.clock = _FakeClock(prefetcher, on, off)
+    losses = comp.train(compiled, steps)
+    assert all(torch.equal(a, b) for a, b in zip(expected, losses, strict=True))
+    assert_same_state(eager.model, comp.model)
+    rep = memcompile.report(compiled)
+    p = rep.pilot
+    assert p is not None and prefetcher.trial is not None and prefetcher.trial.decided
     assert "symbolic shapes" in rep.dynamic or "parameter sets" in rep.dynamic
-    assert rep.pilot is not None and not rep.pilot.enabled and rep.pilot.hit_bytes == 0
-    assert rep.pilot.reason == advice.CPU_AUTO_PILOT_OFF
-    assert "not running (on the CPU device the pilot prefetches only when asked for" in str(rep)
-    assert set(_pilot_ops(rep).values()) == {0}
-    assert rep.plan is not None and rep.plan.fragments
-    explicit = _run("moe", "lightgbm", 3)  # asked for: it runs, with its ops
+    assert p.decision.startswith("pilot='auto' measured ")
+    assert p.reserve_bytes > 0  # plans made once the model was dynamic reserve for the cache
+    if faster == "pilot":
+        assert p.enabled and p.reason == "" and p.decision.endswith(": on")
+        assert "10.0 ms a step with the pilot against 20.0 ms fetching on demand" in p.decision
+        assert p.hit_bytes > 0 and "pilot trial: pilot='auto' measured" in str(rep)
+    else:
+        assert not p.enabled and p.decision.endswith(": off") and p.reason == p.decision
+        assert "20.0 ms a step with the pilot against 10.0 ms fetching on demand" in p.decision
+        assert f"not running ({p.decision})" in str(rep)
+    explicit = _run("moe", "lightgbm", 3)  # asked for: it runs from the start, no trial
     assert explicit.pilot is not None and explicit.pilot.enabled and explicit.pilot.hit_bytes
-    assert any(_pilot_ops(explicit).values())
+    assert explicit.pilot.decision == "" and any(_pilot_ops(explicit).values())
+
+
+def test_a_trial_step_with_a_compile_is_run_again_and_the_decision_names_both_medians() -> None:
+    t = trial.PilotTrial(rounds=1)
+    assert [t.begin_step(0.0, 0), t.begin_step(1.0, 0)] == [False, False]
+    assert t.begin_step(3.0, 1) is False  # the measured step compiled: the pair again
+    assert t.repeats == 1 and t.samples[False] == []
+    assert [t.begin_step(4.0, 1), t.begin_step(5.0, 1)] == [False, True]
+    assert t.samples[False] == [1.0]
+    assert t.begin_step(5.5, 1) is True
+    assert t.begin_step(6.0, 1) is True and t.decided and t.keep  # 0.5 s against 1.0 s
+    assert t.reason == (
+        "pilot='auto' measured 500.0 ms a step with the pilot against 1000.0 ms fetching on "
+        "demand (median of 1 and 1 steps): on"
+    )
+    assert t.begin_step(9.0, 2) is True  # decided: it stands
+
+
+def test_a_trial_whose_every_step_compiled_keeps_fetching_on_demand() -> None:
+    t = trial.PilotTrial(rounds=1)
+    compiles = 0
+    while not t.decided:
+        t.begin_step(float(compiles), compiles)
+        compiles += 1
+    assert not t.keep and t.repeats == trial.MAX_REPEATS
+    assert "could not time the pilot against fetching on demand" in t.reason
 
 
 class _Repeat(nn.Module):
@@ -481,23 +540,6 @@ def test_small_int_outputs_are_read_once_per_call_for_the_recorder_and_the_prefe
     recorder.flush()  # type: ignore[attr-defined]
     recorded = [e.outputs for s in trace.read_trace(path) for e in s.events if e.outputs]
     assert recorded and [o for _, o in seen.outputs if o] == recorded
-
-
-def test_pilot_auto_says_why_it_stays_off_for_a_cuda_models_pinned_parameters() -> None:
-    # On CUDA, parameters on the host are pinned CPU tensors (runtime/pinned.py), which the
-    # "auto" pilot leaves alone (issuing the copies costs the host more than they hid, as
-    # measured on an H200): the report names that, not the rule. The CPU MoE stands in, with
-    # the compiler told its parameters are pinned ones.
-    torch._dynamo.reset()
-    wl = zoo.build("moe", size="tiny")
-    compiled = memcompile.compile(wl.model, offload_params=True)
-    compiler = find_compiler(compiled)[0]
-    compiler.host_params_pinned = True
-    wl.train(compiled, 3)
-    rep = memcompile.report(compiled)
-    assert rep.dynamic and rep.pilot is not None and not rep.pilot.enabled
-    assert rep.pilot.reason == advice.CUDA_AUTO_PILOT_OFF
-    assert "not running (on CUDA the pilot prefetches only when asked for" in str(rep)
 
 
 def test_the_report_gives_the_gpus_measured_stall_when_cuda_copies_were_timed() -> None:

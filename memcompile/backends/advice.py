@@ -4,7 +4,6 @@
                     with on_infeasible="best_effort"), with the reasons and the options that help
     check_budget    a plan's built graphs profile over the budget it claimed to meet
     step_over       a step predicted over the budget that re-planning does not fit
-    *_PILOT_OFF     why pilot="auto" stays off (the report's pilot line)
 
 The texts are the contract with the user: they name the bytes that do not move and the option
 that moves them.
@@ -26,8 +25,6 @@ from memcompile.runtime.store import HOSTABLE_DEVICES
 from memcompile.step.budget import OptimizerOver, StepOver
 
 __all__ = [
-    "CPU_AUTO_PILOT_OFF",
-    "CUDA_AUTO_PILOT_OFF",
     "check_budget",
     "infeasible",
     "optimizer_over",
@@ -35,25 +32,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-#: Why ``pilot="auto"`` stays off for a CUDA model with parameters on the host (the report says
-#: it). Measured on an H200 host (benchmarks/results/dynamic_prefetch_cuda.md): each prefetched
-#: tensor costs the host ~65 us of CUDA calls (a synchronous copy ~24 us), so on the zoo MoE the
-#: pilot hid most of the copies' GPU time yet made the step slower than fetching on demand.
-CUDA_AUTO_PILOT_OFF = (
-    "on CUDA the pilot prefetches only when asked for (pilot='markov' or 'lightgbm'): issuing "
-    "its copies costs the host more than they hid on the measured MoE"
-)
-#: Why it stays off on the CPU device: there a copy runs on the thread that computes, so a
-#: prefetched copy takes as long as the on-demand one it replaces and hides nothing, and the
-#: predictions, the cache and the copies of mispredicted blocks are added time (the small zoo
-#: MoE, benchmarks/results/dynamic_prefetch.md: 61.1 ms a step with the pilot in its graphs,
-#: 46.9 ms fetching on demand), besides the budget its cache reserves.
-CPU_AUTO_PILOT_OFF = (
-    "on the CPU device the pilot prefetches only when asked for (pilot='markov' or "
-    "'lightgbm', e.g. for its simulated GPU stall): a copy there cannot overlap compute, so "
-    "prefetching adds step time and hides none"
-)
 
 
 def infeasible(

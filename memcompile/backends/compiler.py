@@ -223,6 +223,9 @@ class MemCompiler:
             config, self.records, self.step_monitor, self.budget, lambda: len(self.fallbacks)
         )
         self.prefetcher: Prefetcher | None = None
+        #: fragment compiles so far (first compiles and re-plans): a pilot trial's step with one
+        #: is not timed
+        self.compiles = 0
         if config.pilot != "off":
             self.prefetcher = Prefetcher(
                 config.pilot,
@@ -230,11 +233,18 @@ class MemCompiler:
                 records=self.records,
                 model=self._model,
                 gate=self._pilot_gate if config.pilot == "auto" else None,
+                compiles=lambda: self.compiles,
             )
             self.store.prefetched = self.prefetcher.cache
         self.step_monitor.observers.extend(observers)
         self._env = BuildEnv(
-            pipeline=FragmentEnv(config, self.cost_profile, self.resident, self.store_key),
+            pipeline=FragmentEnv(
+                config,
+                self.cost_profile,
+                self.resident,
+                self.store_key,
+                auto_pilot=self._auto_pilot_plans,
+            ),
             store=self.store,
             monitor=self.step_monitor,
             budget=self.budget,
@@ -395,6 +405,7 @@ class MemCompiler:
                 self.fragments[at] = record
             else:
                 self.fragments.append(record)
+            self.compiles += 1
         log.info(
             "%s %s %s (%s): %s, %d inputs",
             "re-planned" if old is not None else "compiled",
@@ -475,18 +486,16 @@ class MemCompiler:
     # -- dynamic models and the pilot ------------------------------------------------------------
     def _pilot_gate(self) -> bool:
         # pilot="auto": the pilot where its prefetches pay, once the model is dynamic and has
-        # parameters on the host; the report says why it does not run. Measured so far, they
-        # pay on no device: on CUDA issuing the copies costs the host more step time than the
-        # copies hid (benchmarks/results/dynamic_prefetch_cuda.md), and on the CPU device a
-        # copy cannot overlap compute at all.
-        if not self.dynamic or not self.resident.host_param_bytes:
-            return False
-        pinned = self.resident.host_params_pinned
-        reason = advice.CUDA_AUTO_PILOT_OFF if pinned else advice.CPU_AUTO_PILOT_OFF
-        if self.prefetcher is not None and self.prefetcher.blocked is None:
-            self.prefetcher.blocked = reason
-            log.info("memcompile pilot: %s", reason)
-        return False
+        # parameters on the host; a trial then times it against fetching on demand
+        # (dynamic/trial.py). Measured so far, it paid on no device: on CUDA issuing the copies
+        # cost the host more step time than they hid (benchmarks/results/
+        # dynamic_prefetch_cuda.md), and on the CPU device a copy does not overlap compute.
+        return bool(self.dynamic) and bool(self.resident.host_param_bytes)
+
+    def _auto_pilot_plans(self) -> bool:
+        # pilot="auto": plans leave the cache its reserve (and forward graphs a prediction op)
+        # once the model is dynamic: the trial needs them; a static model pays nothing.
+        return bool(self.dynamic)
 
     def note_dynamic(self, reason: str) -> None:
         """The model is dynamic (first reason kept). Dynamo's recompile limit is raised for it,

@@ -73,17 +73,18 @@ it started.
 
 Predictors (``pilot`` option): ``"markov"`` (last successor, markov.py), ``"lightgbm"`` (the
 online :class:`~memcompile.dynamic.pilot.Pilot`, Markov below its confidence threshold), ``"auto"``
-(the Pilot where its prefetches pay, once the model is dynamic and has parameters in the host
-tier; measured so far on no device, see below: the report says why it does not run), ``"off"``
-(no prefetcher: every fetch on demand).
+(the Pilot where its prefetches pay: once the model is dynamic and has parameters in the host
+tier, a trial times steps with it against steps fetching on demand and keeps the faster,
+``trial.py``; :meth:`Prefetcher._auto`), ``"off"`` (no prefetcher: every fetch on demand).
 Any object with ``observe``/``predict``/``end_step`` and an ``active`` name can replace
 :attr:`Prefetcher.predictor` (tests inject an adversarial one).
 
 **Devices.** On the CPU device a prefetch copies at once, on the computing thread (the time is
 spent inside the graph, where a GPU's copy would overlap compute; ``runtime/copy_engine.py``'s
 copy thread, off by default, was measured slower there: ``benchmarks/results/copy_thread.md``).
-A prefetch hides nothing there and the pilot's work is added step time, so ``pilot="auto"``
-stays off on the CPU (an explicit pilot runs, e.g. for its simulated GPU stall).
+A prefetch hides nothing there and the pilot's work is added step time, so ``pilot="auto"``'s
+trial keeps fetching on demand on the CPU (an explicit pilot runs, e.g. for its simulated GPU
+stall).
 On CUDA, host-placed parameters are pinned CPU
 tensors (``runtime/pinned.py``): a prefetch copies on the cache's side stream and records an
 event, and a hit makes the compute stream wait for that event (runtime/cache.py), so a copy
@@ -93,8 +94,9 @@ simulated stall, what the GPU measured: the compute stream's waits for late copi
 router's counts) are read at their graph's tail, never inside it (the host would wait for the
 device there; rewrites/pilot_prefetch.py places such a graph's prediction at its tail). Issuing
 a copy costs the host tens of microseconds of CUDA calls, which a step the host cannot keep
-ahead of pays in full: ``pilot="auto"`` therefore stays off on CUDA (the report says why), and
-an explicit ``"markov"``/``"lightgbm"`` runs (benchmarks/results/dynamic_prefetch_cuda.md).
+ahead of pays in full (benchmarks/results/dynamic_prefetch_cuda.md, a host-bound small MoE):
+``pilot="auto"``'s trial measures whether the copies it hides are worth that on the model at
+hand; an explicit ``"markov"``/``"lightgbm"`` runs regardless.
 
 """
 
@@ -117,6 +119,7 @@ from memcompile.analysis.costmodel import DeviceProfile
 from memcompile.dynamic.idioms import IdiomVector, graph_idioms
 from memcompile.dynamic.markov import UNKNOWN, MarkovPredictor
 from memcompile.dynamic.trace import MAX_SIZES, _BlockNamer
+from memcompile.dynamic.trial import PilotTrial
 from memcompile.records import FragmentRecord, RecordIndex
 from memcompile.rewrites.pilot_prefetch import PilotPrefetchPlan
 from memcompile.runtime.cache import PrefetchCache
@@ -230,8 +233,8 @@ class PilotReport:
 
     Attributes:
         mode: the ``pilot`` option.
-        enabled: the prefetcher ran (``"auto"``: the model was seen to be dynamic with parameters
-            in the host tier; see DESIGN/README for the rule).
+        enabled: the prefetcher runs now (``"auto"``: in its trial's steps with the pilot, and
+            after a trial that kept it; trial.py).
         reason: why it is not running (empty while it runs).
         active: the predictor in use: ``"lightgbm"``, ``"markov"`` (also the Pilot before its
             first model), another predictor's name, or ``"none"`` (not running).
@@ -273,6 +276,8 @@ class PilotReport:
         gpu_miss_us: CUDA, measured: microseconds of on-demand copies (misses) on the compute
             stream, which it waits for.
         placements: where each forward graph predicts (rewrites/pilot_prefetch.py), by fragment.
+        decision: ``"auto"``: what its trial measured and decided (trial.py; empty while it
+            runs, or before it began).
     """
 
     mode: str
@@ -306,6 +311,7 @@ class PilotReport:
     gpu_miss_us: float | None = None
     placements: tuple[PilotPrefetchPlan, ...] = ()
     reason: str = ""
+    decision: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -319,7 +325,10 @@ class Prefetcher:
         horizon: ``prefetch_depth``.
         records: the compiler's fragment records (``MemCompiler.records``).
         model: the compiled module, when known (block names, as in trace.py).
-        gate: ``"auto"``: whether the prefetcher should run now (it stays on once it does).
+        gate: ``"auto"``: whether the model qualifies now (dynamic, parameters on the host);
+            once it does, a trial decides (trial.py).
+        compiles: the compiler's count of fragment compiles (a trial step with one is not
+            timed).
     """
 
     def __init__(
@@ -330,6 +339,7 @@ class Prefetcher:
         records: Callable[[], Sequence[FragmentRecord]],
         model: Callable[[], torch.nn.Module | None] = lambda: None,
         gate: Callable[[], bool] | None = None,
+        compiles: Callable[[], int] = lambda: 0,
     ) -> None:
         self.mode = mode
         self.horizon = horizon
@@ -340,8 +350,14 @@ class Prefetcher:
         self.cache = PrefetchCache()
         self.enabled = gate is None
         self._gate = gate
-        #: Why the gate stays shut although the model is dynamic with parameters on the host
-        #: (the compiler sets it; the report says it instead of the rule).
+        #: ``"auto"``: the trial of the pilot against fetching on demand (``None``: not begun)
+        self.trial: PilotTrial | None = None
+        self._trial_step: int | None = None
+        self._compiles = compiles
+        #: the trial's clock (seconds; tests replace it)
+        self.clock: Callable[[], float] = time.perf_counter
+        #: Why it is not running although the model is dynamic with parameters on the host:
+        #: the trial's decision (the report says it instead of the rule).
         self.blocked: str | None = None
         self._record = RecordIndex(records)
         self._namer = _BlockNamer(model)
@@ -445,11 +461,8 @@ class Prefetcher:
         :meth:`after` should run at its tail."""
         self._pending, self._wanted = None, None
         self.in_graph_cached = None
-        if not self.enabled:
-            if self._gate is None or not self._gate():
-                return False
-            self.enabled = True
-            log.info("memcompile pilot: the model is dynamic with parameters on the host: on")
+        if self._gate is not None and not self._auto(step, kind):
+            return False
         cache = self.cache
         if kind != "forward":
             if self._in_forward:  # the forward is over: the optimizer will change parameters
@@ -487,6 +500,43 @@ class Prefetcher:
         self._own = own
         self._placement = self.placements.get(index)
         return True
+
+    def _auto(self, step: int, kind: str) -> bool:
+        """``pilot="auto"``: whether the prefetcher runs in this call. Shut until the gate
+        opens (the model is dynamic with parameters on the host); then a trial times steps
+        with the pilot against steps fetching on demand (trial.py), switching at each step's
+        first forward call, and its decision stands."""
+        trial = self.trial
+        if trial is None:
+            assert self._gate is not None
+            if not self._gate():
+                return False
+            self.trial = trial = PilotTrial()
+            log.info(
+                "memcompile pilot: the model is dynamic with parameters on the host: timing the "
+                "pilot against fetching on demand (%d steps)",
+                len(trial.schedule),
+            )
+        if kind == "forward" and step != self._trial_step:
+            self._trial_step = step
+            decided = trial.decided
+            on = trial.begin_step(self.clock(), self._compiles())
+            if trial.decided and not decided:
+                log.info("memcompile pilot: %s", trial.reason)
+                self.blocked = None if trial.keep else trial.reason
+            if on != self.enabled:
+                self._switch(on)
+        return self.enabled
+
+    def _switch(self, on: bool) -> None:
+        """Run the prefetcher from now on, or stop it: its copies are freed (a step that
+        starts fetching on demand must not find the last one's)."""
+        self.enabled = on
+        if not on:
+            self.cache.clear()
+            self.cache.counting = False
+            self._in_forward = False
+            self._next_step = None
 
     def in_graph(self, fragment: int, observed: Sequence[torch.Tensor]) -> None:
         """Inside fragment ``fragment``'s forward graph (``memcompile::pilot_prefetch``): show
@@ -665,9 +715,7 @@ class Prefetcher:
         return PilotReport(
             mode=self.mode,
             enabled=self.enabled,
-            reason=""
-            if self.enabled
-            else self.blocked or "the model was not seen to be dynamic with parameters on the host",
+            reason="" if self.enabled else self._why_not(),
             active=(
                 "none"
                 if predictor is None
@@ -700,9 +748,20 @@ class Prefetcher:
             gpu_late_bytes=c.gpu_late_bytes,
             gpu_miss_us=None if c.gpu_miss_s is None else c.gpu_miss_s * 1e6,
             placements=tuple(self.placements[i] for i in sorted(self.placements)),
+            decision=self.trial.reason if self.trial is not None else "",
         )
 
     # -- internals -----------------------------------------------------------------------------
+    def _why_not(self) -> str:
+        if self.blocked:
+            return self.blocked
+        if self.trial is not None and not self.trial.decided:
+            return (
+                "pilot='auto' is timing the pilot against fetching on demand; this step fetches "
+                "on demand"
+            )
+        return "the model was not seen to be dynamic with parameters on the host"
+
     def _update_muted(self) -> None:
         """A step began: mute the hedging tags that wasted too much over the last steps."""
         now = {t: (c.hit, c.wasted) for t, c in self.cache.by_tag.items()}

@@ -85,15 +85,20 @@ class FragmentEnv:
         cost_profile: the cost model for graphs whose tensors look like the values given.
         resident: the device's resident bytes and the host tier's accounting.
         store_key: the tiered store's key in the graphs' swap and fetch ops.
+        auto_pilot: with ``pilot="auto"``, whether its plans should reserve for the cache now
+            (the model was seen to be dynamic).
     """
 
     config: MemConfig
     cost_profile: Callable[[Sequence[Any]], DeviceProfile]
     resident: ResidentSet
     store_key: int
+    auto_pilot: Callable[[], bool] = lambda: False
 
     @property
     def pilot_plans(self) -> bool:
         """Whether plans leave a prefetch reserve (and forward graphs a prediction op): an
-        explicit pilot. ``"auto"`` runs on no device today, so it reserves nothing."""
-        return self.config.pilot in ("markov", "lightgbm")
+        explicit pilot, or ``"auto"`` once ``auto_pilot()`` says the model is dynamic (its
+        trial needs them; a static model reserves nothing)."""
+        pilot = self.config.pilot
+        return pilot in ("markov", "lightgbm") or (pilot == "auto" and self.auto_pilot())
