@@ -314,6 +314,32 @@ def test_pilot_auto_times_the_pilot_against_fetching_on_demand_and_keeps_the_fas
     assert explicit.pilot.decision == "" and any(_pilot_ops(explicit).values())
 
 
+def test_pilot_auto_times_whole_iterations_of_a_loop_accumulating_gradients() -> None:
+    # 2 micro-batches an iteration: only the second ends with the optimizer step, so the trial
+    # times iterations once the loop's optimizer has stepped, not micro-batches.
+    torch._dynamo.reset()
+    wl = zoo.build("moe", size="tiny")
+    compiled = memcompile.compile(wl.model, offload_params=True)
+    prefetcher = find_compiler(compiled)[0].prefetcher
+    assert prefetcher is not None
+    calls: list[int] = []
+
+    def clock() -> float:
+        calls.append(1)
+        return float(len(calls))
+
+    prefetcher.clock = clock
+    opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3)
+    iterations = 2 + 4 * trial.ROUNDS + 2
+    for it in range(iterations):
+        for micro in range(2):
+            (wl.loss(compiled, 2 * it + micro) / 2).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert prefetcher.trial is not None and prefetcher.trial.decided
+    assert len(calls) <= iterations + 1  # one a trial step: an iteration, not a micro-batch
+
+
 def test_a_trial_step_with_a_compile_is_run_again_and_the_decision_names_both_medians() -> None:
     t = trial.PilotTrial(rounds=1)
     assert [t.begin_step(0.0, 0), t.begin_step(1.0, 0)] == [False, False]

@@ -234,6 +234,7 @@ class MemCompiler:
                 model=self._model,
                 gate=self._pilot_gate if config.pilot == "auto" else None,
                 compiles=lambda: self.compiles,
+                iterations=lambda: self.iteration.iterations,
             )
             self.store.prefetched = self.prefetcher.cache
         self.step_monitor.observers.extend(observers)

@@ -329,6 +329,9 @@ class Prefetcher:
             once it does, a trial decides (trial.py).
         compiles: the compiler's count of fragment compiles (a trial step with one is not
             timed).
+        iterations: the training loop's iterations ended (optimizer steps of the model,
+            step/iteration.py): the trial times iterations once one is seen, so a loop
+            accumulating gradients compares whole iterations.
     """
 
     def __init__(
@@ -340,6 +343,7 @@ class Prefetcher:
         model: Callable[[], torch.nn.Module | None] = lambda: None,
         gate: Callable[[], bool] | None = None,
         compiles: Callable[[], int] = lambda: 0,
+        iterations: Callable[[], int] = lambda: 0,
     ) -> None:
         self.mode = mode
         self.horizon = horizon
@@ -352,8 +356,9 @@ class Prefetcher:
         self._gate = gate
         #: ``"auto"``: the trial of the pilot against fetching on demand (``None``: not begun)
         self.trial: PilotTrial | None = None
-        self._trial_step: int | None = None
+        self._trial_step: tuple[str, int] | None = None
         self._compiles = compiles
+        self._iterations = iterations
         #: the trial's clock (seconds; tests replace it)
         self.clock: Callable[[], float] = time.perf_counter
         #: Why it is not running although the model is dynamic with parameters on the host:
@@ -517,8 +522,12 @@ class Prefetcher:
                 "pilot against fetching on demand (%d steps)",
                 len(trial.schedule),
             )
-        if kind == "forward" and step != self._trial_step:
-            self._trial_step = step
+        # The trial's unit: the loop's iteration once an optimizer step was seen (its
+        # micro-batches differ: the last one ends with the optimizer step), else the step.
+        ended = self._iterations()
+        unit = ("iteration", ended) if ended else ("step", step)
+        if kind == "forward" and unit != self._trial_step:
+            self._trial_step = unit
             decided = trial.decided
             on = trial.begin_step(self.clock(), self._compiles())
             if trial.decided and not decided:

@@ -9,8 +9,10 @@ Once the model is seen to be dynamic with parameters on the host, the prefetcher
     trial.decided, trial.keep, trial.reason                # once the schedule is done
 
 The schedule is :data:`ROUNDS` rounds of two steps fetching on demand, then two with the pilot.
-A step lasts from its first forward call to the next step's (the whole iteration: backward,
-optimizer step, the loop's own work). Only the second step of each pair is measured: the first
+A step lasts from its first forward call to the next step's (its backward, the loop's own work);
+once the loop's optimizer has stepped, the trial's step is the whole iteration (its
+micro-batches and the optimizer step: with gradient accumulation the last micro-batch carries
+the optimizer step, the others do not). Only the second step of each pair is measured: the first
 absorbs the switch (a pilot turned on has not prefetched the step's first block; one turned off
 leaves copies to free). A measured step during which a fragment compiled (a re-plan, a new
 expert's graph) says nothing about either way: its pair is run again, at most

@@ -148,6 +148,8 @@ class IterationWatch:
         optimizers: each live optimizer of this model and its last step's cost.
         micro_batches: steps begun between the last two optimizer steps (1 until accumulation
             is seen).
+        iterations: iterations ended so far (the first optimizer step of this model after its
+            steps), never reset.
         grads_at_step: device bytes of the model's gradients when its last optimizer step began.
         grads_at_start: the most device bytes of gradients a step of the last iteration began
             with (a later micro-batch; ``zero_grad(set_to_none=False)``): what plans count as
@@ -181,6 +183,8 @@ class IterationWatch:
             weakref.WeakKeyDictionary()
         )
         self.micro_batches = 1
+        #: iterations ended (their first optimizer step of this model), since creation
+        self.iterations = 0
         self.grads_at_step = 0
         self.grads_at_start = 0
         self._grads_seen = 0
@@ -378,6 +382,7 @@ class IterationWatch:
         self.optimizers[optimizer] = cost
         started = self._monitor.steps_started
         if started > self._started_at_step:  # the first optimizer of this iteration
+            self.iterations += 1
             self.micro_batches = started - self._started_at_step
             self._started_at_step = started
             self.grads_at_start, self._grads_seen = self._grads_seen, 0
