@@ -165,7 +165,10 @@ class _Engine:
             thread, self._thread = self._thread, None
             if thread is None or self._pid != os.getpid():
                 return
-            self._queue.put(None)  # after every copy issued so far: they finish first
+            # After every copy issued so far (they finish first); a copy issued from now on
+            # goes to a new queue and thread, never to this one.
+            self._queue.put(None)
+            self._queue = queue.SimpleQueue()
         thread.join()
         log.debug("memcompile copy thread stopped")
 
