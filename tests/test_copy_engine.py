@@ -3,6 +3,8 @@ pilot's prefetches copied beside the compute, waited for before their first read
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -177,3 +179,47 @@ def test_a_copy_failing_on_the_thread_fails_the_step_and_leaves_parameters_untou
         wl.loss(compiled, 1).backward()
         opt.step()
     assert all(torch.equal(before[k], v) for k, v in wl.model.state_dict().items())
+
+
+def test_two_compiled_models_train_in_one_process_with_the_copy_thread(
+    every_copy_threaded,
+) -> None:
+    # One thread serves both models' copies, interleaved step by step; under
+    # torch.set_num_threads(1) (the tests' OMP_NUM_THREADS=1) nothing waits on anything else.
+    torch.set_num_threads(1)
+    eager = [zoo.build("moe", size="tiny") for _ in range(2)]
+    comp = [zoo.build("moe", size="tiny") for _ in range(2)]
+    compiled = [memcompile.compile(w.model, offload_params=True, pilot="markov") for w in comp]
+    opts = [torch.optim.Adam(w.model.parameters(), lr=1e-3) for w in (*eager, *comp)]
+    for i in range(4):
+        for k in range(2):
+            for model, wl, opt in (
+                (eager[k].model, eager[k], opts[k]),
+                (compiled[k], comp[k], opts[2 + k]),
+            ):
+                loss = wl.loss(model, i)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    for k in range(2):
+        assert_same_state(eager[k].model, comp[k].model)
+        p = memcompile.report(compiled[k]).pilot
+        assert p is not None and p.prefetched_bytes > 0
+    assert every_copy_threaded
+
+
+def test_the_interpreter_exits_with_the_copy_thread_alive(tmp_path) -> None:
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import torch\n"
+        "from memcompile.runtime import copy_engine\n"
+        "a, b = torch.randn(1 << 20), torch.empty(1 << 20)\n"
+        "job = copy_engine.submit(b, a)\n"
+        "job.wait()\n"
+        "assert copy_engine.running() and torch.equal(a, b)\n"
+        "print('done')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr
