@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -15,12 +15,14 @@ from torch import fx, nn
 
 import memcompile
 from memcompile import zoo
+from memcompile.backends import advice
 from memcompile.backends.compiler import DYNAMIC_RECOMPILE_LIMIT, MemCompiler
 from memcompile.config import MemConfig
 from memcompile.dynamic import prefetch, trace, trial
 from memcompile.dynamic.pilot import Prediction
 from memcompile.pipeline import features
 from memcompile.report import find_compiler
+from memcompile.runtime import copy_engine
 from memcompile.runtime.cache import PrefetchCache
 from memcompile.step import monitor as step_monitor
 
@@ -276,6 +278,27 @@ class _FakeClock:
         return self.now
 
 
+def test_pilot_auto_runs_no_trial_on_the_cpu_with_copies_on_the_computing_thread() -> None:
+    # There a prefetched copy takes as long as the on-demand one it replaces: a trial could
+    # only cost its steps with the pilot. The report names the reason, the plans reserve
+    # nothing and the graphs hold no prediction op.
+    assert not copy_engine.active()
+    rep = _run("moe", "auto", 3)
+    assert "symbolic shapes" in rep.dynamic or "parameter sets" in rep.dynamic
+    assert rep.pilot is not None and not rep.pilot.enabled and rep.pilot.hit_bytes == 0
+    assert rep.pilot.reason == advice.CPU_AUTO_PILOT_OFF and rep.pilot.decision == ""
+    assert rep.pilot.reserve_bytes == 0 and set(_pilot_ops(rep).values()) == {0}
+    assert "not running (on the CPU device with its copies on the computing thread" in str(rep)
+
+
+@pytest.fixture
+def copy_thread_on() -> Iterator[None]:
+    """The CPU's copy thread on: a prefetch can overlap compute, so "auto" runs a trial."""
+    with copy_engine.using(True):
+        yield
+
+
+@pytest.mark.usefixtures("copy_thread_on")
 @pytest.mark.parametrize("faster", ["pilot", "on_demand"])
 def test_pilot_auto_times_the_pilot_against_fetching_on_demand_and_keeps_the_faster(
     faster: str,
@@ -314,6 +337,7 @@ def test_pilot_auto_times_the_pilot_against_fetching_on_demand_and_keeps_the_fas
     assert explicit.pilot.decision == "" and any(_pilot_ops(explicit).values())
 
 
+@pytest.mark.usefixtures("copy_thread_on")
 def test_pilot_auto_times_whole_iterations_of_a_loop_accumulating_gradients() -> None:
     # 2 micro-batches an iteration: only the second ends with the optimizer step, so the trial
     # times iterations once the loop's optimizer has stepped, not micro-batches.

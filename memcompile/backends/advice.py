@@ -4,6 +4,7 @@
                     with on_infeasible="best_effort"), with the reasons and the options that help
     check_budget    a plan's built graphs profile over the budget it claimed to meet
     step_over       a step predicted over the budget that re-planning does not fit
+    CPU_AUTO_PILOT_OFF  why pilot="auto" runs no trial on the CPU (the report's pilot line)
 
 The texts are the contract with the user: they name the bytes that do not move and the option
 that moves them.
@@ -25,6 +26,7 @@ from memcompile.runtime.store import HOSTABLE_DEVICES
 from memcompile.step.budget import OptimizerOver, StepOver
 
 __all__ = [
+    "CPU_AUTO_PILOT_OFF",
     "check_budget",
     "infeasible",
     "optimizer_over",
@@ -32,6 +34,19 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+#: Why ``pilot="auto"`` runs no trial on the CPU device with its copies on the computing thread
+#: (the report says it): a prefetched copy takes as long as the on-demand one it replaces, and
+#: the predictions, the cache and the copies of mispredicted blocks are added time (the small
+#: zoo MoE, benchmarks/results/dynamic_prefetch.md: 61.1 ms a step with the pilot in its graphs,
+#: 46.9 ms fetching on demand), besides the budget its cache reserves.
+CPU_AUTO_PILOT_OFF = (
+    "on the CPU device with its copies on the computing thread a prefetch cannot hide a copy, "
+    "so pilot='auto' fetches on demand without a trial (MEMCOMPILE_COPY_THREAD=1 puts the "
+    "copies on a thread and lets a trial decide; pilot='markov' or 'lightgbm' runs it anyway, "
+    "e.g. for its simulated GPU stall)"
+)
 
 
 def infeasible(

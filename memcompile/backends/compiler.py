@@ -488,15 +488,28 @@ class MemCompiler:
     def _pilot_gate(self) -> bool:
         # pilot="auto": the pilot where its prefetches pay, once the model is dynamic and has
         # parameters on the host; a trial then times it against fetching on demand
-        # (dynamic/trial.py). Measured so far, it paid on no device: on CUDA issuing the copies
-        # cost the host more step time than they hid (benchmarks/results/
-        # dynamic_prefetch_cuda.md), and on the CPU device a copy does not overlap compute.
-        return bool(self.dynamic) and bool(self.resident.host_param_bytes)
+        # (dynamic/trial.py). On the CPU device with its copies on the computing thread (the
+        # copy thread off, runtime/copy_engine.py) a prefetch can hide nothing, so no trial:
+        # it would only cost its steps with the pilot and the cache's reserve.
+        if not self.dynamic or not self.resident.host_param_bytes:
+            return False
+        if self._pilot_can_overlap():
+            return True
+        if self.prefetcher is not None and self.prefetcher.blocked is None:
+            self.prefetcher.blocked = advice.CPU_AUTO_PILOT_OFF
+            log.info("memcompile pilot: %s", advice.CPU_AUTO_PILOT_OFF)
+        return False
+
+    def _pilot_can_overlap(self) -> bool:
+        # A prefetch can overlap compute: a CUDA device (copies on a side stream), or the CPU
+        # device with its copy thread on.
+        return self._compute_device().type == "cuda" or copy_engine.active()
 
     def _auto_pilot_plans(self) -> bool:
         # pilot="auto": plans leave the cache its reserve (and forward graphs a prediction op)
-        # once the model is dynamic: the trial needs them; a static model pays nothing.
-        return bool(self.dynamic)
+        # once the model is dynamic, where a trial may run: it needs them; a static model, or
+        # one on the CPU with its copies on the computing thread, pays nothing.
+        return bool(self.dynamic) and self._pilot_can_overlap()
 
     def note_dynamic(self, reason: str) -> None:
         """The model is dynamic (first reason kept). Dynamo's recompile limit is raised for it,

@@ -82,9 +82,9 @@ Any object with ``observe``/``predict``/``end_step`` and an ``active`` name can 
 **Devices.** On the CPU device a prefetch copies at once, on the computing thread (the time is
 spent inside the graph, where a GPU's copy would overlap compute; ``runtime/copy_engine.py``'s
 copy thread, off by default, was measured slower there: ``benchmarks/results/copy_thread.md``).
-A prefetch hides nothing there and the pilot's work is added step time, so ``pilot="auto"``'s
-trial keeps fetching on demand on the CPU (an explicit pilot runs, e.g. for its simulated GPU
-stall).
+A prefetch hides nothing there and the pilot's work is added step time, so ``pilot="auto"``
+runs no trial on the CPU with the copy thread off (the compiler's gate says why; an explicit
+pilot runs, e.g. for its simulated GPU stall).
 On CUDA, host-placed parameters are pinned CPU
 tensors (``runtime/pinned.py``): a prefetch copies on the cache's side stream and records an
 event, and a hit makes the compute stream wait for that event (runtime/cache.py), so a copy
