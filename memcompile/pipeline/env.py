@@ -86,7 +86,7 @@ class FragmentEnv:
         resident: the device's resident bytes and the host tier's accounting.
         store_key: the tiered store's key in the graphs' swap and fetch ops.
         auto_pilot: with ``pilot="auto"``, whether its plans should reserve for the cache now
-            (the model was seen to be dynamic).
+            (the model was seen to be dynamic, and a prefetch can overlap compute there).
     """
 
     config: MemConfig
@@ -98,7 +98,7 @@ class FragmentEnv:
     @property
     def pilot_plans(self) -> bool:
         """Whether plans leave a prefetch reserve (and forward graphs a prediction op): an
-        explicit pilot, or ``"auto"`` once ``auto_pilot()`` says the model is dynamic (its
-        trial needs them; a static model reserves nothing)."""
+        explicit pilot, or ``"auto"`` once ``auto_pilot()`` says so (its trial needs them; a
+        static model reserves nothing)."""
         pilot = self.config.pilot
         return pilot in ("markov", "lightgbm") or (pilot == "auto" and self.auto_pilot())
