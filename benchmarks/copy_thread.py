@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime
-import json
 import statistics
 import sys
 import time
@@ -44,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
-from machine import describe_machine  # noqa: E402
+from machine import write_results  # noqa: E402
 
 import memcompile  # noqa: E402
 from memcompile import zoo  # noqa: E402
@@ -191,15 +189,8 @@ def moe_pilot(steps: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _md(gpt: dict[str, Any], moe: list[dict[str, Any]], command: str) -> str:
+def _table(gpt: dict[str, Any], moe: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "# The CPU's copy thread against copying on the computing thread",
-        "",
-        f"`{command}`",
-        "",
-        f"{describe_machine()}; {datetime.date.today()}. The copy thread uses the second core "
-        "(`OMP_NUM_THREADS=1`: compute has one), as a GPU's copy engine is its own hardware.",
-        "",
         f"## Bench GPT, host tier (budget {gpt['budget']:,} B: resident + 0.10 x eager's step "
         "peak), thread and sync alternating on one compiled model",
         "",
@@ -228,25 +219,32 @@ def _md(gpt: dict[str, Any], moe: list[dict[str, Any]], command: str) -> str:
         stall = "-" if r["stall_ms"] is None else f"{r['stall_ms']:.1f}"
         same = "yes" if r["losses"] == base else "NO"
         lines.append(f"| {r['run']} | {r['step_ms_p50']:.1f} | {hit} | {stall} | {same} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=9, help="GPT steps per mode")
     ap.add_argument("--steps", type=int, default=30, help="MoE steps per run")
     ap.add_argument("--out", default=str(RESULTS))
-    args = ap.parse_args()
-    command = "OMP_NUM_THREADS=1 python benchmarks/copy_thread.py " + " ".join(sys.argv[1:])
+    args = ap.parse_args(argv)
     gpt = gpt_host(args.reps)
     moe = moe_pilot(args.steps)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    text = _md(gpt, moe, command.strip())
-    (out / "copy_thread.md").write_text(text)
-    payload = {"command": command.strip(), "machine": describe_machine(), "gpt": gpt, "moe": moe}
-    (out / "copy_thread.json").write_text(json.dumps(payload, indent=1, default=str))
-    print(text)
+    write_results(
+        Path(args.out),
+        "copy_thread",
+        title="The CPU's copy thread against copying on the computing thread",
+        argv=argv if argv is not None else sys.argv[1:],
+        notes=[
+            "the copy thread uses the second core (`OMP_NUM_THREADS=1`: compute has one), as a "
+            "GPU's copy engine is its own hardware"
+        ],
+        table=_table(gpt, moe),
+        rows=[
+            *({"workload": "gpt_host", "budget": gpt["budget"], **r} for r in gpt["rows"]),
+            *({"workload": "moe_pilot", **r} for r in moe),
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -44,5 +44,5 @@ def test_the_moe_rows_train_alike_with_and_without_the_thread() -> None:
     ]
     assert rows[0]["losses"] == rows[1]["losses"] == rows[2]["losses"]
     assert rows[0]["hit_rate"] and rows[2]["hit_rate"] is None
-    text = copy_thread._md({"budget": 1, "rows": []}, rows, "cmd")
+    text = "\n".join(copy_thread._table({"budget": 1, "rows": []}, rows))
     assert "| pilot, thread (forced) |" in text and "| yes |" in text

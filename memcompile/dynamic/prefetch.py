@@ -361,8 +361,8 @@ class Prefetcher:
         self._iterations = iterations
         #: the trial's clock (seconds; tests replace it)
         self.clock: Callable[[], float] = time.perf_counter
-        #: Why it is not running although the model is dynamic with parameters on the host:
-        #: the trial's decision (the report says it instead of the rule).
+        #: Why ``"auto"`` runs no trial although the model is dynamic with parameters on the
+        #: host (the compiler's gate sets it; the report says it instead of the rule).
         self.blocked: str | None = None
         self._record = RecordIndex(records)
         self._namer = _BlockNamer(model)
@@ -471,9 +471,7 @@ class Prefetcher:
         cache = self.cache
         if kind != "forward":
             if self._in_forward:  # the forward is over: the optimizer will change parameters
-                self._in_forward = False
-                cache.counting = False
-                cache.clear()
+                self._end_forward()
             return False
         record = self._record(index)
         if record is None:
@@ -532,7 +530,6 @@ class Prefetcher:
             on = trial.begin_step(self.clock(), self._compiles())
             if trial.decided and not decided:
                 log.info("memcompile pilot: %s", trial.reason)
-                self.blocked = None if trial.keep else trial.reason
             if on != self.enabled:
                 self._switch(on)
         return self.enabled
@@ -542,9 +539,7 @@ class Prefetcher:
         starts fetching on demand must not find the last one's)."""
         self.enabled = on
         if not on:
-            self.cache.clear()
-            self.cache.counting = False
-            self._in_forward = False
+            self._end_forward()
             self._next_step = None
 
     def in_graph(self, fragment: int, observed: Sequence[torch.Tensor]) -> None:
@@ -692,9 +687,7 @@ class Prefetcher:
 
     def reset(self) -> None:
         """The compiler forgot its fragments: forget blocks and free the cache."""
-        self.cache.clear()
-        self.cache.counting = False
-        self._in_forward = False
+        self._end_forward()
         self._record.clear()
         self._params.clear()
         self._next_step = None
@@ -761,10 +754,20 @@ class Prefetcher:
         )
 
     # -- internals -----------------------------------------------------------------------------
+    def _end_forward(self) -> None:
+        # No forward of a step is counting any more: free every copy (the optimizer will change
+        # the parameters, or the prefetcher stops).
+        self.cache.clear()
+        self.cache.counting = False
+        self._in_forward = False
+
     def _why_not(self) -> str:
         if self.blocked:
             return self.blocked
-        if self.trial is not None and not self.trial.decided:
+        trial = self.trial
+        if trial is not None:
+            if trial.decided:
+                return trial.reason
             return (
                 "pilot='auto' is timing the pilot against fetching on demand; this step fetches "
                 "on demand"

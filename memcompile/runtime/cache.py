@@ -61,7 +61,7 @@ compute stream instead (what the overlap buys, for benchmarks).
 **CPU.** A prefetch copies at once on the computing thread, unless the CPU's copy thread is on
 (``copy_engine.py``, the stand-in for a GPU's copy engine; off by default) and the copy is at
 least its ``MIN_BYTES``: then the computing thread goes on, a hit waits for the copy's job (while
-counting, the wait is stall time: ``thread_wait_ns``), and a copy dropped unused is waited for
+counting, the wait is stall time), and a copy dropped unused is waited for
 first, so its bytes are freed where the plan frees them. ``asynchronous=False`` copies at once.
 """
 
@@ -103,10 +103,6 @@ class CacheCounters:
     gpu_wait_s: float | None = None
     gpu_late_bytes: int = 0
     gpu_miss_s: float | None = None
-    #: CPU copy thread (copy_engine.py): nanoseconds hits waited for copies still running
-    #: (part of ``stall_ns``), and those copies' bytes
-    thread_wait_ns: int = 0
-    thread_late_bytes: int = 0
 
 
 @dataclass
@@ -179,8 +175,6 @@ class PrefetchCache:
         #: what the cache held when it started is what it took (the rest stays cached).
         self.taken = 0
         self.stall_ns = self.misses = self.peak_bytes = 0
-        #: CPU copy thread: time hits waited for copies still running, and their bytes
-        self.thread_wait_ns = self.thread_late_bytes = 0
         #: per copy tag: bytes prefetched, hit, wasted
         self.by_tag: dict[str, TagCounters] = {}
         #: Simulated device time (see the module doc): the clock, the stall, the copy stream's
@@ -371,8 +365,6 @@ class PrefetchCache:
             gpu_wait_s=self._gpu_wait_s if self._gpu_timed else None,
             gpu_late_bytes=self._gpu_late_bytes,
             gpu_miss_s=self._gpu_miss_s if self._gpu_timed else None,
-            thread_wait_ns=self.thread_wait_ns,
-            thread_late_bytes=self.thread_late_bytes,
         )
 
     def _wait_for_thread(self, entry: _Entry) -> None:
@@ -386,10 +378,7 @@ class PrefetchCache:
         start = time.perf_counter_ns()
         job.wait()
         if self.counting:
-            waited = time.perf_counter_ns() - start
-            self.stall_ns += waited
-            self.thread_wait_ns += waited
-            self.thread_late_bytes += entry.nbytes
+            self.stall_ns += time.perf_counter_ns() - start
 
     # -- CUDA ------------------------------------------------------------------------------------
     def _wait_for(self, entry: _Entry) -> None:

@@ -152,7 +152,8 @@ def _on_compile_start(args: Any = None) -> None:
                 _tracing[p] = (p.data, p.grad)
                 p.grad = None
                 p.data = _placeholder(p, device)
-                placement.moved()
+    if _tracing:
+        placement.moved()
 
 
 def _on_compile_end(args: Any = None) -> None:
