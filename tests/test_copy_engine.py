@@ -66,6 +66,13 @@ def test_the_thread_is_off_by_default_and_small_copies_run_at_once() -> None:
     assert not copy_engine.worth(copy_engine.MIN_BYTES)
 
 
+def test_the_environment_switch_takes_0_and_1_and_warns_about_anything_else() -> None:
+    assert copy_engine._from_env("1") and not copy_engine._from_env("0")
+    assert not copy_engine._from_env(None) and not copy_engine._from_env("")
+    with pytest.warns(UserWarning, match=r"MEMCOMPILE_COPY_THREAD='yes': expected 0 or 1; the "):
+        assert not copy_engine._from_env("yes")
+
+
 def test_a_failed_copy_raises_in_the_waiter_as_an_offload_error(every_copy_threaded) -> None:
     store = TieredStore()
     key = register_store(store)

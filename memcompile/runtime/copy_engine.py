@@ -52,6 +52,7 @@ import logging
 import os
 import queue
 import threading
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -78,7 +79,22 @@ IDLE_EXIT_S = 30.0
 #: needs the GIL to start; a 256 KiB copy takes 8 us).
 MIN_BYTES = 1 << 20
 
-_enabled = os.environ.get("MEMCOMPILE_COPY_THREAD", "0") == "1"
+
+def _from_env(value: str | None) -> bool:
+    """``MEMCOMPILE_COPY_THREAD``: ``1`` on, ``0`` or unset off; anything else is warned about
+    and leaves it off."""
+    if value in (None, "", "0"):
+        return False
+    if value == "1":
+        return True
+    warnings.warn(
+        f"MEMCOMPILE_COPY_THREAD={value!r}: expected 0 or 1; the CPU's copy thread stays off",
+        stacklevel=2,
+    )
+    return False
+
+
+_enabled = _from_env(os.environ.get("MEMCOMPILE_COPY_THREAD"))
 
 
 class CopyJob:
