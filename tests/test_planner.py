@@ -406,3 +406,30 @@ def test_a_saved_set_priced_with_other_swaps_walks_its_backward_once(
     assert len(walks) == 1 and priced.swapped == tuple(swapped.items())
     model._recent.clear()  # the same answer walked again
     assert model.evaluate(saved, swapped) == priced and len(walks) == 2
+
+
+def test_the_planner_tells_its_progress_as_the_share_of_the_excess_gone_and_plans_the_same():
+    # The notice of a compile that runs long shows it (pipeline/stage.py): after each greedy
+    # step, how much of the excess over the target the moves took off; searches for the
+    # smallest peak (target 0) say the peak so far instead. Telling changes no plan.
+    found = capture_joint("gpt")
+    model: JointModel = found["model"]
+    baseline = plan_fragment(model, target=None, resident_bytes=0).baseline_peak
+    told: list[str] = []
+    target = baseline * 3 // 4
+    plan = plan_fragment(model, target=target, resident_bytes=0, progress=told.append)
+    assert plan.feasible and told and all(t.startswith("the target: ") for t in told), told
+    assert all(t.endswith(" over the target gone") and "moves, " in t for t in told)
+    shares = [int(t.split("moves, ")[1].split("%")[0]) for t in told]
+    assert shares == sorted(shares) and shares[-1] == 100, shares
+    fresh = JointModel(
+        found["joint"],
+        num_fwd_outputs=found["n"],
+        static_input_indices=found["static"],
+        profile=model.profile,
+        workspace=probe_workspaces(found["joint"]),
+    )
+    assert plan_fragment(fresh, target=target, resident_bytes=0) == plan
+    told.clear()
+    plan_fragment(fresh, target=1, resident_bytes=0, progress=told.append)
+    assert any(t.startswith("the smallest peak: ") and "the peak down to" in t for t in told)

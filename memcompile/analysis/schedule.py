@@ -44,6 +44,7 @@ recompute-only plan):
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Protocol
@@ -352,6 +353,8 @@ def sink(
     while replays < max_replays:
         peak, _, at, live = result
         position = dict(zip(order, range(len(order)), strict=True))
+        # Positions of the nodes with effects, in order: a move checks only those it passes.
+        effects = [p for p, j in enumerate(order) if model.has_effect[j]]
         # Where each storage live at the peak is first made (the first node in the order
         # holding it): looked up for those only, not built for the whole order.
         producer: dict[int, int] = {}
@@ -365,7 +368,7 @@ def sink(
         )[:_SINK_TRIES]
         improved = False
         for s in candidates:
-            moved = _sink_move(model, order, position, producer[s], at)
+            moved = _sink_move(model, order, position, producer[s], at, effects)
             if moved is None:
                 continue
             new = replay(moved)
@@ -382,10 +385,16 @@ def sink(
 
 
 def _sink_move(
-    model: JointFacts, order: list[int], position: dict[int, int], start: int, at: int
+    model: JointFacts,
+    order: list[int],
+    position: dict[int, int],
+    start: int,
+    at: int,
+    effects: Sequence[int] | None = None,
 ) -> list[int] | None:
     """``order`` with the node at ``start`` and its views moved to right before their first
-    other reader, if that reader runs after position ``at`` and the move is legal; else None."""
+    other reader, if that reader runs after position ``at`` and the move is legal; else None.
+    ``effects``: the positions of ``order``'s nodes with effects, ascending (else found)."""
     head = order[start]
     own = set(model.storages[head])
     if model.has_effect[head] or own & model.input_storages[head]:
@@ -414,9 +423,11 @@ def _sink_move(
         return None
     moving = sorted(position[j] for j in members if position[j] < first)
     touched = own.union(*(model.input_storages[order[p]] for p in moving))
-    for p in range(start + 1, first):
+    if effects is None:
+        effects = [p for p in range(start + 1, first) if model.has_effect[order[p]]]
+    for p in effects[bisect.bisect_right(effects, start) : bisect.bisect_left(effects, first)]:
         j = order[p]
-        if j in members or not model.has_effect[j]:
+        if j in members:
             continue
         if touched & (model.input_storages[j] | set(model.storages[j])):
             return None

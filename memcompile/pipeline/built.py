@@ -46,7 +46,15 @@ from memcompile.rewrites.rematerialize import (
 from memcompile.rewrites.tiling.build import row_tile_pass
 from memcompile.rewrites.tiling.find import MAX_KEPT_MATMULS, RowTiling, find_row_tilings
 
-__all__ = ["Split", "built_rewrite", "profile_args", "rematerialized", "replay", "tiled"]
+__all__ = [
+    "ProfileMemo",
+    "Split",
+    "built_rewrite",
+    "profile_args",
+    "rematerialized",
+    "replay",
+    "tiled",
+]
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +149,30 @@ def _profiler(
     return profile
 
 
+class ProfileMemo:
+    """The exact profile of each pair of built graphs one build profiles, kept by identity:
+    each late rewrite profiles the pair it starts from, which the rewrite before it profiled as
+    its result (in place, tiling with no matmul made again, with one, rematerializing: four
+    profiles of one pair in a build that kept the first rewrite). A pair changed in place
+    (``rematerialize_pass``) is :meth:`forget`-ten."""
+
+    def __init__(self) -> None:
+        self._found: dict[tuple[int, int], tuple[Any, Any, FragmentProfile]] = {}
+
+    def __call__(
+        self, spec: FragmentSpec, fw: fx.GraphModule, bw: fx.GraphModule, split: Split
+    ) -> FragmentProfile:
+        found = self._found.get((id(fw), id(bw)))
+        if found is not None and found[0] is fw and found[1] is bw:
+            return found[2]
+        profile = _profiler(_workspaces(spec, fw, bw, split))(fw, bw)
+        self._found[(id(fw), id(bw))] = (fw, bw, profile)
+        return profile
+
+    def forget(self, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
+        self._found.pop((id(fw), id(bw)), None)
+
+
 def built_backward_profiler(
     fw: fx.GraphModule, workspaces: _Workspaces
 ) -> Callable[[fx.GraphModule], GraphProfile]:
@@ -175,6 +207,8 @@ def built_rewrite(
     split: Split,
     rewrite: Rewrite,
     what: str,
+    *,
+    memo: ProfileMemo | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, FragmentPlan]:
     """``fw``, ``bw`` and ``plan`` (over its target) after ``rewrite`` of both built graphs,
     when that lowers a phase's exact peak (else as they were). The joint model the planner
@@ -182,7 +216,8 @@ def built_rewrite(
     :func:`rematerialized`): ``inplace.in_place_pass(built=True)`` writes elementwise results
     into the graphs' own dying values (a value the plan recomputes for the backward, rather than
     saves, is the graph's own in both graphs); ``row_tile_pass`` makes elementwise results a
-    block of rows at a time. ``what`` names the rewrite in the log."""
+    block of rows at a time. ``what`` names the rewrite in the log; ``memo``: the build's
+    profiles so far."""
     target = plan.target
     if target is None or not _may_rewrite(plan):
         return fw, bw, plan
@@ -190,9 +225,10 @@ def built_rewrite(
     bw2 = rewrite(bw, PassContext(spec.name, "backward"))
     if fw2 is fw and bw2 is bw:
         return fw, bw, plan
-    before = max(_profiler(_workspaces(spec, fw, bw, split))(fw, bw).phase_peaks().values())
+    memo = ProfileMemo() if memo is None else memo
+    before = max(memo(spec, fw, bw, split).phase_peaks().values())
     # Probed as rewritten: an out= kernel may need a temporary its original did not.
-    after = max(_profiler(_workspaces(spec, fw2, bw2, split))(fw2, bw2).phase_peaks().values())
+    after = max(memo(spec, fw2, bw2, split).phase_peaks().values())
     if after >= before:
         return fw, bw, plan
     log.info(
@@ -262,11 +298,15 @@ def tiled(
     bw: fx.GraphModule,
     plan: FragmentPlan,
     split: Split,
+    *,
+    memo: ProfileMemo | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, FragmentPlan, int | None]:
     """:func:`built_rewrite` with row tiling: first with no matmul made again by the blocks (a
     value kept whole for another reader is read whole instead), which costs no time; where that
     does not fit, also with them, and the lower peak is kept. The last item: the matmuls the
-    kept rewrite may make again (``None``: the graphs as they were)."""
+    kept rewrite may make again (``None``: the graphs as they were). ``memo``: the build's
+    profiles so far."""
+    memo = ProfileMemo() if memo is None else memo
     best = None
     best_kept: int | None = None
     search = TilingSearch()
@@ -281,6 +321,7 @@ def tiled(
             split,
             functools.partial(tile_rows, max_kept_matmuls=kept, search=search),
             f"elementwise ops made by blocks of rows ({kept} matmuls made again)",
+            memo=memo,
         )
         if best is None or found[2].predicted_peak < best[2].predicted_peak:
             best = found
@@ -297,11 +338,13 @@ def rematerialized(
     bw: fx.GraphModule,
     plan: FragmentPlan,
     split: Split,
+    *,
+    memo: ProfileMemo | None = None,
 ) -> tuple[FragmentPlan, tuple[Rematerialize, ...]]:
     """``plan`` (over its target) after making backward values again for their late readers
     where that lowers the backward's exact profile (``rematerialize.py``), and those made
     again; ``bw`` is rewritten in place. The plan fits afterwards if every phase meets the
-    target."""
+    target. ``memo``: the build's profiles so far."""
     target = plan.target
     if target is None or not _may_rewrite(plan):
         return plan, ()
@@ -312,7 +355,7 @@ def rematerialized(
     def profile(g: fx.GraphModule) -> FragmentProfile:
         return built(fw, g)
 
-    before = profile(bw)
+    before = profile(bw) if memo is None else memo(spec, fw, bw, split)
     if before.backward is None or before.phase_peaks()["backward"] <= target:
         return plan, ()
     ctx = PassContext(fragment=spec.name, graph="backward")
@@ -324,6 +367,8 @@ def rematerialized(
     if not splits:
         return plan, ()
     rematerialize_pass(bw, ctx, splits=splits)
+    if memo is not None:
+        memo.forget(fw, bw)  # (changed in place)
     after = max(profile(bw).phase_peaks().values())
     moved = sum(r.moved for r in splits)
     log.info(

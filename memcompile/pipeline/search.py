@@ -231,7 +231,8 @@ class FragmentSearch:
             )
             if on
         ]
-        stage.say(f"the planner, call {self._plans}" + (f": {', '.join(what)}" if what else ""))
+        calling = f"the planner, call {self._plans}" + (f": {', '.join(what)}" if what else "")
+        stage.say(calling)
         model = self._joint_model(joint)
         if reserve is None:
             reserve = self.reserve(host)
@@ -246,6 +247,7 @@ class FragmentSearch:
             reorder=config.reorder,
             start=start,
             saved_cap=spec.replan_saved_cap,
+            progress=lambda where: stage.say(f"{calling}; searching for {where}"),
         )
         if floor and target is not None:
             plan = dataclasses.replace(
@@ -320,6 +322,7 @@ class FragmentSearch:
             fw, bw = built_rewrites.replay(spec, fw, bw, late)
             return Built(cand.joint, fw, bw, model, plan)
         applied: list[Step] = []
+        memo = built_rewrites.ProfileMemo()
         # Not in a re-plan (planning/replan.py): its caps share the budget between fragments
         # by the joint model's figures, which do not price the splits.
         if not plan.feasible and spec.replan_resident is None:
@@ -339,13 +342,14 @@ class FragmentSearch:
                     split,
                     lambda gm, ctx: in_place_pass(gm, ctx, built=True),
                     "elementwise results written into the graphs' own dying values",
+                    memo=memo,
                 )
                 if fw2 is not fw or bw2 is not bw:
                     fw, bw = fw2, bw2
                     applied.append(("in_place",))
             if not plan.feasible and switches.row_tiling and self.eager_kernels:
                 stage.say(f"{building}: row tiling")
-                fw, bw, plan, kept = built_rewrites.tiled(spec, fw, bw, plan, split)
+                fw, bw, plan, kept = built_rewrites.tiled(spec, fw, bw, plan, split, memo=memo)
                 if kept is not None:
                     applied.append(("tiling", kept))
                 row_tiled = tuple(
@@ -356,7 +360,7 @@ class FragmentSearch:
                 plan = dataclasses.replace(plan, row_tiled=row_tiled)
             if not plan.feasible and switches.rematerialize:
                 stage.say(f"{building}: backward values made again")
-                plan, splits = built_rewrites.rematerialized(spec, fw, bw, plan, split)
+                plan, splits = built_rewrites.rematerialized(spec, fw, bw, plan, split, memo=memo)
                 if splits:
                     applied.append(("remat", [dataclasses.asdict(r) for r in splits]))
         fw.meta[LATE] = tuple(applied)

@@ -57,11 +57,12 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Collection, Hashable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from memcompile.analysis.joint_model import JointEval, JointModel
+from memcompile.errors import format_bytes
 from memcompile.planning.plan import Action, FragmentPlan, TensorDecision
 
 log = logging.getLogger(__name__)
@@ -156,8 +157,11 @@ class _Search:
         swap_tier: str | None,
         saved_cap: int | None = None,
         sink: bool = False,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
         self.model = model
+        #: Told where the greedy is after each step (``search_saved_set``'s ``progress``).
+        self.progress = progress
         # Every evaluation sinks waiting values past the peak (``schedule.sink``) when the
         # plan may reorder: the moves are then priced where that order peaks, not where torch's
         # does (bench GPT, recompute only: the least peak found went 46.1 -> 39.1 MiB).
@@ -345,11 +349,14 @@ class _Search:
 
     def _greedy(self, start: JointEval) -> tuple[JointEval, list[_Move]]:
         current, applied = start, []
+        first = self.excess(start)
         while current.peak > self.target or self.saved_excess(current):
             found = self.step(current)
             if found is not None:
                 current, moves = found
                 applied += moves
+                if self.progress is not None:
+                    self.progress(self._where(first, current, len(applied)))
                 continue
             # Stuck above the target: a batch may have carried a move that, once its
             # neighbours went too, no longer lowers the peak but raises it (its recomputation
@@ -360,6 +367,15 @@ class _Search:
                 break
             current = repaired
         return current, applied
+
+    def _where(self, first: int, current: JointEval, moves: int) -> str:
+        """Where the greedy is, for the notice of a compile that runs long: the share of the
+        excess it started with that its moves took off (a search for the smallest peak, whose
+        target is 0, cannot end at 100 %: its lowest peak so far)."""
+        if self.target <= 0:
+            return f"{moves} moves, the peak down to {format_bytes(current.peak)}"
+        gone = 1.0 - self.excess(current) / first if first else 1.0
+        return f"{moves} moves, {gone:.0%} of the {format_bytes(first)} over the target gone"
 
     def repair(self, current: JointEval, applied: list[_Move]) -> JointEval | None:
         """``current`` with one of the ``applied`` moves taken back (a group's members one by
@@ -452,6 +468,7 @@ def search_saved_set(
     reorder: bool = True,
     start: Collection[str] = (),
     saved_cap: int | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> SearchResult:
     """Greedy search for a saved set (and swaps) whose tracked peak is at most ``target`` and
     whose held bytes are at most ``saved_cap``.
@@ -471,6 +488,9 @@ def search_saved_set(
             backward reads), ``None``: no cap. In a multi-fragment step those bytes are held
             while other fragments run, where this graph's own peak does not show them
             (``planning/replan.py``).
+        progress: told after each greedy step where the search is (a line of text: the
+            search, its moves, the share of the excess over the target they took off), for
+            the notice of a compile that runs long (``pipeline/stage.py``).
 
     Raises:
         ValueError: ``saved_cap`` is negative.
@@ -483,7 +503,13 @@ def search_saved_set(
     baseline = model.evaluate((model.default_saved() - model.fetched_copies()) | model.must_save())
     best = _scheduled(model, baseline.saved) if reorder else baseline
     limit = _UNBOUNDED if target is None else target
-    search = _Search(model, limit, recompute, swap_tier, saved_cap, sink=reorder)
+
+    def told(what: str) -> Callable[[str], None] | None:
+        return None if progress is None else lambda where: progress(f"{what}: {where}")
+
+    search = _Search(
+        model, limit, recompute, swap_tier, saved_cap, sink=reorder, progress=told("the target")
+    )
     if (target is None and saved_cap is None) or search.fits(best):
         return SearchResult(best, baseline, 1 + reorder)
     # The moves are priced in torch's orders, polished by ``schedule.sink`` when reordering is
@@ -516,7 +542,15 @@ def search_saved_set(
             pricings = tuple(p for p in pricings if p != reorder)
         ends: list[tuple[JointEval, list[_Move]]] = []
         for sink in pricings:
-            least = _Search(model, 0, recompute, swap_tier, saved_cap, sink=sink)
+            least = _Search(
+                model,
+                0,
+                recompute,
+                swap_tier,
+                saved_cap,
+                sink=sink,
+                progress=told("the smallest peak"),
+            )
             end, end_applied = least.greedy(least.evaluate(baseline.saved, {}))
             if reorder:
                 ordered = least.evaluate(end.saved, dict(end.swapped), schedule=True)
@@ -534,6 +568,7 @@ def search_saved_set(
                 current = search.undo(current, applied, schedule=reorder)
                 evaluations += search.evaluations
     if start and recompute:
+        search.progress = told("the target from the given start")
         warm, warm_applied, n = _search_from(model, search, start, reorder)
         evaluations += n
         if _better(warm, current, search):
@@ -576,6 +611,7 @@ def _search_from(
         limits.swap_tier,
         limits.saved_cap,
         sink=limits.sink,
+        progress=limits.progress,
     )
     current, applied = search.greedy(search.evaluate(frozenset(saved), {}))
     if search.fits(current):
@@ -610,6 +646,7 @@ def plan_fragment(
     reorder: bool = True,
     start: Collection[str] = (),
     saved_cap: int | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> FragmentPlan:
     """Plan one fragment: the decisions, backward order and predictions for ``target``.
 
@@ -622,6 +659,7 @@ def plan_fragment(
         start: a saved set to search from as well (see :func:`search_saved_set`).
         saved_cap: bytes the plan may hold from forward to backward (see
             :func:`search_saved_set`); the plan is feasible only within it too.
+        progress: told where the search is (see :func:`search_saved_set`).
     """
     result = search_saved_set(
         model,
@@ -631,6 +669,7 @@ def plan_fragment(
         reorder=reorder,
         start=start,
         saved_cap=saved_cap,
+        progress=progress,
     )
     final, baseline = result.final, result.baseline
     swapped = dict(final.swapped)

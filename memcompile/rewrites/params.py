@@ -42,6 +42,7 @@ import torch
 from torch import fx
 from torch._functorch import partitioners as P
 from torch._guards import detect_fake_mode
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memcompile.rewrites.context import PassContext
@@ -146,7 +147,7 @@ def param_fetch_pass(
             with fake_mode:
                 off.meta["val"] = torch.ops.memcompile.offload.default(n.meta["val"], store, _HOST)
             offloaded[n] = off
-    result = fx.GraphModule(gm, new)  # (compiles its code)
+    result = _LazyGraphModule(gm, new)  # (its code generated when first run or read)
     result.meta = dict(getattr(gm, "meta", {}))
     result.graph.lint()
     log.info(

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from torch import fx
 from torch._functorch import partitioners as P
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from memcompile.analysis.joint_model import JointModel
 from memcompile.planning.plan import FragmentPlan
@@ -57,7 +58,7 @@ def reorder_pass(gm: fx.GraphModule, ctx: PassContext, *, order: Sequence[str]) 
         env[n] = new.node_copy(n, lambda x: env[x])
     for n in gm.graph.find_nodes(op="output"):
         env[n] = new.node_copy(n, lambda x: env[x])
-    out = fx.GraphModule(gm, new)  # (compiles its code)
+    out = _LazyGraphModule(gm, new)  # (its code generated when first run or read)
     out.graph.lint()
     return out
 

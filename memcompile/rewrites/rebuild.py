@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch import fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memcompile.analysis.graph import tensor_vals
@@ -43,9 +44,11 @@ def rebuilt_module(
     gm: fx.GraphModule, new: fx.Graph, key: str, records: Sequence[object]
 ) -> fx.GraphModule:
     """The module of ``new`` (``gm``'s attributes and meta), with the pass's ``records`` as a
-    tuple in ``meta[key]``; linted. (The constructor compiles its code: a second ``recompile``
-    was 6 % of the GRU small's first step.)"""
-    out = fx.GraphModule(gm, new)
+    tuple in ``meta[key]``; linted. Its Python code is generated when something first runs or
+    reads it (torch's ``_LazyGraphModule``, as Inductor's passes use): most rewrites a search
+    makes are only profiled, then dropped (gpt_manual small under an infeasible budget:
+    generating their code was 12 % of the first step)."""
+    out = _LazyGraphModule(gm, new)
     out.meta = dict(getattr(gm, "meta", {}))
     out.meta[key] = tuple(records)
     out.graph.lint()
