@@ -325,6 +325,17 @@ def test_plans_saved_before_saved_caps_still_load() -> None:
     assert old.saved_cap is None and old.saved_input_bytes == 0
 
 
+def _fresh(found: dict[str, Any], model: JointModel) -> JointModel:
+    """A joint model of ``found``'s graph of its own: no search of ``model``'s remembered."""
+    return JointModel(
+        found["joint"],
+        num_fwd_outputs=found["n"],
+        static_input_indices=found["static"],
+        profile=model.profile,
+        workspace=probe_workspaces(found["joint"]),
+    )
+
+
 def test_a_search_for_the_smallest_peak_makes_no_greedy_run_one_for_an_unmet_target_made(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -345,13 +356,7 @@ def test_a_search_for_the_smallest_peak_makes_no_greedy_run_one_for_an_unmet_tar
     floor = plan_fragment(model, target=0, resident_bytes=0)
     assert not unmet.feasible and made == [1, 0, 0] and runs == made
     # The same plan a model of its own (no runs remembered) finds.
-    fresh = JointModel(
-        found["joint"],
-        num_fwd_outputs=found["n"],
-        static_input_indices=found["static"],
-        profile=model.profile,
-        workspace=probe_workspaces(found["joint"]),
-    )
+    fresh = _fresh(found, model)
     assert plan_fragment(fresh, target=0, resident_bytes=0) == floor
     assert runs[len(made) :] == [0, 0]
 
@@ -422,13 +427,7 @@ def test_the_planner_tells_its_progress_as_the_share_of_the_excess_gone_and_plan
     assert all(t.endswith(" over the target gone") and "moves, " in t for t in told)
     shares = [int(t.split("moves, ")[1].split("%")[0]) for t in told]
     assert shares == sorted(shares) and shares[-1] == 100, shares
-    fresh = JointModel(
-        found["joint"],
-        num_fwd_outputs=found["n"],
-        static_input_indices=found["static"],
-        profile=model.profile,
-        workspace=probe_workspaces(found["joint"]),
-    )
+    fresh = _fresh(found, model)
     assert plan_fragment(fresh, target=target, resident_bytes=0) == plan
     told.clear()
     plan_fragment(fresh, target=1, resident_bytes=0, progress=told.append)
