@@ -284,9 +284,6 @@ class JointModel:
             frozenset(s for j in ins for s in self.storages[j]) for ins in self.inputs
         ]
         self.has_effect: list[bool] = [has_effect(n) for n in nodes]
-        # What _available asks of a saved set, per node, decided once: the search walks the
-        # backward thousands of times (GRU small: 5.6 million asks in one planner call).
-        self._need: list[bool | int | tuple[int, ...]] = [self._needs(i) for i in range(len(nodes))]
         self.liveness = Liveness(
             self.storages,
             self.inputs,
@@ -362,9 +359,7 @@ class JointModel:
         saved set implicitly contains those the backward needs."""
         return self._must_save
 
-    def _needs(self, i: int) -> bool | int | tuple[int, ...]:
-        """Whether node ``i``'s value is available to the backward whatever is saved (``True``,
-        ``False``), else the storage (an int) or storages (a tuple) that must be saved."""
+    def _available(self, i: int, saved: Collection[int]) -> bool:
         k = self.kind[i]
         if k in (_PRIMAL, _TANGENT):
             return True
@@ -375,18 +370,9 @@ class JointModel:
         if self.is_tuple[i]:
             return False
         sids = self.storages[i]
-        if not sids:
-            return False
-        need = tuple(s for s in sids if s not in self.persistent and s not in self._must_save)
-        return True if not need else need[0] if len(need) == 1 else need
-
-    def _available(self, i: int, saved: Collection[int]) -> bool:
-        need = self._need[i]
-        if need is True or need is False:
-            return need
-        if type(need) is int:
-            return need in saved
-        return all(s in saved for s in need)  # type: ignore[union-attr]
+        return bool(sids) and all(
+            s in saved or s in self.persistent or s in self._must_save for s in sids
+        )
 
     # -- evaluation -----------------------------------------------------------------------------
     def backward_nodes(self, saved: Collection[int]) -> tuple[set[int], list[int], set[int]]:
@@ -397,7 +383,7 @@ class JointModel:
         needed: set[int] = set()
         inputs: set[int] = set()
 
-        node_inputs, need_of = self.inputs, self._need
+        available, node_inputs = self._available, self.inputs
 
         def walk(roots: Iterable[int]) -> None:
             stack = list(roots)
@@ -405,12 +391,7 @@ class JointModel:
                 i = stack.pop()
                 if i in needed or i in inputs:
                     continue
-                need = need_of[i]  # _available, inlined: the search's hottest loop
-                if need is not True and need is not False:
-                    need = (
-                        need in saved if type(need) is int else all(s in saved for s in need)  # type: ignore[union-attr]
-                    )
-                if need:
+                if available(i, saved):
                     inputs.add(i)
                     continue
                 needed.add(i)

@@ -390,11 +390,11 @@ def _sink_move(
     position: dict[int, int],
     start: int,
     at: int,
-    effects: Sequence[int] | None = None,
+    effects: Sequence[int],
 ) -> list[int] | None:
     """``order`` with the node at ``start`` and its views moved to right before their first
     other reader, if that reader runs after position ``at`` and the move is legal; else None.
-    ``effects``: the positions of ``order``'s nodes with effects, ascending (else found)."""
+    ``effects``: the positions of ``order``'s nodes with effects, ascending."""
     head = order[start]
     own = set(model.storages[head])
     if model.has_effect[head] or own & model.input_storages[head]:
@@ -423,8 +423,6 @@ def _sink_move(
         return None
     moving = sorted(position[j] for j in members if position[j] < first)
     touched = own.union(*(model.input_storages[order[p]] for p in moving))
-    if effects is None:
-        effects = [p for p in range(start + 1, first) if model.has_effect[order[p]]]
     for p in effects[bisect.bisect_right(effects, start) : bisect.bisect_left(effects, first)]:
         j = order[p]
         if j in members:

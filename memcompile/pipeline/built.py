@@ -157,20 +157,19 @@ class ProfileMemo:
     (``rematerialize_pass``) is :meth:`forget`-ten."""
 
     def __init__(self) -> None:
-        self._found: dict[tuple[int, int], tuple[Any, Any, FragmentProfile]] = {}
+        # (Modules hash by identity.)
+        self._found: dict[tuple[fx.GraphModule, fx.GraphModule], FragmentProfile] = {}
 
     def __call__(
         self, spec: FragmentSpec, fw: fx.GraphModule, bw: fx.GraphModule, split: Split
     ) -> FragmentProfile:
-        found = self._found.get((id(fw), id(bw)))
-        if found is not None and found[0] is fw and found[1] is bw:
-            return found[2]
-        profile = _profiler(_workspaces(spec, fw, bw, split))(fw, bw)
-        self._found[(id(fw), id(bw))] = (fw, bw, profile)
-        return profile
+        found = self._found.get((fw, bw))
+        if found is None:
+            found = self._found[(fw, bw)] = _profiler(_workspaces(spec, fw, bw, split))(fw, bw)
+        return found
 
     def forget(self, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
-        self._found.pop((id(fw), id(bw)), None)
+        self._found.pop((fw, bw), None)
 
 
 def built_backward_profiler(
@@ -355,7 +354,8 @@ def rematerialized(
     def profile(g: fx.GraphModule) -> FragmentProfile:
         return built(fw, g)
 
-    before = profile(bw) if memo is None else memo(spec, fw, bw, split)
+    memo = ProfileMemo() if memo is None else memo
+    before = memo(spec, fw, bw, split)
     if before.backward is None or before.phase_peaks()["backward"] <= target:
         return plan, ()
     ctx = PassContext(fragment=spec.name, graph="backward")
@@ -367,8 +367,7 @@ def rematerialized(
     if not splits:
         return plan, ()
     rematerialize_pass(bw, ctx, splits=splits)
-    if memo is not None:
-        memo.forget(fw, bw)  # (changed in place)
+    memo.forget(fw, bw)  # (changed in place)
     after = max(profile(bw).phase_peaks().values())
     moved = sum(r.moved for r in splits)
     log.info(

@@ -568,8 +568,9 @@ def search_saved_set(
                 current = search.undo(current, applied, schedule=reorder)
                 evaluations += search.evaluations
     if start and recompute:
-        search.progress = told("the target from the given start")
-        warm, warm_applied, n = _search_from(model, search, start, reorder)
+        warm, warm_applied, n = _search_from(
+            model, search, start, reorder, told("the target from the given start")
+        )
         evaluations += n
         if _better(warm, current, search):
             log.debug("planner: the search from the given start ends better: %d B", warm.peak)
@@ -593,11 +594,15 @@ def search_saved_set(
 
 
 def _search_from(
-    model: JointModel, limits: _Search, start: Collection[str], reorder: bool
+    model: JointModel,
+    limits: _Search,
+    start: Collection[str],
+    reorder: bool,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[JointEval, list[_Move], int]:
     """The greedy search (with ``limits``' target, cap and techniques) started from the saved
     set named ``start`` (names this graph lacks are skipped): its end, its moves and its
-    evaluations."""
+    evaluations; ``progress``: told where it is (``search_saved_set``)."""
     saved = set(model.must_save())
     for name in sorted(start):
         try:
@@ -611,7 +616,7 @@ def _search_from(
         limits.swap_tier,
         limits.saved_cap,
         sink=limits.sink,
-        progress=limits.progress,
+        progress=progress,
     )
     current, applied = search.greedy(search.evaluate(frozenset(saved), {}))
     if search.fits(current):
