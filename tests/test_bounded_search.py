@@ -60,3 +60,22 @@ def test_a_build_profiles_fewer_pairs_with_the_memo_and_decides_the_same(monkeyp
     )
     assert smallest() == with_memo
     assert memoized < len(profiles), (memoized, len(profiles))
+
+
+def test_a_rewritten_graph_gets_its_code_only_when_run_and_runs_right():
+    # rewrites/rebuild.py: a search builds and profiles many rewrites and keeps one; the code of
+    # those it drops is never generated (torch's _LazyGraphModule).
+    import torch
+    from torch import fx
+
+    from memcompile.rewrites.rebuild import rebuilt_module
+
+    gm = fx.symbolic_trace(lambda x: torch.relu(x) * 2)
+    new = fx.Graph()
+    env: dict = {}
+    for n in gm.graph.nodes:
+        env[n] = new.node_copy(n, lambda a: env[a])
+    out = rebuilt_module(gm, new, "memcompile_test", ("a record",))
+    assert out._needs_recompile() and out.meta["memcompile_test"] == ("a record",)
+    x = torch.randn(4)
+    assert torch.equal(out(x), torch.relu(x) * 2) and not out._needs_recompile()
