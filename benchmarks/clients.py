@@ -2,7 +2,7 @@
 
     pip install -c constraints.txt transformers      # optional: not a memcompile dependency
     OMP_NUM_THREADS=1 python benchmarks/clients.py [--models llama,mixtral_eager] [--steps 2]
-        [--out DIR]
+        [--loop step|adamw] [--out DIR]
 
 Each model is built from a small random config (no download; research/03 §3): hidden 64, 2
 layers, vocabulary 512, batch 2 x 32 tokens, dropout 0. One process per (model, configuration):
@@ -16,7 +16,10 @@ layers, vocabulary 512, batch 2 x 32 tokens, dropout 0. One process per (model, 
 Each memcompile row trains ``--steps`` (2) steps next to an eager copy and a
 ``torch.compile(backend="aot_eager")`` copy of the same weights, then compares the loss and every
 gradient bit for bit with both, and measures the next step's peak with the CPU profiler
-(``memcompile.measure``) beside ``report().predicted_peak``. Eager frames (Dynamo gave up on them;
+(``memcompile.measure``) beside ``report().predicted_peak``. ``--loop adamw`` runs the user's
+iteration instead (an ``AdamW`` step and ``zero_grad`` after each backward): eager's iteration peak
+sets the budgets, the parameters are compared after the iterations, and the prediction is
+``report().iteration.peak``. Eager frames (Dynamo gave up on them;
 memcompile manages only the ``torch.nn`` modules they call, and counts what a sampled step measured
 beyond its plans) are counted from the report. Results: ``benchmarks/results/clients.{md,json}``.
 """
@@ -92,8 +95,11 @@ def build(name: str) -> Any:
     return model.train()
 
 
-def run_one(name: str, config: str, budget: int | None, steps: int = 2) -> dict[str, Any]:
-    """One row, in this process: ``steps`` training steps, then the measured one."""
+def run_one(
+    name: str, config: str, budget: int | None, steps: int = 2, loop: str = "step"
+) -> dict[str, Any]:
+    """One row, in this process: ``steps`` training steps (``loop``: "step", forward and
+    backward from zeroed gradients; "adamw", the user's iteration), then the measured one."""
     import copy
     import warnings
 
@@ -105,17 +111,29 @@ def run_one(name: str, config: str, budget: int | None, steps: int = 2) -> dict[
     model = build(name)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
 
+    optimizers: dict[int, torch.optim.Optimizer] = {}
+
     def step(fn: Any, net: Any) -> torch.Tensor:
+        if loop == "adamw":
+            opt = optimizers.setdefault(id(net), torch.optim.AdamW(net.parameters(), lr=1e-3))
+            loss = fn(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
         net.zero_grad(set_to_none=True)
         loss = fn(input_ids=ids, labels=ids).loss
         loss.backward()
         return loss.detach()
 
-    row: dict[str, Any] = {"model": name, "config": config, "budget": budget}
+    def resident(net: Any) -> list[Any]:
+        return [net, ids, *([optimizers[id(net)]] if id(net) in optimizers else [])]
+
+    row: dict[str, Any] = {"model": name, "config": config, "budget": budget, "loop": loop}
     if config == "eager":
         step(model, model)
         model.zero_grad(set_to_none=True)
-        row["measured_peak"] = measure(lambda: step(model, model), resident=[model, ids]).peak
+        row["measured_peak"] = measure(lambda: step(model, model), resident=resident(model)).peak
         return row
     ref, aot = copy.deepcopy(model), copy.deepcopy(model)
     opts: dict[str, Any] = {} if budget is None else {"budget": budget}
@@ -128,10 +146,18 @@ def run_one(name: str, config: str, budget: int | None, steps: int = 2) -> dict[
             loss = step(compiled, model)
             loss_ref, loss_aot = step(ref, ref), step(aot_compiled, aot)
         model.zero_grad(set_to_none=True)
-        peak = measure(lambda: step(compiled, model), resident=[model, ids]).peak
-        step(compiled, model)  # the gradients of a step outside the measurement
+        peak = measure(lambda: step(compiled, model), resident=resident(model)).peak
+        if loop == "adamw":  # the same iterations on the copies: their parameters compared
+            step(ref, ref), step(aot_compiled, aot)
+        else:
+            step(compiled, model)  # the gradients of a step outside the measurement
 
     def same(other: Any) -> bool:
+        if loop == "adamw":
+            return all(
+                torch.equal(a, b)
+                for a, b in zip(model.parameters(), other.parameters(), strict=True)
+            )
         return all(
             (a.grad is None and b.grad is None)
             or (a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad))
@@ -139,9 +165,13 @@ def run_one(name: str, config: str, budget: int | None, steps: int = 2) -> dict[
         )
 
     rep = memcompile.report(compiled)
+    predicted = rep.predicted_peak
+    if loop == "adamw" and rep.iteration is not None and rep.iteration.peak is not None:
+        predicted = rep.iteration.peak
     row.update(
         measured_peak=peak,
-        predicted_peak=rep.predicted_peak,
+        predicted_peak=predicted,
+        glue_bytes=rep.glue.bytes if rep.glue.on else None,
         exact=rep.exact,
         fragments=len(rep.fragments),
         eager_frames=len(rep.fallbacks),
@@ -155,8 +185,11 @@ def run_one(name: str, config: str, budget: int | None, steps: int = 2) -> dict[
     return row
 
 
-def _subprocess(name: str, config: str, budget: int | None, steps: int = 2) -> dict[str, Any]:
+def _subprocess(
+    name: str, config: str, budget: int | None, steps: int = 2, loop: str = "step"
+) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--one", name, "--config", config, "--steps", str(steps)]
+    cmd += ["--loop", loop]
     if budget is not None:
         cmd += ["--budget", str(budget)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -180,6 +213,16 @@ def to_markdown(rows: list[dict[str, Any]], command: str) -> str:
     import torch
     import transformers
 
+    adamw = any(r.get("loop") == "adamw" for r in rows)
+    what = (
+        "the user's iteration (`AdamW(lr=1e-3)`: forward, backward, `opt.step()`, "
+        "`opt.zero_grad(set_to_none=True)`); budgets and the measured peak are the iteration's, "
+        "the prediction `report().iteration.peak`; `state = eager`: every parameter after the "
+        "iterations"
+        if adamw
+        else "forward and backward from zeroed gradients; `state = eager`: every gradient"
+    )
+
     out = [
         "# memcompile on Hugging Face client models",
         "",
@@ -190,7 +233,11 @@ def to_markdown(rows: list[dict[str, Any]], command: str) -> str:
         f"- models: tiny random configs (hidden 64, 2 layers, vocab {VOCAB}), batch {BATCH} x "
         f"{SEQ} tokens; peaks measured by the CPU profiler, absolute, in the step after "
         "`--steps` training steps",
+        f"- loop: {what}",
         "- budgets: 0.75 / 0.50 x eager's measured peak (`on_infeasible='best_effort'`)",
+        "- glue to host: bytes the eager glue's saved tensors sent to the host tier in the last "
+        "call (`report().glue`; turned on when a measured iteration with eager frames is over "
+        "the budget), `-` while off",
         "- the step keeps only `out.loss`: the logits die before `backward`, while memcompile's "
         "prediction assumes the caller holds every output (128 KiB here)",
         "- eager frames: frames Dynamo runs eagerly; their activations and gradients are in the "
@@ -198,9 +245,9 @@ def to_markdown(rows: list[dict[str, Any]], command: str) -> str:
         "measured them beyond the plans (`report().unseen_bytes`)",
         "",
         "| model | config | budget MiB | measured MiB | predicted MiB | within budget | "
-        "budget warnings | fragments | eager frames | loss = eager | grads = eager | "
-        "grads = aot_eager |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "budget warnings | fragments | eager frames | glue to host | loss = eager | "
+        "state = eager | state = aot_eager |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
@@ -215,6 +262,7 @@ def to_markdown(rows: list[dict[str, Any]], command: str) -> str:
             f"| {r['model']} | {r['config']} | {_mib(budget)} | {_mib(peak)} | {pred} | "
             f"{within} | {r.get('budget_warnings', '-') if budget is not None else '-'} | "
             f"{r.get('fragments', '-')} | {r.get('eager_frames', '-')} | "
+            f"{_mib(r.get('glue_bytes'))} | "
             f"{_yes(r.get('loss_equal_eager'))} | {_yes(r.get('grads_equal_eager'))} | "
             f"{_yes(r.get('grads_equal_aot_eager'))} |"
         )
@@ -232,6 +280,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--steps", type=int, default=2, help="training steps before the measured one (default 2)"
     )
+    ap.add_argument(
+        "--loop",
+        choices=("step", "adamw"),
+        default="step",
+        help="step: forward and backward from zeroed gradients (default); adamw: the user's "
+        "iteration (AdamW step, zero_grad), its peak the budgets' base and the one measured",
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=int, help=argparse.SUPPRESS)
@@ -243,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
               "transformers", file=sys.stderr)  # fmt: skip
         return 2
     if args.one:
-        print(json.dumps(run_one(args.one, args.config, args.budget, args.steps)))
+        print(json.dumps(run_one(args.one, args.config, args.budget, args.steps, args.loop)))
         return 0
     models, configs = args.models.split(","), args.configs.split(",")
     for m in models:
@@ -254,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown config {c!r}; choose from {', '.join(CONFIGS)}")
     rows: list[dict[str, Any]] = []
     for m in models:
-        eager = _subprocess(m, "eager", None)
+        eager = _subprocess(m, "eager", None, loop=args.loop)
         if "eager" in configs:
             rows.append(eager)
         for c in configs:
@@ -262,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             base = eager.get("measured_peak")
             budget = None if c == "mc_none" or base is None else int(base * int(c[3:]) / 100)
-            rows.append(_subprocess(m, c, budget, args.steps))
+            rows.append(_subprocess(m, c, budget, args.steps, args.loop))
             print(json.dumps(rows[-1]), flush=True)
     command = "OMP_NUM_THREADS=1 python benchmarks/clients.py " + " ".join(
         sys.argv[1:] if argv is None else argv

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +30,8 @@ from memcompile.config import MemConfig
 from memcompile.errors import format_bytes
 from memcompile.planning.plan import FragmentPlan, MemoryPlan
 from memcompile.planning.replan import Replan
+from memcompile.runtime.glue import GlueStats
+from memcompile.runtime.glue_params import GlueParam
 from memcompile.step.fraction import MeasuredBudget
 
 if TYPE_CHECKING:  # the pilot imports LightGBM: only when a model uses it
@@ -180,6 +182,12 @@ class MemReport:
         unseen_bytes: bytes a measured iteration (CPU samples) peaked above its prediction, which
             every later prediction counts (``StepBudget.unseen``): memory the plans do not see,
             such as the eager glue between regional fragments; 0 when none was measured.
+        glue: the eager glue's saved tensors: whether they go to the host tier (turned on when
+            a measured step with eager frames passed the budget), why, and the tensors and
+            bytes the last model call sent there (``runtime/glue.py``).
+        glue_params: the parameters no fragment takes (only eager code reads them) that went
+            to the host tier with the others, fetched around their modules' forward
+            (``runtime/glue_params.py``).
         regions: the ``torch.nn`` modules called from frames in ``fallbacks`` that memcompile
             compiles as fragments of their own (``backends/regions.py``); the tensor operations
             between them in those frames stay eager.
@@ -213,6 +221,8 @@ class MemReport:
     measured_budget: MeasuredBudget | None = None
     regions: tuple[Region, ...] = ()
     unseen_bytes: int = 0
+    glue: GlueStats = field(default_factory=GlueStats)
+    glue_params: tuple[GlueParam, ...] = ()
 
     @property
     def eager_frames(self) -> int:
@@ -250,6 +260,8 @@ class MemReport:
             "fallbacks": [f.to_dict() for f in self.fallbacks],
             "regions": [r.to_dict() for r in self.regions],
             "unseen_bytes": self.unseen_bytes,
+            "glue": self.glue.to_dict(),
+            "glue_params": [g.to_dict() for g in self.glue_params],
             "eager_frames": self.eager_frames,
             "dynamic": self.dynamic,
             "recompile_limit_raised": (
@@ -363,6 +375,21 @@ class MemReport:
             lines.append(
                 f"  measured beyond the plans: {format_bytes(self.unseen_bytes)} (counted in "
                 "every prediction since)"
+            )
+        if self.glue.on:
+            lines.append(
+                f"  the eager glue's saved tensors to the host tier ({self.glue.why}): "
+                f"{self.glue.tensors} tensors, {format_bytes(self.glue.bytes)} in the last call"
+            )
+        if self.glue_params:
+            names = ", ".join(
+                f"{g.module + '.' if g.module else ''}{g.name} ({format_bytes(g.nbytes)})"
+                for g in self.glue_params[:6]
+            )
+            more = f", ... ({len(self.glue_params) - 6} more)" if len(self.glue_params) > 6 else ""
+            lines.append(
+                "  parameters only eager code reads, in the host tier (fetched around their "
+                f"modules' forward): {names}{more}"
             )
         for fb in self.fallbacks:
             lines.append(f"  EAGER {fb.code}: {fb.kind}: {fb.reason}{_regions_note(self, fb)}")
@@ -579,6 +606,8 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
         fallbacks=tuple(compiler.fallbacks),
         regions=tuple(compiler.regional.regions) if compiler.regional is not None else (),
         unseen_bytes=compiler.budget.unseen,
+        glue=compiler.glue.stats,
+        glue_params=tuple(compiler.glue.params.params),
         host_param_bytes=compiler.resident.host_param_bytes,
         pilot=compiler.prefetcher.report() if compiler.prefetcher is not None else None,
         dynamic=compiler.dynamic,

@@ -71,7 +71,7 @@ from memcompile.backends.sharded import RankCheck, ShardedModel
 from memcompile.config import MemConfig
 from memcompile.dynamic.prefetch import Prefetcher
 from memcompile.dynamic.trace import TraceRecorder
-from memcompile.errors import MemoryBudgetWarning
+from memcompile.errors import MemoryBudgetWarning, format_bytes
 from memcompile.pipeline import features
 from memcompile.pipeline.env import FragmentEnv
 from memcompile.records import FragmentIdentity, FragmentRecord, StepEvent
@@ -79,9 +79,15 @@ from memcompile.rewrites.context import PassContext
 from memcompile.rewrites.input_uses import InputSplit, split_inputs_pass
 from memcompile.runtime import copy_engine, scalar_reads
 from memcompile.runtime.compile_callbacks import ensure_compile_callbacks
+from memcompile.runtime.glue import GlueOffload, pause
 from memcompile.runtime.peakwatch import PeakWatch
 from memcompile.runtime.pinned import install_hooks as install_pinned_hooks
-from memcompile.runtime.store import HOSTABLE_DEVICES, TieredStore, register_store
+from memcompile.runtime.store import (
+    HOSTABLE_DEVICES,
+    TieredStore,
+    is_off_device,
+    register_store,
+)
 from memcompile.step.budget import StepBudget, reset_codes
 from memcompile.step.checks import StepChecks
 from memcompile.step.fraction import BudgetFraction
@@ -166,6 +172,10 @@ class MemCompiler:
         self.recompile_limit_raised: tuple[int, int] | None = None
         self.store = TieredStore(config.disk_path)
         self.store_key = register_store(self.store)
+        #: The eager glue's saved tensors, sent to the host tier when a measured step with
+        #: eager frames is over the budget (runtime/glue.py).
+        self.glue = GlueOffload(self.store, lambda: self._device, self._model_tensors)
+        self._glue_params_done = False
         self.fsdp = ShardedModel(check_ranks=config.check_ranks)
         # The compute device (the first fragment's) and the parameters fragments took.
         self._device: torch.device | None = None
@@ -220,7 +230,12 @@ class MemCompiler:
             config, self.records, self.step_monitor, self.resident, self.iteration
         )
         self.checks = StepChecks(
-            config, self.records, self.step_monitor, self.budget, lambda: len(self.fallbacks)
+            config,
+            self.records,
+            self.step_monitor,
+            self.budget,
+            lambda: len(self.fallbacks),
+            glue=self.glue.turn_on if config.swap else None,
         )
         self.prefetcher: Prefetcher | None = None
         #: fragment compiles so far (first compiles and re-plans): a pilot trial's step with one
@@ -257,11 +272,21 @@ class MemCompiler:
     def _model(self) -> torch.nn.Module | None:
         return self.model() if self.model is not None else None
 
+    def _model_tensors(self) -> list[torch.Tensor]:
+        # What stays on the device whatever the glue saves: the model's parameters and buffers.
+        model = self._model()
+        if model is None:
+            return []
+        return [*self.glue.params.real(model.parameters()), *model.buffers()]
+
     def _loop_params(self) -> list[torch.Tensor]:
         """The parameters a training loop steps: the model's when known, else those the
         fragments took as inputs."""
         model = self._model()
-        return list(model.parameters()) if model is not None else list(self._params.values())
+        if model is None:
+            return list(self._params.values())
+        # During a module's forward its glue-read parameters are fetched copies: the real ones.
+        return self.glue.params.real(model.parameters())
 
     def _compute_device(self) -> torch.device:
         return self._device or torch.device("cpu")
@@ -390,9 +415,13 @@ class MemCompiler:
         build = self._build(index, split, real, identity, old, resident, saved_cap)
         build.code = code_location(gm)
         self.note_dynamic_fragment(build.index, gm)
-        with slow_compile_notice(f"F{index}", nodes=len(gm.graph.nodes), budget=self.config.budget):
+        # Planning runs graphs; in a call whose glue goes to the host tier, not through its hooks.
+        with (
+            pause(),
+            slow_compile_notice(f"F{index}", nodes=len(gm.graph.nodes), budget=self.config.budget),
+        ):
             compiled, record = build.compile(gm, compile_inputs, identity)
-        compiled = split.wrap(compiled)
+        compiled = self.glue.paused(split.wrap(compiled))
         self.budget.compiled(record.index, compiling_code())
         with self._lock:
             # A re-planned fragment's record is replaced where its index is (the record it was
@@ -463,6 +492,7 @@ class MemCompiler:
             self.checks.reset()
             self.resident.reset()
             self.iteration.reset()
+            self.glue.reset()
             # Dynamo forgot the frames' code and strategies: they compile (and count) anew.
             self._graphs_per_code.clear()
             self._regional_codes.clear()
@@ -615,6 +645,7 @@ class MemCompiler:
             self._dispatch_mode_call()
             cursor = fallback_monitor.cursor()
             regional.enter()
+            self.glue.enter()
             # The numbers the model's Python reads from tensors (an expert's index, an exit's
             # confidence) for the pilot and the trace; the tensor methods are wrapped only while
             # such a call runs.
@@ -624,6 +655,7 @@ class MemCompiler:
             def leave() -> None:
                 if reads:
                     scalar_reads.stop(sink)
+                self.glue.leave()
                 regional.leave()
                 if self.checks.sampling and not self.iteration.optimizers:
                     # A loop without an optimizer: its sample, begun at this call's start
@@ -705,6 +737,47 @@ class MemCompiler:
         self._rebudget()
         self.budget.apply_replans()
         self._skip_recompiling()
+        self._host_glue_params()
+
+    def _host_glue_params(self) -> None:
+        """Once parameters go to the host tier (``offload_params=True``, or ``"auto"``
+        having moved some to fit the budget) and a step was seen (its fragments compiled),
+        move the model's parameters no fragment takes — those only eager code reads, an HF
+        MoE's eager experts — there too, fetched around their modules' forward
+        (runtime/glue_params.py). Once per compiler."""
+        offload = self.config.offload_params
+        if self._glue_params_done or not (
+            offload is True
+            or (
+                offload == "auto"
+                and (self.resident.host_step or self.resident.host_param_bytes > 0)
+            )
+        ):
+            return
+        model, device = self._model(), self._device
+        if model is None or device is None or self.step_monitor.steps_observed < 1:
+            return
+        self._glue_params_done = True
+        if device.type not in HOSTABLE_DEVICES or self.fsdp.sharded is not None:
+            return
+        taken = {a for r in self.records() for a, _ in r.static_storages}
+        names = [
+            name
+            for name, p in model.named_parameters()
+            if p.device == device
+            and not is_off_device(p)
+            and p.untyped_storage().data_ptr() not in taken
+            and self.resident.may_host(p)
+        ]
+        if not names:
+            return
+        freed = self.glue.params.install(model, names, device, self.resident.move_to_host)
+        self.resident.host_param_bytes += freed
+        # Saved views of the fetched copies go back to the parameters, not the device.
+        self.glue.turn_on(
+            f"{len(names)} parameter(s) only eager code reads are in the host tier "
+            f"({format_bytes(freed)})"
+        )
 
     def _dispatch_mode_call(self) -> None:
         fallback = dispatch_mode_fallback()

@@ -8,15 +8,21 @@
                     forward, from the call's start), sampled: the first iteration without a
                     compile after each compile; over the budget and the iteration's prediction
                     -> MemoryBudgetWarning, once; what a sample peaks above the prediction
-                    (with eager frames, a forward above the forward's) -> StepBudget.unseen,
-                    which later predictions count. Between samples the CPU pays nothing; the
+                    (with eager frames, over the budget or not; without an optimizer, a
+                    forward above the forward's) -> StepBudget.unseen, which later
+                    predictions count. Between samples the CPU pays nothing; the
                     user's own profiling is never disturbed (no sample begins while a profiler
                     runs, and none spans the user's code between calls without an optimizer)
+    eager glue      a measured peak through the backward (CUDA's step, the CPU's sample of
+                    an optimizer's iteration) over the budget, with eager frames: first the
+                    glue's saved tensors go to the host tier (runtime/glue.py) and the next
+                    iteration is measured again; only then is the excess warned about or
+                    counted
     gradient order  an input whose several contributions a fragment's backward sums, after
                     another call of the step added to its gradient first: the last bits may
                     differ from eager's -> GradientOrderWarning, once per fragment input
 
-Both only read the step the monitor recorded; neither changes a plan (the unseen bytes make the
+They only read the step the monitor recorded; none changes a plan (the unseen bytes make the
 budget's next check re-plan).
 """
 
@@ -55,6 +61,8 @@ class StepChecks:
         monitor: the recorded steps.
         budget: told when a measured step exceeds the budget (``over_budget``).
         eager_frames: how many frames Dynamo ran eagerly (named in the warning).
+        glue: sends the eager glue's saved tensors to the host tier (runtime/glue.py) given
+            why; returns False when they go there already. ``None``: never (``swap=False``).
 
     Attributes:
         peak_watch: CUDA with a budget: each step's measured peak against it.
@@ -71,12 +79,15 @@ class StepChecks:
         monitor: StepMonitor,
         budget: StepBudget,
         eager_frames: Callable[[], int],
+        *,
+        glue: Callable[[str], bool] | None = None,
     ) -> None:
         self._config = config
         self._records = records
         self._monitor = monitor
         self._budget = budget
         self._eager_frames = eager_frames
+        self._glue = glue
         self.peak_watch: PeakWatch | None = None
         self.summed_grads: list[str] = []
         self.compiled_in_step = False
@@ -136,6 +147,8 @@ class StepChecks:
         peak = watch.step_boundary()
         if peak is None:
             return
+        if self._glue_to_host(peak, watch.budget, "a step"):
+            return
         self._budget.over_budget = True
         if compiled in self._peak_warned:
             return
@@ -156,6 +169,18 @@ class StepChecks:
             MemoryBudgetWarning,
             stacklevel=3,
         )
+
+    def _glue_to_host(self, peak: int, budget: int, what: str) -> bool:
+        """A measured peak over the budget with eager frames in the model: the first answer
+        is to send the glue's saved tensors to the host tier and measure again (True)."""
+        eager = self._eager_frames()
+        if self._glue is None or not eager:
+            return False
+        why = (
+            f"{what} measured {format_bytes(peak)}, above budget={format_bytes(budget)}, "
+            f"with {eager} frame(s) Dynamo runs eagerly"
+        )
+        return self._glue(why)
 
     def _eager_note(self) -> str:
         """The eager frames, as a reason a measured peak passes the budget ("" if none)."""
@@ -244,23 +269,33 @@ class StepChecks:
             format_bytes(m.peak),
             format_bytes(budget),
         )
-        if not optimizer and self._eager_frames():
-            # A forward alone, with eager frames in it: against the forward's predicted calls.
-            # What the plans do not see there (the glue's saved tensors) is alive when the
-            # backward begins too, so every later prediction counts it.
-            forward = self._budget.forward_peak()
-            if forward and peak > forward * (1 + TOLERANCE):
-                self._budget.measured_unseen(peak - forward)
-        if peak <= budget * (1 + TOLERANCE):
+        over = peak > budget * (1 + TOLERANCE)
+        if over and optimizer and self._glue_to_host(peak, budget, "a sampled iteration"):
+            # Measured again with the glue's saved tensors off the device, before anything it
+            # showed is counted. (Only a sample through the backward shows what that costs
+            # there: a loop without an optimizer is sampled through its forward alone.)
+            self._samples_left += 1
+            return
+        predicted = max(self._budget.iteration_peaks.values(), default=0)
+        counted = False
+        if self._eager_frames():
+            # Eager frames: what the plans do not see (the glue's memory) is counted in every
+            # later prediction, over the budget or not, so that the prediction is the measured
+            # peak. A forward alone (no optimizer) is held against the forward's predicted
+            # calls: what the glue saves there is alive when the backward begins too.
+            reference = self._budget.forward_peak() if not optimizer else predicted
+            if reference and peak > reference * (1 + TOLERANCE):
+                self._budget.measured_unseen(peak - reference)
+                counted = True
+        if not over:
             return
         self._budget.over_budget = True
         # A prediction over the budget was told already: the sample tells only what no plan
         # predicted (the loop's own memory), which later predictions count (re-planning the
         # step with less room).
-        predicted = max(self._budget.iteration_peaks.values(), default=0)
         if peak <= predicted * (1 + TOLERANCE):
             return
-        if predicted and optimizer:
+        if predicted and optimizer and not counted:
             self._budget.measured_unseen(peak - predicted)
         if self._sample_warned:
             return
