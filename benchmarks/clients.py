@@ -113,27 +113,29 @@ def run_one(
 
     optimizers: dict[int, torch.optim.Optimizer] = {}
 
-    def step(fn: Any, net: Any) -> torch.Tensor:
-        if loop == "adamw":
-            opt = optimizers.setdefault(id(net), torch.optim.AdamW(net.parameters(), lr=1e-3))
-            loss = fn(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-        net.zero_grad(set_to_none=True)
-        loss = fn(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return loss.detach()
+    def opt_of(net: Any) -> torch.optim.Optimizer | None:
+        if loop != "adamw":
+            return None
+        if id(net) not in optimizers:
+            optimizers[id(net)] = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        return optimizers[id(net)]
 
-    def resident(net: Any) -> list[Any]:
-        return [net, ids, *([optimizers[id(net)]] if id(net) in optimizers else [])]
+    def step(fn: Any, net: Any) -> torch.Tensor:
+        return _iteration(fn, net, opt_of(net), ids)
+
+    def measured(fn: Any, net: Any) -> int:
+        # The measured function reaches this model, its optimizer and the batch only (not the
+        # other copies' optimizers: measure counts what its function can reach as resident).
+        opt = opt_of(net)
+        return measure(
+            lambda: _iteration(fn, net, opt, ids), resident=[net, ids, *([opt] if opt else [])]
+        ).peak
 
     row: dict[str, Any] = {"model": name, "config": config, "budget": budget, "loop": loop}
     if config == "eager":
         step(model, model)
         model.zero_grad(set_to_none=True)
-        row["measured_peak"] = measure(lambda: step(model, model), resident=resident(model)).peak
+        row["measured_peak"] = measured(model, model)
         return row
     ref, aot = copy.deepcopy(model), copy.deepcopy(model)
     opts: dict[str, Any] = {} if budget is None else {"budget": budget}
@@ -146,7 +148,7 @@ def run_one(
             loss = step(compiled, model)
             loss_ref, loss_aot = step(ref, ref), step(aot_compiled, aot)
         model.zero_grad(set_to_none=True)
-        peak = measure(lambda: step(compiled, model), resident=resident(model)).peak
+        peak = measured(compiled, model)
         if loop == "adamw":  # the same iterations on the copies: their parameters compared
             step(ref, ref), step(aot_compiled, aot)
         else:
@@ -183,6 +185,19 @@ def run_one(
         budget_warnings=sum(w.category is memcompile.MemoryBudgetWarning for w in caught),
     )
     return row
+
+
+def _iteration(fn: Any, net: Any, opt: Any, ids: Any) -> Any:
+    """One training step: with ``opt``, the user's iteration (backward, ``opt.step()``,
+    ``zero_grad``); without, forward and backward from zeroed gradients."""
+    if opt is None:
+        net.zero_grad(set_to_none=True)
+    loss = fn(input_ids=ids, labels=ids).loss
+    loss.backward()
+    if opt is not None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return loss.detach()
 
 
 def _subprocess(
@@ -236,8 +251,9 @@ def to_markdown(rows: list[dict[str, Any]], command: str) -> str:
         f"- loop: {what}",
         "- budgets: 0.75 / 0.50 x eager's measured peak (`on_infeasible='best_effort'`)",
         "- glue to host: bytes the eager glue's saved tensors sent to the host tier in the last "
-        "call (`report().glue`; turned on when a measured iteration with eager frames is over "
-        "the budget), `-` while off",
+        "call (`report().glue`: on once a measured iteration through the backward with eager "
+        "frames passed the budget, or once the parameters only eager code reads went to the host "
+        "with the others), `-` while off",
         "- the step keeps only `out.loss`: the logits die before `backward`, while memcompile's "
         "prediction assumes the caller holds every output (128 KiB here)",
         "- eager frames: frames Dynamo runs eagerly; their activations and gradients are in the "

@@ -471,3 +471,34 @@ def test_cuda_router_counts_are_read_at_the_tail_and_the_rule_predicts() -> None
     prefetcher = find_compiler(compiled)[0].prefetcher
     assert prefetcher is not None
     assert prefetcher.cache.by_tag["rule@1"].hit > 0
+
+
+def test_cuda_the_glue_on_the_host_gives_eager_gradients() -> None:
+    # The eager glue's saved tensors through the host tier (runtime/glue.py) and a parameter
+    # only eager code reads fetched around the forward (runtime/glue_params.py): gradients bit
+    # for bit (SGD with lr=0 keeps the parameters equal, whichever side steps them).
+    import copy
+
+    from test_glue import _GlueMoE
+
+    x = torch.randn(256, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    torch.manual_seed(0)
+    model = _GlueMoE().cuda()
+    eager = copy.deepcopy(model)
+    compiled = memcompile.compile(model, offload_params=True)
+    opts = tuple(torch.optim.SGD(m.parameters(), lr=0.0) for m in (eager, model))
+    compiler, _ = find_compiler(compiled)
+    for step in range(5):
+        if step == 3:
+            compiler.glue.turn_on("test")  # on already: the parameter is on the host
+        for fn, opt in ((eager, opts[0]), (compiled, opts[1])):
+            opt.zero_grad(set_to_none=True)
+            fn(x).backward()
+        _assert_grads_equal(eager, model)
+        for opt in opts:
+            opt.step()
+    assert model.w.device.type == "cpu" and model.w.is_pinned()
+    assert model.w.grad is not None and model.w.grad.device.type == "cpu"
+    rep = memcompile.report(compiled)
+    assert [(g.module, g.name) for g in rep.glue_params] == [("", "w")]
+    assert rep.glue.on and rep.glue.tensors > 0

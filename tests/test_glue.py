@@ -4,6 +4,7 @@ iteration over the budget with eager frames, bit-identical training, the budget 
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -12,6 +13,8 @@ from torch import nn
 
 import memcompile
 from memcompile import EagerFallbackWarning
+from memcompile.backends.fallbacks import Fallback
+from memcompile.backends.regions import eager_readers, forward_label
 from memcompile.runtime import glue
 from memcompile.runtime.glue import GlueOffload, pause
 from memcompile.runtime.store import TieredStore, is_host_placed
@@ -335,3 +338,39 @@ def test_a_module_calling_itself_keeps_its_fetched_copy_until_its_own_forward_en
     assert is_host_placed(model.rec.w) and model.rec._parameters["w"] is model.rec.w
     # Each of the last calls' three nested forwards read the device copy throughout.
     assert model.rec.host_reads[-6:] == [False] * 6
+
+
+def _wrapping(fn):  # a decorator as Hugging Face's experts implementation is: functools.wraps
+    @functools.wraps(fn)
+    def forward(self, *args):
+        return fn(self, *args)
+
+    return forward
+
+
+class _Wrapped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(2))
+        self.inner = nn.Linear(2, 2)
+
+    @_wrapping
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inner(x) * self.w
+        return x
+
+
+def test_eager_readers_are_the_modules_whose_own_forward_or_its_continuation_runs_eagerly() -> None:
+    model = nn.Sequential(_Wrapped(), _GlueMoE())
+    inner = _Wrapped.forward.__wrapped__.__code__
+    first = inner.co_firstlineno
+    resume = f"torch_dynamo_resume_in_forward_at_{first + 2} ({inner.co_filename}:{first + 2})"
+    fallbacks = [
+        Fallback(resume, "skipped_frame", "", "", ""),
+        Fallback(forward_label(_GlueMoE()) or "", "failed_frame", "", "", ""),
+    ]
+    assert eager_readers(model, fallbacks) == ("0", "1")
+    # Not a kind whose frame runs eagerly on every call; a line outside the function.
+    assert eager_readers(model, [Fallback(fallbacks[1].code, "dispatch_mode", "", "", "")]) == ()
+    outside = f"torch_dynamo_resume_in_forward_at_{first + 40} ({inner.co_filename}:{first + 40})"
+    assert eager_readers(model, [Fallback(outside, "skipped_frame", "", "", "")]) == ()

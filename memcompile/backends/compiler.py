@@ -66,7 +66,7 @@ from memcompile.backends.fragment_build import (
 )
 from memcompile.backends.identity import fragment_identity
 from memcompile.backends.progress import slow_compile_notice
-from memcompile.backends.regions import RegionSet, find_regions, install_regions
+from memcompile.backends.regions import RegionSet, eager_readers, find_regions, install_regions
 from memcompile.backends.sharded import RankCheck, ShardedModel
 from memcompile.config import MemConfig
 from memcompile.dynamic.prefetch import Prefetcher
@@ -175,7 +175,7 @@ class MemCompiler:
         #: The eager glue's saved tensors, sent to the host tier when a measured step with
         #: eager frames is over the budget (runtime/glue.py).
         self.glue = GlueOffload(self.store, lambda: self._device, self._model_tensors)
-        self._glue_params_done = False
+        self._glue_params_seen = -1  # fallbacks when the glue's parameters were looked at
         self.fsdp = ShardedModel(check_ranks=config.check_ranks)
         # The compute device (the first fragment's) and the parameters fragments took.
         self._device: torch.device | None = None
@@ -744,9 +744,9 @@ class MemCompiler:
         having moved some to fit the budget) and a step was seen (its fragments compiled),
         move the model's parameters no fragment takes — those only eager code reads, an HF
         MoE's eager experts — there too, fetched around their modules' forward
-        (runtime/glue_params.py). Once per compiler."""
+        (runtime/glue_params.py). Again as more frames fall back."""
         offload = self.config.offload_params
-        if self._glue_params_done or not (
+        if self._glue_params_seen == len(self.fallbacks) or not (
             offload is True
             or (
                 offload == "auto"
@@ -757,14 +757,21 @@ class MemCompiler:
         model, device = self._model(), self._device
         if model is None or device is None or self.step_monitor.steps_observed < 1:
             return
-        self._glue_params_done = True
+        # Looked at again when Dynamo gives up on more frames (a model's first calls claim
+        # theirs as they end).
+        self._glue_params_seen = len(self.fallbacks)
         if device.type not in HOSTABLE_DEVICES or self.fsdp.sharded is not None:
             return
+        # The parameters held directly by modules whose own forward runs eagerly, that no
+        # fragment takes (not a region's: those are fragments' once they run).
         taken = {a for r in self.records() for a, _ in r.static_storages}
+        modules = dict(model.named_modules())
         names = [
-            name
-            for name, p in model.named_parameters()
-            if p.device == device
+            f"{path}.{name}" if path else name
+            for path in eager_readers(model, self.fallbacks)
+            for name, p in modules[path]._parameters.items()
+            if p is not None
+            and p.device == device
             and not is_off_device(p)
             and p.untyped_storage().data_ptr() not in taken
             and self.resident.may_host(p)
@@ -773,6 +780,7 @@ class MemCompiler:
             return
         freed = self.glue.params.install(model, names, device, self.resident.move_to_host)
         self.resident.host_param_bytes += freed
+        self.checks.sample_again()  # what the step holds changed: measured again (CPU)
         # Saved views of the fetched copies go back to the parameters, not the device.
         self.glue.turn_on(
             f"{len(names)} parameter(s) only eager code reads are in the host tier "

@@ -158,7 +158,7 @@ def _classify(reason: str) -> str:
 
 #: A function as ``(file, name, first line, last line)``.
 FunctionSpan = tuple[str, str, int, int]
-_RESUME_PREFIX = "torch_dynamo_resume_in_"
+RESUME_PREFIX = "torch_dynamo_resume_in_"
 _EVAL_FRAME = os.path.join("torch", "_dynamo", "eval_frame.py")
 
 
@@ -193,10 +193,10 @@ class _Event:
 
     def defined_in(self, functions: Collection[FunctionSpan]) -> bool:
         name, line = self.function, self.first_line
-        if name.startswith(_RESUME_PREFIX):
+        if name.startswith(RESUME_PREFIX):
             # Dynamo names f's continuation after a graph break at line N
             # `torch_dynamo_resume_in_f_at_N`: match f and N inside f.
-            name, _, at = name.removeprefix(_RESUME_PREFIX).rpartition("_at_")
+            name, _, at = name.removeprefix(RESUME_PREFIX).rpartition("_at_")
             line = int(at) if at.isdigit() else -1
             return any(
                 (file, fn) == (self.filename, name) and lo <= line <= hi

@@ -43,9 +43,16 @@ import torch
 from torch import nn
 from torch._dynamo.eval_frame import skip_code
 
-from memcompile.backends.fallbacks import Fallback, code_label
+from memcompile.backends.fallbacks import RESUME_PREFIX, Fallback, code_label, function_span
 
-__all__ = ["Region", "RegionSet", "find_regions", "forward_label", "install_regions"]
+__all__ = [
+    "Region",
+    "RegionSet",
+    "eager_readers",
+    "find_regions",
+    "forward_label",
+    "install_regions",
+]
 
 # Containers have no forward of their own: the modules in them are called from the frame that
 # holds the container.
@@ -124,6 +131,59 @@ def find_regions(model: nn.Module, fallbacks: Collection[Fallback]) -> tuple[Reg
                 seen.add(id(child))
                 regions.append(Region(path, type(child).__name__, _structure(child), caller))
     return tuple(regions)
+
+
+def _parse_label(label: str) -> tuple[str, str, int] | None:
+    # "function (file:line)" -> (file, function, line)
+    name, _, rest = label.partition(" (")
+    file, _, line = rest.removesuffix(")").rpartition(":")
+    return (file, name, int(line)) if line.isdigit() and file else None
+
+
+def eager_readers(model: nn.Module, fallbacks: Collection[Fallback]) -> tuple[str, ...]:
+    """The paths of the model's modules whose own ``forward`` runs eagerly (a fallback of a kind
+    in ``_REGIONAL_KINDS``, or a continuation of it after a graph break, Dynamo's
+    ``torch_dynamo_resume_in_forward_at_N``): the parameters they hold directly are read by eager
+    code, in model order."""
+    frames = [
+        parsed
+        for fb in fallbacks
+        if fb.kind in _REGIONAL_KINDS and (parsed := _parse_label(fb.code)) is not None
+    ]
+    if not frames:
+        return ()
+    found: list[str] = []
+    for path, module in model.named_modules():
+        if any(_runs(span, frames) for span in _forward_spans(module)):
+            found.append(path)
+    return tuple(found)
+
+
+def _forward_spans(module: nn.Module) -> Iterator[tuple[str, str, int, int]]:
+    # The module's forward and the functions it wraps (functools.wraps: Hugging Face's
+    # experts-implementation decorator wraps the class's own forward).
+    fn = getattr(type(module), "forward", None)
+    for _ in range(8):
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            return
+        yield function_span(code)
+        fn = getattr(fn, "__wrapped__", None)
+
+
+def _runs(span: tuple[str, str, int, int], frames: list[tuple[str, str, int]]) -> bool:
+    file, name, first, last = span
+    for f, n, line in frames:
+        if f != file:
+            continue
+        if n.startswith(RESUME_PREFIX):
+            n, _, at = n.removeprefix(RESUME_PREFIX).rpartition("_at_")
+            line = int(at) if at.isdigit() else -1
+            if n == name and first <= line <= last:
+                return True
+        elif n == name and line == first:
+            return True
+    return False
 
 
 def _calling(call: Callable[..., Any]) -> Callable[..., Any]:

@@ -18,12 +18,15 @@ when its backward node reads it, as ``torch.autograd.graph.save_on_cpu`` does::
 
 A fragment's call runs with the hooks paused (:meth:`GlueOffload.paused`, around each compiled
 callable): AOTAutograd's saves are what its plan decided. Parameters, buffers, tensors already
-off the device and tensors under ``MIN_BYTES`` pass through unchanged. A tensor saved several
-times while its storage is alive and unchanged is copied once. Values are copied exactly, so
-gradients stay bit-identical; only where the bytes live changes.
+off the device, fake tensors (Dynamo tracing inside the call) and tensors under ``MIN_BYTES``
+pass through unchanged. A tensor saved several times while its storage is alive and unchanged
+is copied once. A view of a glue-read parameter's fetched copy (``runtime/glue_params.py``) is
+kept as the parameter and the view's geometry, and read back from the parameter. Values are
+copied exactly, so gradients stay bit-identical; only where the bytes live changes.
 
-The compiler turns it on when a measured step is over the budget with eager frames in the model
-(``step/checks.py``), and reports what it moved (``report().glue``).
+The compiler turns it on when a measured step through the backward is over the budget with
+eager frames in the model (``step/checks.py``), or when it moves glue-read parameters to the
+host tier, and reports what it moved (``report().glue``).
 """
 
 from __future__ import annotations

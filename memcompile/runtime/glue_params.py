@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,8 +95,8 @@ class GlueParams:
         self._local = threading.local()
         self.params: list[GlueParam] = []
         self._handles: list[Any] = []
-        # id of a fetched device copy's storage -> (its parameter, the copy), while the
-        # module's forward runs and saved views of it may be made
+        # A fetched device copy's storage address -> its parameter, while the module's forward
+        # runs (the glue's pack hook keeps a saved view of the copy as the parameter's)
         self._fetched: dict[int, torch.Tensor] = {}
 
     @property
@@ -108,15 +108,15 @@ class GlueParams:
         model: nn.Module,
         names: Iterable[str],
         device: torch.device,
-        place: Any,
+        place: Callable[[torch.Tensor], int],
     ) -> int:
         """Move the parameters ``names`` (``model.named_parameters()`` names) to the host tier
         with ``place`` (``ResidentSet.move_to_host``) and fetch each around its module's
         forward. Returns the device bytes freed."""
-        wanted = set(names)
         owners: dict[str, list[str]] = {}
         modules = dict(model.named_modules())
-        for full in sorted(wanted):
+        new: list[GlueParam] = []
+        for full in dict.fromkeys(names):  # in the caller's (the model's) order
             path, _, name = full.rpartition(".")
             owners.setdefault(path, []).append(name)
         freed = 0
@@ -127,7 +127,7 @@ class GlueParams:
                 assert p is not None
                 nbytes = p.untyped_storage().nbytes()
                 freed += place(p)
-                self.params.append(GlueParam(path, name, nbytes))
+                new.append(GlueParam(path, name, nbytes))
             self._handles.append(
                 module.register_forward_pre_hook(self._pre_hook(tuple(names_), device))
             )
@@ -135,9 +135,10 @@ class GlueParams:
         log.info(
             "memcompile: %d parameter(s) only eager code reads moved to the host tier (%s), "
             "fetched around their modules' forward",
-            len(self.params),
-            ", ".join(f"{g.module}.{g.name}" if g.module else g.name for g in self.params),
+            len(new),
+            ", ".join(f"{g.module}.{g.name}" if g.module else g.name for g in new),
         )
+        self.params.extend(new)
         return freed
 
     def _held(self, module: nn.Module) -> list[list[tuple[str, torch.Tensor, torch.Tensor]]]:

@@ -137,6 +137,11 @@ class StepChecks:
                     budget, functools.partial(torch.cuda.max_memory_allocated, device)
                 )
 
+    def sample_again(self) -> None:
+        """Memory moved without a compile (the glue's parameters to the host tier): on the CPU,
+        measure the next iteration as after a compile."""
+        self._samples_left = max(self._samples_left, SAMPLED_ITERATIONS)
+
     # -- the measured peak -------------------------------------------------------------------
     def measured_peak(self) -> None:
         """CUDA: what the allocator saw during the step that just ended."""
