@@ -194,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         notes=[
             "AdamW, one micro-batch per iteration; peaks are the whole iteration's (CPU "
             "profiler), budgets a fraction of eager's measured iteration peak in the same run",
-            "predicted: the report's iteration peak; the eager glue between regions is in it only "
-            "as far as a sampled iteration measured it over the budget (report().unseen_bytes)",
+            "predicted: the report's iteration peak; the eager glue between regions is in it as "
+            "far as a sampled iteration (one after each compile) measured it beyond the plans "
+            "(report().unseen_bytes)",
             "mc_75_off: regional capture off (features.regional=False): nothing of the MoEs and "
             "early exit compiles; the tree compiles a graph per tree (a new one every step)",
         ],

@@ -16,7 +16,11 @@ Models (``--size bench``; ``tiny`` for tests):
   dropout; ``forward(tokens, targets)`` returns the loss);
 * ``llama``: a Hugging Face ``LlamaForCausalLM`` from a random config (vocab 2048, hidden 256,
   intermediate 688, 8 layers, 4 heads, T 256, B 2, ``use_cache=False``; no hub download); the loss
-  is ``model(input_ids=ids, labels=ids).loss`` and only the loss is kept.
+  is ``model(input_ids=ids, labels=ids).loss`` and only the loss is kept;
+* ``mixtral``: a Hugging Face ``MixtralForCausalLM`` as ``llama`` (intermediate 512, 4 layers) with
+  8 experts, top-2, ``experts_implementation="eager"`` (the routing loop runs eagerly: memcompile
+  compiles the modules around it as regions, manages the glue, and puts the experts' weights in
+  the host tier when the budget needs it).
 
 Part 1, one process per row (model, configuration, micro-batches). The process builds the model
 twice from one seed (a plain eager copy and the configured one, each with its own optimizer and
@@ -82,7 +86,7 @@ from machine import write_results
 log = logging.getLogger("train_loop")
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODELS = ("gpt", "llama")
+MODELS = ("gpt", "llama", "mixtral")
 SIZES = ("bench", "tiny")
 
 #: name -> what it is.
@@ -111,6 +115,17 @@ LLAMA_SIZES: dict[str, dict[str, int]] = {
     "bench": dict(vocab=2048, hidden=256, intermediate=688, layers=8, heads=4, seq=256, batch=2),
     "tiny": dict(vocab=256, hidden=64, intermediate=172, layers=2, heads=4, seq=32, batch=2),
 }
+#: ``mixtral``: as ``llama``, with experts (each of ``intermediate``) and top-k routing.
+MIXTRAL_SIZES: dict[str, dict[str, int]] = {
+    "bench": dict(
+        vocab=2048, hidden=256, intermediate=512, layers=4, heads=4, seq=256, batch=2,
+        experts=8, top=2,
+    ),
+    "tiny": dict(
+        vocab=256, hidden=64, intermediate=128, layers=2, heads=4, seq=32, batch=2,
+        experts=4, top=2,
+    ),
+}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- building models
@@ -163,12 +178,12 @@ def build(model: str, size: str, layers: int | None = None) -> Bench:
             loss=lambda fn, b: fn(*b),
             hf=False,
         )
-    if model == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
+    if model in ("llama", "mixtral"):
+        import transformers as tf
 
-        s = LLAMA_SIZES[size]
+        s = (LLAMA_SIZES if model == "llama" else MIXTRAL_SIZES)[size]
         n = layers if layers is not None else s["layers"]
-        cfg = LlamaConfig(
+        common = dict(
             vocab_size=s["vocab"],
             hidden_size=s["hidden"],
             intermediate_size=s["intermediate"],
@@ -180,7 +195,19 @@ def build(model: str, size: str, layers: int | None = None) -> Bench:
             attn_implementation="sdpa",
         )
         torch.manual_seed(0)
-        net = LlamaForCausalLM(cfg)
+        if model == "llama":
+            net = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+        else:
+            # The experts as Hugging Face's eager implementation runs them: a Python loop over
+            # the experts hit (graph breaks Dynamo cannot resume: frames run eagerly).
+            net = tf.MixtralForCausalLM(
+                tf.MixtralConfig(
+                    **common,
+                    num_local_experts=s["experts"],
+                    num_experts_per_tok=s["top"],
+                    experts_implementation="eager",
+                )
+            )
         net.train()
         vocab, shape = s["vocab"], (s["batch"], s["seq"])
 
@@ -193,7 +220,7 @@ def build(model: str, size: str, layers: int | None = None) -> Bench:
             return out.loss
 
         return Bench(
-            name=f"llama_{n}l",
+            name=f"{model}_{n}l",
             net=net,
             blocks=list(net.model.layers),
             batch=batch,

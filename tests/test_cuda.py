@@ -490,7 +490,7 @@ def test_cuda_the_glue_on_the_host_gives_eager_gradients() -> None:
     compiler, _ = find_compiler(compiled)
     for step in range(5):
         if step == 3:
-            compiler.glue.turn_on("test")  # on already: the parameter is on the host
+            compiler.glue.turn_on("test")  # the glue's saved tensors to the host tier too
         for fn, opt in ((eager, opts[0]), (compiled, opts[1])):
             opt.zero_grad(set_to_none=True)
             fn(x).backward()

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -255,8 +257,8 @@ def test_parameters_only_the_glue_reads_go_to_the_host_and_training_stays_bit_id
     assert rep.to_dict()["glue_params"] == [
         {"module": "", "name": "w", "nbytes": 6 * 4 * 32 * 128 * 4}
     ]
-    # Saved views of the fetched copy go back to the parameter (no host copy of their own).
-    assert rep.glue.on and "only eager code reads" in rep.glue.why
+    # With parameters on the host, the glue's saved tensors go there too.
+    assert rep.glue.on and "only eager code reads went to the host tier" in rep.glue.why
 
 
 def test_a_glue_read_parameter_changed_before_its_backward_is_an_error() -> None:
@@ -298,6 +300,7 @@ class _Rec(nn.Module):
         super().__init__()
         self.w = nn.Parameter(torch.randn(32, 32) / 6)
         self.host_reads: list[bool] = []
+        self.copies: list[weakref.ref[torch.Tensor]] = []
 
     def forward(self, x: torch.Tensor, depth: int) -> torch.Tensor:
         for _ in range(2):
@@ -308,6 +311,7 @@ class _Rec(nn.Module):
             x = x + self(x, depth - 1)
         # After the nested call returned: still the fetched copy, not the host parameter.
         self.host_reads.append(is_host_placed(self.w))
+        self.copies.append(weakref.ref(self.w))
         return x @ self.w
 
 
@@ -374,3 +378,26 @@ def test_eager_readers_are_the_modules_whose_own_forward_or_its_continuation_run
     assert eager_readers(model, [Fallback(fallbacks[1].code, "dispatch_mode", "", "", "")]) == ()
     outside = f"torch_dynamo_resume_in_forward_at_{first + 40} ({inner.co_filename}:{first + 40})"
     assert eager_readers(model, [Fallback(outside, "skipped_frame", "", "", "")]) == ()
+
+
+@pytest.mark.parametrize("swap", [True, False])
+def test_the_glues_saved_views_of_a_fetched_copy_do_not_keep_it_on_the_device(swap: bool) -> None:
+    # mm saves w (the fetched copy) for x's gradient: kept as the parameter's view, so the copy
+    # goes when its module's forward ends, before the backward. With swap=False too (the
+    # glue's own saved tensors then stay on the device).
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = _RecModel()
+    compiled = memcompile.compile(model, budget=2**30, offload_params=True, swap=swap)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EagerFallbackWarning)
+        _train(model, compiled, x, 3)
+        assert is_host_placed(model.rec.w)
+        model.rec.copies.clear()
+        loss = compiled(x)
+        gc.collect()
+        assert len(model.rec.copies) == 3
+        assert all(ref() is None for ref in model.rec.copies)
+        loss.backward()
+    assert model.rec.w.grad is not None and is_host_placed(model.rec.w.grad)
+    assert memcompile.report(compiled).glue.on is swap

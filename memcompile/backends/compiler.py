@@ -781,11 +781,14 @@ class MemCompiler:
         freed = self.glue.params.install(model, names, device, self.resident.move_to_host)
         self.resident.host_param_bytes += freed
         self.checks.sample_again()  # what the step holds changed: measured again (CPU)
-        # Saved views of the fetched copies go back to the parameters, not the device.
-        self.glue.turn_on(
-            f"{len(names)} parameter(s) only eager code reads are in the host tier "
-            f"({format_bytes(freed)})"
-        )
+        if self.config.swap:
+            # The budget has put parameters on the host: what the glue saves for backward is
+            # the device memory left that no plan manages (a loop without an optimizer is
+            # sampled through its forward only, so no measurement would show its backward).
+            self.glue.turn_on(
+                f"{len(names)} parameter(s) only eager code reads went to the host tier "
+                f"({format_bytes(freed)}) with the others"
+            )
 
     def _dispatch_mode_call(self) -> None:
         fallback = dispatch_mode_fallback()

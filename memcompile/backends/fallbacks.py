@@ -46,6 +46,8 @@ from torch.utils._python_dispatch import (
     is_in_any_mode_without_ignore_compile_internals,
 )
 
+from memcompile.pipeline import features
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -91,6 +93,13 @@ class EagerFallbackWarning(UserWarning):
     """Dynamo runs a frame eagerly; memcompile does not manage the memory it allocates."""
 
 
+#: Fallback kinds where the frame's code runs eagerly (on every call, or on every call its
+#: compiled graphs do not fit: the recompile limit); "recompiling": a frame memcompile runs
+#: eagerly after REGIONAL_AFTER compiles (compiler.py). The torch.nn modules such a frame calls
+#: become fragments of their own (regions.py). Under a dispatch mode nothing compiles.
+REGIONAL_KINDS = frozenset({"skipped_frame", "failed_frame", "recompile_limit", "recompiling"})
+
+
 @dataclass(frozen=True)
 class Fallback:
     """A frame Dynamo did not compile.
@@ -112,6 +121,15 @@ class Fallback:
     hint: str
 
     def message(self) -> str:
+        if self.kind in REGIONAL_KINDS and features.current().regional:
+            return (
+                f"memcompile: Dynamo runs {self.code} eagerly ({self.kind}: {self.reason}). "
+                "memcompile compiles the torch.nn modules it calls as fragments of their own "
+                "(regional capture); the tensor operations between them are not planned, only "
+                "measured (a sampled iteration on the CPU, each step on CUDA) and counted in "
+                "the prediction from then on, and what they save for backward goes to the host "
+                f"tier once a measured step passes the budget. Hint: {self.hint}."
+            )
         return (
             f"memcompile: Dynamo runs {self.code} eagerly ({self.kind}: {self.reason}); memory "
             f"allocated there is not managed by memcompile, nor in its predicted peak (a budget "

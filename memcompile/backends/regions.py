@@ -43,7 +43,13 @@ import torch
 from torch import nn
 from torch._dynamo.eval_frame import skip_code
 
-from memcompile.backends.fallbacks import RESUME_PREFIX, Fallback, code_label, function_span
+from memcompile.backends.fallbacks import (
+    REGIONAL_KINDS,
+    RESUME_PREFIX,
+    Fallback,
+    code_label,
+    function_span,
+)
 
 __all__ = [
     "Region",
@@ -57,10 +63,6 @@ __all__ = [
 # Containers have no forward of their own: the modules in them are called from the frame that
 # holds the container.
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
-# Fallback kinds where the frame's code runs eagerly (on every call, or on every call its
-# compiled graphs do not fit: the recompile limit); "recompiling": a frame memcompile runs
-# eagerly after REGIONAL_AFTER compiles (compiler.py). Under a dispatch mode nothing compiles.
-_REGIONAL_KINDS = frozenset({"skipped_frame", "failed_frame", "recompile_limit", "recompiling"})
 
 
 @dataclass(frozen=True)
@@ -116,8 +118,8 @@ def _structure(module: nn.Module) -> str:
 
 def find_regions(model: nn.Module, fallbacks: Collection[Fallback]) -> tuple[Region, ...]:
     """The ``torch.nn`` modules called from the model's modules whose ``forward`` runs eagerly
-    (a fallback of a kind in ``_REGIONAL_KINDS``), in the model's module order."""
-    fallen = {fb.code for fb in fallbacks if fb.kind in _REGIONAL_KINDS}
+    (a fallback of a kind in ``REGIONAL_KINDS``), in the model's module order."""
+    fallen = {fb.code for fb in fallbacks if fb.kind in REGIONAL_KINDS}
     if not fallen:
         return ()
     regions: list[Region] = []
@@ -142,13 +144,13 @@ def _parse_label(label: str) -> tuple[str, str, int] | None:
 
 def eager_readers(model: nn.Module, fallbacks: Collection[Fallback]) -> tuple[str, ...]:
     """The paths of the model's modules whose own ``forward`` runs eagerly (a fallback of a kind
-    in ``_REGIONAL_KINDS``, or a continuation of it after a graph break, Dynamo's
+    in ``REGIONAL_KINDS``, or a continuation of it after a graph break, Dynamo's
     ``torch_dynamo_resume_in_forward_at_N``): the parameters they hold directly are read by eager
     code, in model order."""
     frames = [
         parsed
         for fb in fallbacks
-        if fb.kind in _REGIONAL_KINDS and (parsed := _parse_label(fb.code)) is not None
+        if fb.kind in REGIONAL_KINDS and (parsed := _parse_label(fb.code)) is not None
     ]
     if not frames:
         return ()

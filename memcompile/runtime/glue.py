@@ -25,8 +25,9 @@ kept as the parameter and the view's geometry, and read back from the parameter.
 copied exactly, so gradients stay bit-identical; only where the bytes live changes.
 
 The compiler turns it on when a measured step through the backward is over the budget with
-eager frames in the model (``step/checks.py``), or when it moves glue-read parameters to the
-host tier, and reports what it moved (``report().glue``).
+eager frames in the model (``step/checks.py``), or when glue-read parameters go to the host tier
+(unless ``swap=False``: then the hooks keep only the parameters' views), and reports what it
+moved (``report().glue``).
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ class GlueOffload:
         self._device = device
         self._resident = resident
         self._local = threading.local()
+        #: the glue's saved tensors go to the host tier
         self.on = False
         self.why = ""
         self.stats = GlueStats()
@@ -156,24 +158,27 @@ class GlueOffload:
         return True
 
     def reset(self) -> None:
-        """Off again, as before the first measured step (the fragments are gone); but on
-        while parameters only eager code reads are in the host tier (they stay there, and
-        saved views of their fetched copies must not hold those on the device)."""
-        if self.params.params:
-            return
+        """Off again, as before the first measured step (the fragments are gone). The
+        parameters only eager code reads stay in the host tier, fetched as before."""
         self.on, self.why = False, ""
         self.stats = GlueStats()
+
+    @property
+    def hooked(self) -> bool:
+        """A model call runs under the hooks: the glue's saved tensors go to the host tier, or
+        saved views of glue-read parameters' fetched copies are kept as the parameters'."""
+        return self.on or bool(self.params.params)
 
     # -- a model call --------------------------------------------------------------------------
     def enter(self) -> None:
         """A model call begins: push the hooks (when on, on a known device, and the caller has
         no saved-tensor hooks of its own: those are the user's and win)."""
         stack: list[Any] = self._stack()
-        device = self._device() if self.on else None
+        device = self._device() if self.hooked else None
         if device is None or torch._C._autograd._top_saved_tensors_default_hooks(True):
             stack.append(None)
             return
-        call = _Call(self._store, device, self._resident(), self.params)
+        call = _Call(self._store, device, self._resident(), self.params, activations=self.on)
         # The hooks run inside the model's frames, which Dynamo evaluates: never traced.
         hooks = torch.autograd.graph.saved_tensors_hooks(
             torch._dynamo.disable(call.pack, reason="memcompile: the glue's pack hook"),
@@ -194,9 +199,10 @@ class GlueOffload:
         hooks, call = top
         hooks.__exit__(None, None, None)
         call.done()
-        self.stats = GlueStats(
-            on=True, why=self.why, tensors=call.tensors, bytes=call.bytes, kept=call.kept
-        )
+        if self.on:
+            self.stats = GlueStats(
+                on=True, why=self.why, tensors=call.tensors, bytes=call.bytes, kept=call.kept
+            )
 
     def _stack(self) -> list[Any]:
         stack = getattr(self._local, "stack", None)
@@ -213,7 +219,7 @@ class GlueOffload:
             compiled
         )  # a boxed callable's _boxed_call too: the arguments pass as given
         def run(*args: Any) -> Any:
-            if not self.on:
+            if not self.hooked:
                 return compiled(*args)
             with pause():
                 return compiled(*args)
@@ -240,9 +246,12 @@ class _Call:
         device: torch.device,
         resident: Iterable[torch.Tensor],
         params: GlueParams,
+        *,
+        activations: bool,
     ) -> None:
         self._store = store
         self._params = params
+        self._activations = activations
         self._device = device
         self._resident = {t.untyped_storage().data_ptr() for t in resident}
         # (storage, offset, shape, strides, dtype, version) -> the storage's weak reference and
@@ -265,6 +274,9 @@ class _Call:
         param = self._params.source(t)
         if param is not None:
             return _ParamView(param, t)
+        if not self._activations:
+            self.kept += 1
+            return t
         storage = t.untyped_storage()
         address = storage.data_ptr()
         if (
