@@ -261,11 +261,19 @@ def test_parameters_only_the_glue_reads_go_to_the_host_and_training_stays_bit_id
     assert rep.glue.on and "only eager code reads went to the host tier" in rep.glue.why
 
 
-def test_a_glue_read_parameter_changed_before_its_backward_is_an_error() -> None:
+def _hosting(make: type[nn.Module], **options: object) -> tuple:
+    """A batch, the model, an eager copy of it and the model compiled with its parameters on
+    the host (a budget nothing reaches)."""
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
-    model = _GlueMoE()
-    compiled = memcompile.compile(model, budget=2**30, offload_params=True)
+    model = make()
+    eager = copy.deepcopy(model)
+    compiled = memcompile.compile(model, budget=2**30, offload_params=True, **options)
+    return x, model, eager, compiled
+
+
+def test_a_glue_read_parameter_changed_before_its_backward_is_an_error() -> None:
+    x, model, _, compiled = _hosting(_GlueMoE)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EagerFallbackWarning)
         _train(model, compiled, x, 3)  # moved once a step with the regions compiled was seen
@@ -278,11 +286,7 @@ def test_a_glue_read_parameter_changed_before_its_backward_is_an_error() -> None
 
 
 def test_evaluation_reads_glue_parameters_from_their_fetched_copies() -> None:
-    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
-    torch.manual_seed(0)
-    model = _GlueMoE()
-    eager = copy.deepcopy(model)
-    compiled = memcompile.compile(model, budget=2**30, offload_params=True)
+    x, model, eager, compiled = _hosting(_GlueMoE)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EagerFallbackWarning)
         _train(model, compiled, x, 3)
@@ -326,11 +330,7 @@ class _RecModel(nn.Module):
 
 
 def test_a_module_calling_itself_keeps_its_fetched_copy_until_its_own_forward_ends() -> None:
-    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
-    torch.manual_seed(0)
-    model = _RecModel()
-    eager = copy.deepcopy(model)
-    compiled = memcompile.compile(model, budget=2**30, offload_params=True)
+    x, model, eager, compiled = _hosting(_RecModel)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EagerFallbackWarning)
         got = _train(model, compiled, x, 5)
@@ -385,10 +385,7 @@ def test_the_glues_saved_views_of_a_fetched_copy_do_not_keep_it_on_the_device(sw
     # mm saves w (the fetched copy) for x's gradient: kept as the parameter's view, so the copy
     # goes when its module's forward ends, before the backward. With swap=False too (the
     # glue's own saved tensors then stay on the device).
-    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
-    torch.manual_seed(0)
-    model = _RecModel()
-    compiled = memcompile.compile(model, budget=2**30, offload_params=True, swap=swap)
+    x, model, _, compiled = _hosting(_RecModel, swap=swap)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EagerFallbackWarning)
         _train(model, compiled, x, 3)
