@@ -51,12 +51,14 @@ from memcompile.pipeline import features
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "REGIONAL_KINDS",
     "EagerFallbackWarning",
     "Fallback",
     "FallbackMonitor",
     "FunctionSpan",
     "code_label",
     "dispatch_mode_fallback",
+    "frame_in",
     "function_span",
     "monitor",
 ]
@@ -176,7 +178,7 @@ def _classify(reason: str) -> str:
 
 #: A function as ``(file, name, first line, last line)``.
 FunctionSpan = tuple[str, str, int, int]
-RESUME_PREFIX = "torch_dynamo_resume_in_"
+_RESUME_PREFIX = "torch_dynamo_resume_in_"
 _EVAL_FRAME = os.path.join("torch", "_dynamo", "eval_frame.py")
 
 
@@ -210,17 +212,18 @@ class _Event:
     claimed: bool = False
 
     def defined_in(self, functions: Collection[FunctionSpan]) -> bool:
-        name, line = self.function, self.first_line
-        if name.startswith(RESUME_PREFIX):
-            # Dynamo names f's continuation after a graph break at line N
-            # `torch_dynamo_resume_in_f_at_N`: match f and N inside f.
-            name, _, at = name.removeprefix(RESUME_PREFIX).rpartition("_at_")
-            line = int(at) if at.isdigit() else -1
-            return any(
-                (file, fn) == (self.filename, name) and lo <= line <= hi
-                for file, fn, lo, hi in functions
-            )
-        return any((file, fn, lo) == (self.filename, name, line) for file, fn, lo, _ in functions)
+        return frame_in(self.filename, self.function, self.first_line, functions)
+
+
+def frame_in(file: str, name: str, line: int, functions: Collection[FunctionSpan]) -> bool:
+    """Whether the frame of code ``name`` at ``file:line`` is one of ``functions``, or its
+    continuation after a graph break: Dynamo names f's continuation at line N
+    ``torch_dynamo_resume_in_f_at_N`` (f's name, and N inside f)."""
+    if name.startswith(_RESUME_PREFIX):
+        name, _, at = name.removeprefix(_RESUME_PREFIX).rpartition("_at_")
+        line = int(at) if at.isdigit() else -1
+        return any((f, fn) == (file, name) and lo <= line <= hi for f, fn, lo, hi in functions)
+    return any((f, fn, lo) == (file, name, line) for f, fn, lo, _ in functions)
 
 
 class FallbackMonitor:

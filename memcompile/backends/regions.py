@@ -45,9 +45,10 @@ from torch._dynamo.eval_frame import skip_code
 
 from memcompile.backends.fallbacks import (
     REGIONAL_KINDS,
-    RESUME_PREFIX,
     Fallback,
+    FunctionSpan,
     code_label,
+    frame_in,
     function_span,
 )
 
@@ -156,12 +157,13 @@ def eager_readers(model: nn.Module, fallbacks: Collection[Fallback]) -> tuple[st
         return ()
     found: list[str] = []
     for path, module in model.named_modules():
-        if any(_runs(span, frames) for span in _forward_spans(module)):
+        spans = list(_forward_spans(module))
+        if spans and any(frame_in(f, n, line, spans) for f, n, line in frames):
             found.append(path)
     return tuple(found)
 
 
-def _forward_spans(module: nn.Module) -> Iterator[tuple[str, str, int, int]]:
+def _forward_spans(module: nn.Module) -> Iterator[FunctionSpan]:
     # The module's forward and the functions it wraps (functools.wraps: Hugging Face's
     # experts-implementation decorator wraps the class's own forward).
     fn = getattr(type(module), "forward", None)
@@ -171,21 +173,6 @@ def _forward_spans(module: nn.Module) -> Iterator[tuple[str, str, int, int]]:
             return
         yield function_span(code)
         fn = getattr(fn, "__wrapped__", None)
-
-
-def _runs(span: tuple[str, str, int, int], frames: list[tuple[str, str, int]]) -> bool:
-    file, name, first, last = span
-    for f, n, line in frames:
-        if f != file:
-            continue
-        if n.startswith(RESUME_PREFIX):
-            n, _, at = n.removeprefix(RESUME_PREFIX).rpartition("_at_")
-            line = int(at) if at.isdigit() else -1
-            if n == name and first <= line <= last:
-                return True
-        elif n == name and line == first:
-            return True
-    return False
 
 
 def _calling(call: Callable[..., Any]) -> Callable[..., Any]:
