@@ -115,8 +115,15 @@ def test_glue_stays_on_the_device_when_the_iteration_fits(
     rep = memcompile.report(compiled)
     assert not rep.glue.on and rep.glue.tensors == 0
     assert "saved tensors to the host tier" not in str(rep)
-    # What the sample saw beyond the plans (the glue) is in the prediction, under the budget too.
+    # What the sample saw beyond the plans (the glue) is in the prediction, under the budget too:
+    # the iteration is predicted at what it measured.
     assert rep.unseen_bytes > 0
+    assert rep.iteration is not None and rep.iteration.peak is not None
+    assert rep.measured_peak is not None
+    assert abs(rep.iteration.peak - rep.measured_peak) <= 0.02 * rep.measured_peak, (
+        rep.iteration.peaks,
+        rep.measured_peak,
+    )
 
 
 def test_swap_false_keeps_the_glue_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -287,8 +287,15 @@ class StepChecks:
             # Eager frames: what the plans do not see (the glue's memory) is counted in every
             # later prediction, over the budget or not, so that the prediction is the measured
             # peak. A forward alone (no optimizer) is held against the forward's predicted
-            # calls: what the glue saves there is alive when the backward begins too.
-            reference = self._budget.forward_peak() if not optimizer else predicted
+            # calls: what the glue saves there is alive when the backward begins too. With an
+            # optimizer, against the micro-batches' predictions, which are what counts it (the
+            # optimizer step's does not; held against a higher step the excess was short).
+            steps = [
+                p for phase, p in self._budget.iteration_peaks.items() if phase != "optimizer step"
+            ]
+            reference = (
+                self._budget.forward_peak() if not optimizer else max(steps, default=predicted)
+            )
             if reference and peak > reference * (1 + TOLERANCE):
                 self._budget.measured_unseen(peak - reference)
                 counted = True
