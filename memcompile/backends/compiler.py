@@ -174,7 +174,9 @@ class MemCompiler:
         self.store_key = register_store(self.store)
         #: The eager glue's saved tensors, sent to the host tier when a measured step with
         #: eager frames is over the budget (runtime/glue.py).
-        self.glue = GlueOffload(self.store, lambda: self._device, self._model_tensors)
+        self.glue = GlueOffload(
+            self.store, lambda: self._device, lambda: self.resident.model_tensors()
+        )
         self._glue_params_seen = -1  # fallbacks when the glue's parameters were looked at
         self.fsdp = ShardedModel(check_ranks=config.check_ranks)
         # The compute device (the first fragment's) and the parameters fragments took.
@@ -271,13 +273,6 @@ class MemCompiler:
 
     def _model(self) -> torch.nn.Module | None:
         return self.model() if self.model is not None else None
-
-    def _model_tensors(self) -> list[torch.Tensor]:
-        # What stays on the device whatever the glue saves: the model's parameters and buffers.
-        model = self._model()
-        if model is None:
-            return []
-        return [*self.glue.params.real(model.parameters()), *model.buffers()]
 
     def _loop_params(self) -> list[torch.Tensor]:
         """The parameters a training loop steps: the model's when known, else those the

@@ -36,7 +36,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -75,13 +75,7 @@ class GlueStats:
     kept: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "on": self.on,
-            "why": self.why,
-            "tensors": self.tensors,
-            "bytes": self.bytes,
-            "kept": self.kept,
-        }
+        return asdict(self)
 
 
 class _Packed:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -57,7 +57,7 @@ class GlueParam:
     nbytes: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"module": self.module, "name": self.name, "nbytes": self.nbytes}
+        return asdict(self)
 
 
 def _to_param(g: torch.Tensor) -> torch.Tensor:
@@ -74,9 +74,7 @@ class _Fetch(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, p: torch.Tensor, store: TieredStore, device: torch.device
     ) -> torch.Tensor:
-        y = store.get(p.detach(), device, "host")
-        store.wait(y)
-        return y
+        return _copy(p, store, device)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
@@ -94,14 +92,9 @@ class GlueParams:
         self._store = store
         self._local = threading.local()
         self.params: list[GlueParam] = []
-        self._handles: list[Any] = []
         # A fetched device copy's storage address -> its parameter, while the module's forward
         # runs (the glue's pack hook keeps a saved view of the copy as the parameter's)
         self._fetched: dict[int, torch.Tensor] = {}
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.params)
 
     def install(
         self,
@@ -128,10 +121,8 @@ class GlueParams:
                 nbytes = p.untyped_storage().nbytes()
                 freed += place(p)
                 new.append(GlueParam(path, name, nbytes))
-            self._handles.append(
-                module.register_forward_pre_hook(self._pre_hook(tuple(names_), device))
-            )
-            self._handles.append(module.register_forward_hook(self._post_hook(), always_call=True))
+            module.register_forward_pre_hook(self._pre_hook(tuple(names_), device))
+            module.register_forward_hook(self._post_hook(), always_call=True)
         log.info(
             "memcompile: %d parameter(s) only eager code reads moved to the host tier (%s), "
             "fetched around their modules' forward",
@@ -195,15 +186,9 @@ class GlueParams:
             return list(tensors)
         return [t if t.is_leaf else fetched.get(t.untyped_storage().data_ptr(), t) for t in tensors]
 
-    def remove(self) -> None:
-        """Take the hooks off (the parameters stay in the host tier)."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
 
 def _copy(p: torch.Tensor, store: TieredStore, device: torch.device) -> torch.Tensor:
-    # Without grad mode (evaluation): a plain device copy.
+    # A device copy of the host parameter (without autograd: evaluation, a frozen parameter).
     y = store.get(p.detach(), device, "host")
     store.wait(y)
     return y
