@@ -252,8 +252,8 @@ def to_markdown(rows: list[dict[str, Any]], command: str) -> str:
         "- budgets: 0.75 / 0.50 x eager's measured peak (`on_infeasible='best_effort'`)",
         "- glue to host: bytes the eager glue's saved tensors sent to the host tier in the last "
         "call (`report().glue`: on once a measured iteration through the backward with eager "
-        "frames passed the budget, or once the parameters only eager code reads went to the host "
-        "with the others), `-` while off",
+        "frames passed the budget; on CUDA also once the parameters only eager code reads went "
+        "to the host with the others), `-` while off",
         "- the step keeps only `out.loss`: the logits die before `backward`, while memcompile's "
         "prediction assumes the caller holds every output (128 KiB here)",
         "- eager frames: frames Dynamo runs eagerly; their activations and gradients are in the "

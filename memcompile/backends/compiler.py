@@ -78,6 +78,8 @@ from memcompile.records import FragmentIdentity, FragmentRecord, StepEvent
 from memcompile.rewrites.context import PassContext
 from memcompile.rewrites.input_uses import InputSplit, split_inputs_pass
 from memcompile.runtime import copy_engine, scalar_reads
+from memcompile.runtime.after_backward import after_backward
+from memcompile.runtime.after_backward import cancel as cancel_after_backward
 from memcompile.runtime.compile_callbacks import ensure_compile_callbacks
 from memcompile.runtime.glue import GlueOffload, pause
 from memcompile.runtime.peakwatch import PeakWatch
@@ -620,6 +622,20 @@ class MemCompiler:
         """The step's first backward call returned: re-plan what it showed assumed wrongly."""
         self.budget.first_backward(index, outputs, held)
 
+    def _sampled_backward_ended(self) -> bool:
+        """A backward pass returned (runtime/after_backward.py) while the sample of a call
+        without an optimizer waited for it: read the sample when the pass was the call's (it
+        ran the fragments' backward; returns True: done waiting)."""
+        if not self.checks.awaiting_backward:
+            return True
+        if self.step_monitor.last_kind != "backward":  # another graph's backward
+            return False
+        # The step's check first (as an optimizer step does), so that the sample is held
+        # against this step's prediction.
+        self.step_monitor.end_step_if_done()
+        self.checks.backward_ended()
+        return True
+
     # -- eager fallbacks and the call hook -------------------------------------------------------
     def attach(self, ctx: Any) -> bool:
         """Claim the eager fallbacks of every call of the model compiled through ``ctx`` (a
@@ -654,8 +670,13 @@ class MemCompiler:
                 regional.leave()
                 if self.checks.sampling and not self.iteration.optimizers:
                     # A loop without an optimizer: its sample, begun at this call's start
-                    # (_between_calls), ends with it.
-                    self.checks.iteration_ended(1, "")
+                    # (_between_calls), ends with it, or with its backward when it trained
+                    # (first_backward).
+                    self.checks.call_ended(
+                        trains=self.step_monitor.step_trains and torch.is_grad_enabled()
+                    )
+                    if self.checks.awaiting_backward:
+                        after_backward(self._sampled_backward_ended)
                 self._claim(fallback_monitor.claim_since(cursor))
                 if sys.exc_info()[0] is not None:  # Dynamo runs this in a `finally`
                     self._call_failed()
@@ -701,6 +722,7 @@ class MemCompiler:
         profiler sample of it stops now (a loop that ends here must not leave the CPU profiler
         running)."""
         self.checks.cancel_sample()
+        cancel_after_backward(self._sampled_backward_ended)
         if self.fraction is not None:
             self.fraction.cancel()
 
@@ -709,6 +731,9 @@ class MemCompiler:
         # is done (so its check runs now, not in the next step's first fragment) and to drop the
         # code of the fragments to re-plan, which Dynamo then compiles again in this call.
         self.step_monitor.end_step_if_done()
+        # A sampled call whose backward never came: dropped.
+        cancel_after_backward(self._sampled_backward_ended)
+        self.checks.no_backward()
         if (
             self.fraction is not None
             and self.fraction.measuring
@@ -724,8 +749,9 @@ class MemCompiler:
         ):
             # A loop without an optimizer: a call that begins without gradients is sampled
             # from its start (before the eager code ahead of its first fragment: a fallen-back
-            # frame's glue) to its end (its forward), so that no profiler runs in the user's
-            # code between calls. The call's arguments are not known here: not in the peak.
+            # frame's glue) to its end, or the end of its backward when it trained, so that
+            # no profiler runs in the user's code after it. The call's arguments are not known
+            # here: not in the peak.
             # (With an optimizer, the iteration is sampled from its first fragment call to its
             # optimizer step: _present_grads.)
             self.checks.iteration_began(self._roots(()), 1)
@@ -775,11 +801,11 @@ class MemCompiler:
             return
         freed = self.glue.params.install(model, names, device, self.resident.move_to_host)
         self.resident.host_param_bytes += freed
-        self.checks.sample_again()  # what the step holds changed: measured again (CPU)
-        if self.config.swap:
-            # The budget has put parameters on the host: what the glue saves for backward is
-            # the device memory left that no plan manages (a loop without an optimizer is
-            # sampled through its forward only, so no measurement would show its backward).
+        # What the step holds changed: the CPU measures the next iteration (through its
+        # backward), and the glue's saved tensors go to the host tier too if it passes the
+        # budget. CUDA measures each step, but only once it is over: there they go now.
+        self.checks.sample_again()
+        if self.config.swap and device.type == "cuda":
             self.glue.turn_on(
                 f"{len(names)} parameter(s) only eager code reads went to the host tier "
                 f"({format_bytes(freed)}) with the others"

@@ -311,6 +311,11 @@ class StepBudget:
         return prediction, seq, resident, call_profiles
 
     # -- the step's check --------------------------------------------------------------------
+    def step_peak(self) -> int:
+        """The predicted peak of the most recent step, as predicted now (0: none predicted)."""
+        prediction = self.predict(iteration=True)[0]
+        return 0 if prediction is None else prediction.peak
+
     def forward_peak(self) -> int:
         """The predicted peak of the most recent step's forward calls (0: none predicted)."""
         prediction, seq, _, _ = self.predict(iteration=True)

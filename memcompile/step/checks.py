@@ -4,20 +4,20 @@
                     (runtime/peakwatch.py); over it -> MemoryBudgetWarning, once (once more for
                     a step without compiles)
                     CPU: the profiler's peak over a whole training iteration (its micro-batches
-                    and its optimizers' steps; without an optimizer, one model call: its
-                    forward, from the call's start), sampled: the first iteration without a
-                    compile after each compile; over the budget and the iteration's prediction
+                    and its optimizers' steps; without an optimizer, one model call from its
+                    start: its forward, and its backward to the end of autograd's pass when
+                    the call trained), sampled: the first iteration without a compile after
+                    each compile; over the budget and the iteration's prediction
                     -> MemoryBudgetWarning, once; what a sample peaks above the prediction
-                    (with eager frames, over the budget or not; without an optimizer, a
-                    forward above the forward's) -> StepBudget.unseen, which later
-                    predictions count. Between samples the CPU pays nothing; the
-                    user's own profiling is never disturbed (no sample begins while a profiler
-                    runs, and none spans the user's code between calls without an optimizer)
+                    (with eager frames, over the budget or not; a forward alone above the
+                    forward's) -> StepBudget.unseen, which later predictions count. Between
+                    samples the CPU pays nothing; the user's own profiling is never disturbed
+                    (no sample begins while a profiler runs, and without an optimizer none
+                    spans the user's code after the backward, or between calls)
     eager glue      a measured peak through the backward (CUDA's step, the CPU's sample of
-                    an optimizer's iteration) over the budget, with eager frames: first the
-                    glue's saved tensors go to the host tier (runtime/glue.py) and the next
-                    iteration is measured again; only then is the excess warned about or
-                    counted
+                    an iteration) over the budget, with eager frames: first the glue's saved
+                    tensors go to the host tier (runtime/glue.py) and the next iteration is
+                    measured again; only then is the excess warned about or counted
     gradient order  an input whose several contributions a fragment's backward sums, after
                     another call of the step added to its gradient first: the last bits may
                     differ from eager's -> GradientOrderWarning, once per fragment input
@@ -97,6 +97,11 @@ class StepChecks:
         self._sample: CpuInterval | None = None
         self._compiled_in_sample = False
         self._sample_steps = (0, 0)  # steps begun in the sample, the most it may have
+        # A loop without an optimizer: the sample of a call that trained runs on to the end of
+        # its backward (awaiting); after a call that trained and had none, samples end with
+        # their call (forward_only).
+        self._awaiting_backward = False
+        self._forward_only = False
         self._samples_left = 0
         self._sample_warned = False
         # Whether a step over the budget was warned about, for steps that compiled (planning
@@ -113,6 +118,7 @@ class StepChecks:
         self.cancel_sample()
         self._samples_left = 0
         self._sample_warned = False
+        self._forward_only = False
         self._peak_warned.clear()
         self._order_checked_steps.clear()
         self.summed_grads.clear()
@@ -240,14 +246,53 @@ class StepChecks:
     def cancel_sample(self) -> None:
         """Stop the iteration's sample, if one runs, without reading it."""
         sample, self._sample = self._sample, None
+        self._awaiting_backward = False
         if sample is not None:
             sample.cancel()
 
-    def iteration_ended(self, micro_batches: int, optimizer: str) -> None:
+    # A loop without an optimizer: one model call is the iteration.
+    def call_ended(self, *, trains: bool) -> None:
+        """A call of a loop without an optimizer ended, its sample (begun at the call's start)
+        running: read now, unless the call ``trains`` (a training fragment's forward ran with
+        gradients on): then the sample runs on through the backward, to
+        :meth:`backward_ended`."""
+        if self._sample is None:
+            return
+        if trains and not self._forward_only:
+            self._awaiting_backward = True
+            return
+        self.iteration_ended(1, "")
+
+    @property
+    def awaiting_backward(self) -> bool:
+        """The sample of a call without an optimizer waits for the call's backward."""
+        return self._awaiting_backward and self._sample is not None
+
+    def backward_ended(self) -> None:
+        """The backward of the sampled call ended (autograd's pass is done): read the
+        sample, forward and backward."""
+        if self.awaiting_backward:
+            self.iteration_ended(1, "", backward=True)
+
+    def no_backward(self) -> None:
+        """The next call starts and the sampled call's backward never came (a forward with
+        gradients on, not trained): the sample is dropped, and later samples of a loop without
+        an optimizer end with their call, so that none spans the user's code between calls."""
+        if not self.awaiting_backward:
+            return
+        log.debug("memcompile: the sampled call had no backward; sampled by its forward from now")
+        self._forward_only = True
+        self.cancel_sample()
+
+    def iteration_ended(
+        self, micro_batches: int, optimizer: str, *, backward: bool = False
+    ) -> None:
         """The iteration's optimizer steps are done (``optimizer``: their kind; ``""``: a loop
-        without one, whose sample is the forward of one model call): read its sample, if one
-        runs."""
+        without one, whose sample is one model call: its forward, and its backward when
+        ``backward``): read its sample, if one runs."""
         sample, self._sample = self._sample, None
+        self._awaiting_backward = False
+        through_backward = bool(optimizer) or backward
         budget = self._config.budget
         if sample is None or budget is None:
             return
@@ -266,6 +311,8 @@ class StepChecks:
         what = (
             f"{micro_batches} micro-batch(es) and the {optimizer} step"
             if optimizer
+            else "a model call, no optimizer step: its forward and backward"
+            if backward
             else "a model call, no optimizer step: its forward"
         )
         log.info(
@@ -275,26 +322,36 @@ class StepChecks:
             format_bytes(budget),
         )
         over = peak > budget * (1 + TOLERANCE)
-        if over and optimizer and self._glue_to_host(peak, budget, "a sampled iteration"):
+        if over and through_backward and self._glue_to_host(peak, budget, "a sampled iteration"):
             # Measured again with the glue's saved tensors off the device, before anything it
             # showed is counted. (Only a sample through the backward shows what that costs
-            # there: a loop without an optimizer is sampled through its forward alone.)
+            # there: not a forward alone.)
             self._samples_left += 1
             return
-        predicted = max(self._budget.iteration_peaks.values(), default=0)
+        if optimizer:
+            predicted = max(self._budget.iteration_peaks.values(), default=0)
+        else:
+            # One call is the iteration: its step's prediction as of now, with what its
+            # backward showed (the outputs the caller did not hold: HF's logits, when only
+            # `out.loss` is kept), not the check's of its composition's first step.
+            predicted = self._budget.step_peak()
         counted = False
         if self._eager_frames():
             # Eager frames: what the plans do not see (the glue's memory) is counted in every
             # later prediction, over the budget or not, so that the prediction is the measured
-            # peak. A forward alone (no optimizer) is held against the forward's predicted
-            # calls: what the glue saves there is alive when the backward begins too. With an
-            # optimizer, against the micro-batches' predictions, which are what counts it (the
-            # optimizer step's does not; held against a higher step the excess was short).
+            # peak. A forward alone is held against the forward's predicted calls: what the
+            # glue saves there is alive when the backward begins too. Through the backward,
+            # against the micro-batches' predictions, which are what counts it (the optimizer
+            # step's does not; held against a higher step the excess was short).
             steps = [
                 p for phase, p in self._budget.iteration_peaks.items() if phase != "optimizer step"
             ]
             reference = (
-                self._budget.forward_peak() if not optimizer else max(steps, default=predicted)
+                self._budget.forward_peak()
+                if not through_backward
+                else max(steps, default=predicted)
+                if optimizer
+                else predicted
             )
             if reference and peak > reference * (1 + TOLERANCE):
                 self._budget.measured_unseen(peak - reference)
@@ -307,7 +364,7 @@ class StepChecks:
         # step with less room).
         if peak <= predicted * (1 + TOLERANCE):
             return
-        if predicted and optimizer and not counted:
+        if predicted and through_backward and not counted:
             self._budget.measured_unseen(peak - predicted)
         if self._sample_warned:
             return

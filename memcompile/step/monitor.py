@@ -585,6 +585,11 @@ class StepMonitor:
         return seq, sizes, kept
 
     @property
+    def step_trains(self) -> bool:
+        """Whether the step in progress has a training forward call (a backward will follow)."""
+        return self._step_trains
+
+    @property
     def last_kind(self) -> str:
         """The kind of the latest call (``""`` before any)."""
         return self._last_kind
