@@ -19,7 +19,9 @@ one seed (an eager copy and the configured one) and runs a user's loop on both:
 * ``--reps`` iterations timed interleaved with the eager copy (ABAB, process CPU time), median of
   the paired ratios ("time vs eager").
 
-Configurations: ``eager``; ``mc`` (no budget: the orchestration's cost); ``mc_75_off`` (budget
+Configurations: ``eager``; ``mc`` (no budget: memcompile's cost with nothing to plan; once the
+step is seen the regions call their modules directly, ``backends/unplanned.py``);
+``mc_watched`` (no budget, every step watched: the compiled regions' calls); ``mc_75_off`` (budget
 0.75x, regional capture switched off: what memcompile did before); ``mc_75``, ``mc_50`` (budget =
 f x eager's measured iteration peak of the same run; ``on_infeasible="best_effort"``). The
 prediction is ``report(compiled).iteration.peak`` (the whole iteration's, when an optimizer was
@@ -55,7 +57,7 @@ MODELS = ("moe_natural", "moe_natural_top2", "early_exit_natural", "tree_natural
 # The tree network compiles a graph per tree until it goes regional (compiler.REGIONAL_AFTER):
 # its warm-up runs past that.
 WARMUP = {"tree_natural": 12}
-CONFIGS = ("eager", "mc", "mc_75_off", "mc_75", "mc_50")
+CONFIGS = ("eager", "mc", "mc_watched", "mc_75_off", "mc_75", "mc_50")
 _FRACTION = {"mc_75_off": 0.75, "mc_75": 0.75, "mc_50": 0.5}
 
 
@@ -80,8 +82,11 @@ def run_row(name: str, size: str, config: str, eager_peak: int | None, args: Any
     eager_wl, wl = zoo.build(name, size=size), zoo.build(name, size=size)
     budget = int(_FRACTION[config] * eager_peak) if config in _FRACTION and eager_peak else None
     fn: Callable[..., torch.Tensor] = wl.model
-    # "_off": regional capture switched off; otherwise the switch as it is by default.
-    with features.patch(regional=not config.endswith("_off")):
+    # "_off": regional capture switched off; "_watched": no direct mode; otherwise the switches
+    # as they are by default.
+    with features.patch(
+        regional=not config.endswith("_off"), direct_unplanned=config != "mc_watched"
+    ):
         if config != "eager":
             fn = memcompile.compile(wl.model, budget=budget, on_infeasible="best_effort")
         ref, loop = Loop(eager_wl, eager_wl.model), Loop(wl, fn)
@@ -199,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             "(report().unseen_bytes)",
             "mc_75_off: regional capture off (features.regional=False): nothing of the MoEs and "
             "early exit compiles; the tree compiles a graph per tree (a new one every step)",
+            "mc: no budget; from the third iteration after the last compile the regions call their "
+            "modules directly and nothing is watched (backends/unplanned.py); mc_watched: the "
+            "same with every step watched (features.direct_unplanned=False), the compiled "
+            "regions' own cost",
         ],
         table=render(rows),
         rows=rows,

@@ -188,6 +188,10 @@ class MemReport:
         glue_params: the parameters no fragment takes (only eager code reads them) that went
             to the host tier with the others, fetched around their modules' forward
             (``runtime/glue_params.py``).
+        direct_since_step: without a budget, the step count from which the regions call their
+            modules directly and the fragments' calls and optimizer steps are not watched,
+            once the steps since the last compile were seen (``backends/unplanned.py``): the
+            prediction is of the last step seen; ``None`` while every step is watched.
         regions: the ``torch.nn`` modules called from frames in ``fallbacks`` that memcompile
             compiles as fragments of their own (``backends/regions.py``); the tensor operations
             between them in those frames stay eager.
@@ -223,6 +227,7 @@ class MemReport:
     unseen_bytes: int = 0
     glue: GlueStats = field(default_factory=GlueStats)
     glue_params: tuple[GlueParam, ...] = ()
+    direct_since_step: int | None = None
 
     @property
     def eager_frames(self) -> int:
@@ -262,6 +267,7 @@ class MemReport:
             "unseen_bytes": self.unseen_bytes,
             "glue": self.glue.to_dict(),
             "glue_params": [g.to_dict() for g in self.glue_params],
+            "direct_since_step": self.direct_since_step,
             "eager_frames": self.eager_frames,
             "dynamic": self.dynamic,
             "recompile_limit_raised": (
@@ -390,6 +396,12 @@ class MemReport:
             lines.append(
                 "  parameters only eager code reads, in the host tier (fetched around their "
                 f"modules' forward): {names}{more}"
+            )
+        if self.direct_since_step is not None:
+            lines.append(
+                f"  no budget: since step {self.direct_since_step} regions call their modules "
+                "directly and steps are not watched (nothing to plan; the prediction is of the "
+                "last step seen)"
             )
         for fb in self.fallbacks:
             lines.append(f"  EAGER {fb.code}: {fb.kind}: {fb.reason}{_regions_note(self, fb)}")
@@ -608,6 +620,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
         unseen_bytes=compiler.budget.unseen,
         glue=compiler.glue.stats,
         glue_params=tuple(compiler.glue.params.params),
+        direct_since_step=compiler.unplanned.since_step,
         host_param_bytes=compiler.resident.host_param_bytes,
         pilot=compiler.prefetcher.report() if compiler.prefetcher is not None else None,
         dynamic=compiler.dynamic,

@@ -15,6 +15,7 @@ import torch
 import memcompile
 from memcompile import zoo
 from memcompile.analysis.optimizer_cost import price_optimizer
+from memcompile.pipeline import features
 from memcompile.report import find_compiler
 from memcompile.runtime.measure import storage_sizes
 from memcompile.runtime.store import (
@@ -302,6 +303,7 @@ def test_a_model_call_that_raises_stops_the_iterations_sample():
     assert _sampled(compiled) == 0
 
 
+@features.patch(direct_unplanned=False)  # counts what every watched step does
 def test_the_optimizer_steps_price_is_kept_until_its_state_or_placement_changes(monkeypatch):
     # The loop prices its optimizer step at every step; while the state, the groups and
     # memcompile's placements are the same, the price is kept (walking every state tensor of

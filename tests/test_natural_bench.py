@@ -26,5 +26,6 @@ def test_an_unknown_config_is_an_error(tmp_path: Path) -> None:
     out = run_benchmark("natural.py", "--configs", "mc_10", "--out", str(tmp_path))
     assert out.returncode == 2
     assert (
-        "unknown config(s) ['mc_10']; choose from eager, mc, mc_75_off, mc_75, mc_50" in out.stderr
+        "unknown config(s) ['mc_10']; choose from eager, mc, mc_watched, mc_75_off, mc_75, mc_50"
+        in out.stderr
     )

@@ -91,6 +91,7 @@ def test_a_frame_recompiled_per_input_structure_goes_regional() -> None:
     assert cell.forward_calls >= 3 * 3  # the last steps' trees: at least 4 leaves each
 
 
+@features.patch(direct_unplanned=False)  # counts what every watched step does
 def test_modules_of_one_structure_share_one_graph() -> None:
     compiled, _ = _train_both("moe_natural")
     rep = memcompile.report(compiled)

@@ -18,6 +18,7 @@ from memcompile import zoo
 from memcompile.analysis.fragment_profile import FragmentProfile, ParamGrad
 from memcompile.analysis.graph import GraphProfile, NodeProfile
 from memcompile.analysis.step_model import CacheUse, OutputLife, cache_peak, simulate_step
+from memcompile.pipeline import features
 from memcompile.report import find_compiler
 from memcompile.runtime.measure import measure, storage_sizes
 from memcompile.runtime.store import is_host_placed
@@ -85,6 +86,7 @@ class _TangentUsedEarly(nn.Module):
         return (y * y).sum()
 
 
+@features.patch(direct_unplanned=False)  # counts what every watched step does
 def test_an_incoming_gradient_dies_at_its_last_use_in_the_backward():
     # The engine hands the gradient over and AOT's backward keeps no reference: held to the
     # call's end, fragment 0's backward was predicted 64 KiB (the gradient) over its
@@ -143,6 +145,7 @@ def test_static_fragments_have_no_size_profiles():
     assert record.profile_at is None
 
 
+@features.patch(direct_unplanned=False)  # counts what every watched step does
 @pytest.mark.parametrize("offload_params", [False, True])
 def test_treelstm_step_prediction_is_within_three_percent_of_the_measured_peak(offload_params):
     # Six fragments; the three cell graphs (0, 1, n children) share the cell's parameters and

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from memcompile.backends.sharded import ShardedModel
+from memcompile.backends.unplanned import UnplannedWatch
 from memcompile.dynamic.prefetch import Prefetcher
 from memcompile.pipeline.env import FragmentEnv
 from memcompile.runtime.store import TieredStore
@@ -24,7 +25,8 @@ class BuildEnv:
     Attributes:
         pipeline: what the pipeline is given (config, cost model, resident set, store key).
         store: the tiered store (host-placed gradients' copies are waited for).
-        monitor: told of every call of the fragment's graphs.
+        monitor: told of every call of the fragment's graphs (but in the direct mode).
+        unplanned: whether calls run in the direct mode (``backends/unplanned.py``).
         budget: the step's budget (the pilot's reserve per fragment; a call over its plan).
         prefetcher: the pilot (``None``: ``pilot="off"``).
         fsdp: the model's FSDP2 units (their parameters stay FSDP's).
@@ -34,6 +36,7 @@ class BuildEnv:
     pipeline: FragmentEnv
     store: TieredStore
     monitor: StepMonitor
+    unplanned: UnplannedWatch
     budget: StepBudget
     prefetcher: Prefetcher | None
     fsdp: ShardedModel

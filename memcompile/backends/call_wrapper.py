@@ -1,7 +1,9 @@
 """The boxed callable around each compiled graph: what runs at every fragment call.
 
     run(args):                                    # args: the boxed list (cleared by the graph)
-        count the call; check what the device holds (CUDA, under a budget)
+        count the call
+        the direct mode (no budget, the step seen: backends/unplanned.py): graph(args), no more
+        check what the device holds (CUDA, under a budget)
         block key = the first parameter's address: a new key is a new parameter set (an expert)
         call = monitor.on_call(site, block, args, sizes)
         prefetcher.before(...)                    # the pilot: fetch what this block needs
@@ -133,7 +135,7 @@ def _finisher(build: Wrapped, kind: str) -> Callable[[], None] | None:
 def wrap(build: Wrapped, fn: Callable[[list[Any]], Any], kind: str) -> BoxedCallable:
     """``fn`` (``build``'s compiled ``kind`` graph) as the boxed callable Dynamo runs."""
     env = build.env
-    monitor, prefetcher = env.monitor, env.prefetcher
+    monitor, prefetcher, unplanned = env.monitor, env.prefetcher, env.unplanned
     stats, index = build.stats, build.index
     counter = f"{kind}_calls"
     range_name = f"memcompile:F{index}:{kind}"
@@ -162,6 +164,8 @@ def wrap(build: Wrapped, fn: Callable[[list[Any]], Any], kind: str) -> BoxedCall
     def run(args: list[Any]) -> Any:
         # Pass the same list through: the inner callable clears it (boxed convention).
         setattr(stats, counter, getattr(stats, counter) + 1)
+        if unplanned.direct:  # no budget, the step seen: nothing else to watch
+            return fn(args)
         if guard is not None:
             guard()
         block = key_of(args[key_pos]) if key_pos >= 0 else 0

@@ -68,6 +68,7 @@ from memcompile.backends.identity import fragment_identity
 from memcompile.backends.progress import slow_compile_notice
 from memcompile.backends.regions import RegionSet, eager_readers, find_regions, install_regions
 from memcompile.backends.sharded import RankCheck, ShardedModel
+from memcompile.backends.unplanned import UnplannedWatch
 from memcompile.config import MemConfig
 from memcompile.dynamic.prefetch import Prefetcher
 from memcompile.dynamic.trace import TraceRecorder
@@ -184,6 +185,10 @@ class MemCompiler:
         # The compute device (the first fragment's) and the parameters fragments took.
         self._device: torch.device | None = None
         self._params: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        # The model's parameters as the step in progress found them (its number), kept to the
+        # step's end: a step's first call and its optimizers' steps read them without walking
+        # the module tree again (_loop_params).
+        self._step_params: tuple[int, list[torch.Tensor]] | None = None
         #: ``budget="60%"``: the unplanned iteration measured, then the budget (step/fraction.py).
         self.fraction = (
             BudgetFraction(config.budget_fraction)
@@ -242,6 +247,8 @@ class MemCompiler:
             glue=self.glue.turn_on if config.swap else None,
         )
         self.prefetcher: Prefetcher | None = None
+        # No budget, the step seen: model calls run in the direct mode (backends/unplanned.py).
+        self.unplanned = UnplannedWatch()
         #: fragment compiles so far (first compiles and re-plans): a pilot trial's step with one
         #: is not timed
         self.compiles = 0
@@ -267,6 +274,7 @@ class MemCompiler:
             ),
             store=self.store,
             monitor=self.step_monitor,
+            unplanned=self.unplanned,
             budget=self.budget,
             prefetcher=self.prefetcher,
             fsdp=self.fsdp,
@@ -282,8 +290,13 @@ class MemCompiler:
         model = self._model()
         if model is None:
             return list(self._params.values())
+        step = self.step_monitor.steps_started
+        if self._step_params is not None and self._step_params[0] == step:
+            return self._step_params[1]
         # During a module's forward its glue-read parameters are fetched copies: the real ones.
-        return self.glue.params.real(model.parameters())
+        params = self.glue.params.real(model.parameters())
+        self._step_params = (step, params)
+        return params
 
     def _compute_device(self) -> torch.device:
         return self._device or torch.device("cpu")
@@ -419,6 +432,7 @@ class MemCompiler:
         ):
             compiled, record = build.compile(gm, compile_inputs, identity)
         compiled = self.glue.paused(split.wrap(compiled))
+        self.unplanned.compiled(self.step_monitor.steps_observed)
         self.budget.compiled(record.index, compiling_code())
         with self._lock:
             # A re-planned fragment's record is replaced where its index is (the record it was
@@ -490,6 +504,8 @@ class MemCompiler:
             self.resident.reset()
             self.iteration.reset()
             self.glue.reset()
+            self.unplanned.reset()
+            self._step_params = None
             # Dynamo forgot the frames' code and strategies: they compile (and count) anew.
             self._graphs_per_code.clear()
             self._regional_codes.clear()
@@ -584,6 +600,7 @@ class MemCompiler:
     def step_ended(self, *, in_call: bool) -> None:
         """A step ended: its checks, then (in a call, with no call hook) the re-plans' code is
         dropped now: this frame keeps running."""
+        self._step_params = None  # not kept between steps (the model may go)
         self.checks.measured_peak()
         over = self.budget.check()
         if over is not None:
@@ -759,6 +776,27 @@ class MemCompiler:
         self.budget.apply_replans()
         self._skip_recompiling()
         self._host_glue_params()
+        self.unplanned.call_starts(self._nothing_to_plan(), self.step_monitor.steps_observed)
+        self.iteration.paused = self.unplanned.direct
+        if self.regional is not None:
+            self.regional.direct = self.unplanned.direct
+
+    def _nothing_to_plan(self) -> bool:
+        """No budget (nor a fraction to measure), no parameters or optimizer state in the host
+        tier, no pilot asked for and no trace: what the calls tell the monitor changes nothing
+        (backends/unplanned.py)."""
+        config = self.config
+        return (
+            features.current().direct_unplanned
+            and config.budget is None
+            and self.fraction is None
+            and config.offload_params is not True
+            and config.offload_optimizer is not True
+            and not self.resident.host_param_bytes
+            and not self.iteration.offloading
+            and config.pilot in ("auto", "off")
+            and config.trace_path is None
+        )
 
     def _host_glue_params(self) -> None:
         """Once parameters go to the host tier (``offload_params=True``, or ``"auto"``

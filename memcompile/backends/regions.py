@@ -185,15 +185,15 @@ def _calling(call: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _gate(
-    running: Callable[[], bool],
+    regions: RegionSet,
     compiled: Callable[..., Any],
     call_impl: Callable[..., Any],
 ) -> Callable[..., Any]:
     """A region's ``_compiled_call_impl``: the compiled region during the model's calls, the
-    module's own ``_call_impl`` otherwise."""
+    module's own ``_call_impl`` otherwise, and while the regions run directly."""
 
     def gate(*args: Any, **kwargs: Any) -> Any:
-        if running() and not torch.compiler.is_compiling():
+        if not regions.direct and regions.running() and not torch.compiler.is_compiling():
             return compiled(*args, **kwargs)
         return call_impl(*args, **kwargs)
 
@@ -204,7 +204,7 @@ def _gate(
 # callback set): it would trace the thread-local test into a guard and the module into a graph
 # named for the gate. The frames it calls are compiled as usual. (Dynamo inlines a module call
 # in a frame it traces through ``_call_impl``, never reaching the gate.)
-skip_code(_gate(bool, print, print).__code__)
+skip_code(_gate(None, print, print).__code__)  # type: ignore[arg-type]
 
 
 class RegionSet:
@@ -220,6 +220,9 @@ class RegionSet:
         self._codes: dict[str, types.CodeType] = {}
         self._local = threading.local()
         self.regions: list[Region] = []
+        #: The regions call their modules directly: no budget, and the step seen
+        #: (backends/unplanned.py): what the compiled regions would run, without Dynamo's call.
+        self.direct = False
 
     def running(self) -> bool:
         """Whether a call of the compiled model is running on this thread."""
@@ -258,7 +261,7 @@ class RegionSet:
             None,
             (types.CellType(module._call_impl),),
         )
-        gate = _gate(self.running, self._compile(function), module._call_impl)
+        gate = _gate(self, self._compile(function), module._call_impl)
         module._compiled_call_impl = gate
         self.regions.append(region)
         return True

@@ -65,6 +65,10 @@ class Features:
             once at compile time, and its predictions carry what Inductor's code peaks beside
             the graphs' profile; a plan that puts over the budget is planned again
             (backends/inner_peak.py); ``False``: the eager profile alone (tests that compare).
+        direct_unplanned: without a budget, once the steps since the last compile are seen,
+            regions call their modules directly and the fragments' calls and optimizer steps
+            are not watched (backends/unplanned.py); ``False`` watches every step (tests that
+            count calls or steps, benchmarks that compare).
         plan_cache: what a fragment's search decided is kept in the user's cache directory
             and replayed by the next process instead of searching (pipeline/plan_cache.py);
             off where the environment sets ``MEMCOMPILE_PLAN_CACHE=0``.
@@ -81,6 +85,7 @@ class Features:
     fast_no: bool = True
     regional: bool = True
     inner_measure: bool = True
+    direct_unplanned: bool = True
     plan_cache: bool = dataclasses.field(
         default_factory=lambda: os.environ.get("MEMCOMPILE_PLAN_CACHE", "1") != "0"
     )

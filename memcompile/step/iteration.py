@@ -187,6 +187,9 @@ class IterationWatch:
         self.iterations = 0
         self.grads_at_step = 0
         self.grads_at_start = 0
+        #: The model's calls run in the direct mode (no budget, the step seen:
+        #: backends/unplanned.py): the optimizers' steps are not watched either.
+        self.paused = False
         self._grads_seen = 0
         self._started_at_step = 0
         # The optimizers of this model that stepped since the iteration's first optimizer step.
@@ -301,15 +304,18 @@ class IterationWatch:
 
     def _stepped(self, optimizer: torch.optim.Optimizer) -> frozenset[int]:
         """Ids of the parameters of this model ``optimizer`` steps (empty: another model's)."""
-        ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
+        count = sum(len(g["params"]) for g in optimizer.param_groups)
         found = self._mine.get(optimizer)
-        if found is None or found[0] != len(ids):  # new, or a parameter group was added
+        if found is None or found[0] != count:  # new, or a parameter group was added
+            ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
             model = {id(p) for p in self._params()}
-            found = (len(ids), frozenset(i for i in ids if i in model))
+            found = (count, frozenset(i for i in ids if i in model))
             self._mine[optimizer] = found
         return found[1]
 
     def _before(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.paused:
+            return
         mine = self._stepped(optimizer)
         if not mine:
             return
@@ -319,7 +325,14 @@ class IterationWatch:
         self.grads_at_step = sum(grad_bytes(list(self._params()), device).values())
         if device.type != "cpu":
             return
-        if not self.offloading and self._offload_option == "auto" and self._first_step_over:
+        if (
+            not self.offloading
+            and self._offload_option == "auto"
+            and self._first_step_over
+            # Else every parameter the optimizer steps has its state already (a loop's steps
+            # after the first: not walked again).
+            and len(optimizer.state) < self._mine[optimizer][0]
+        ):
             # "auto" decides before a first step that would make its state on the device:
             # known for Adam/AdamW, whose state torch makes lazily from the parameters alone.
             lazy = _lazy_adam_state(optimizer, mine)
@@ -372,6 +385,8 @@ class IterationWatch:
             )
 
     def _after(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.paused:
+            return
         mine = self._stepped(optimizer)
         if not mine:
             return
