@@ -154,6 +154,10 @@ class MemReport:
             ``torch.cuda.max_memory_allocated`` read at step boundaries
             (``runtime/peakwatch.py``); CPU, a whole iteration's, with the profiler, sampled
             after each compile (``step/checks.py``); ``None`` before one was.
+        latest_measured_peak: CPU, the latest sampled iteration's peak: what the step holds
+            since the last change a sample followed (the glue's saved tensors to the host, a
+            re-plan), where ``measured_peak`` keeps the highest; ``None`` on CUDA (its peak
+            counter only grows) and before a sample.
         host_param_bytes: parameter bytes memcompile moved to the host tier (``offload_params``);
             they are not in ``resident_bytes``.
         pilot: the pilot's predictions and prefetches (``None`` with ``pilot="off"``); see
@@ -185,6 +189,10 @@ class MemReport:
         glue: the eager glue's saved tensors: whether they go to the host tier (turned on when
             a measured step with eager frames passed the budget), why, and the tensors and
             bytes the last model call sent there (``runtime/glue.py``).
+        glue_measured: with a budget, the memory of the frames in ``fallbacks`` (the glue) is
+            measured and counted in the predictions: CUDA measures every step; on the CPU an
+            iteration through its backward was sampled (``unseen_bytes``). Their lines then
+            read ``eager`` instead of ``EAGER`` (not for ``dispatch_mode`` calls).
         glue_params: the parameters no fragment takes (only eager code reads them) that went
             to the host tier with the others, fetched around their modules' forward
             (``runtime/glue_params.py``).
@@ -217,6 +225,7 @@ class MemReport:
     recompile_limit_raised: tuple[int, int] | None = None
     replans: tuple[Replan, ...] = ()
     measured_peak: int | None = None
+    latest_measured_peak: int | None = None
     summed_grads: tuple[str, ...] = ()
     dropped_outputs: tuple[str, ...] = ()
     released_tangents: tuple[str, ...] = ()
@@ -227,6 +236,7 @@ class MemReport:
     unseen_bytes: int = 0
     glue: GlueStats = field(default_factory=GlueStats)
     glue_params: tuple[GlueParam, ...] = ()
+    glue_measured: bool = False
     direct_since_step: int | None = None
 
     @property
@@ -256,6 +266,7 @@ class MemReport:
             "over_budget": self.over_budget,
             "predicted_peak": self.predicted_peak,
             "measured_peak": self.measured_peak,
+            "latest_measured_peak": self.latest_measured_peak,
             "resident_bytes": self.resident_bytes,
             "host_param_bytes": self.host_param_bytes,
             "exact": self.exact,
@@ -267,6 +278,7 @@ class MemReport:
             "unseen_bytes": self.unseen_bytes,
             "glue": self.glue.to_dict(),
             "glue_params": [g.to_dict() for g in self.glue_params],
+            "glue_measured": self.glue_measured,
             "direct_since_step": self.direct_since_step,
             "eager_frames": self.eager_frames,
             "dynamic": self.dynamic,
@@ -298,11 +310,22 @@ class MemReport:
                 f", budget {self.config.budget_fraction:.0%} (an iteration without a plan is "
                 "measured first)"
             )
-        if self.measured_peak is not None:
+        latest = self.latest_measured_peak
+        if latest is not None and latest != self.measured_peak:
+            budget += (
+                f", measured step peak {format_bytes(latest)} (latest sample; the highest "
+                f"{format_bytes(self.measured_peak or 0)})"
+            )
+        elif self.measured_peak is not None:
             budget += f", measured step peak {format_bytes(self.measured_peak)}"
+        measured = (
+            " (their memory measured, in the budget)"
+            if self.glue_measured and self.fallbacks
+            else ""
+        )
         lines = [
             f"memcompile report: {len(self.fragments)} fragment(s), predicted step peak {peak} "
-            f"({kind}){budget}, {len(self.fallbacks)} eager fallback(s)",
+            f"({kind}){budget}, {len(self.fallbacks)} eager fallback(s){measured}",
             f"  {'frag':<5} {'id':<16} {'fw':>5} {'bw':>5} {'inf':>5} {'pred. peak':>12}"
             "  code / reason",
         ]
@@ -404,7 +427,14 @@ class MemReport:
                 "last step seen)"
             )
         for fb in self.fallbacks:
-            lines.append(f"  EAGER {fb.code}: {fb.kind}: {fb.reason}{_regions_note(self, fb)}")
+            # A frame whose memory the budget measures and counts (the glue) is managed; one
+            # run under a dispatch mode runs its compiled frames eagerly too: not.
+            managed = self.glue_measured and fb.kind != "dispatch_mode"
+            lines.append(
+                f"  {'eager' if managed else 'EAGER'} {fb.code}: {fb.kind}: {fb.reason}"
+                f"{_regions_note(self, fb)}"
+                f"{'; its memory measured, in the budget' if managed else ''}"
+            )
         return "\n".join(lines)
 
 
@@ -620,6 +650,8 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
         unseen_bytes=compiler.budget.unseen,
         glue=compiler.glue.stats,
         glue_params=tuple(compiler.glue.params.params),
+        glue_measured=compiler.config.budget is not None
+        and (watch is not None or compiler.checks.samples > 0),
         direct_since_step=compiler.unplanned.since_step,
         host_param_bytes=compiler.resident.host_param_bytes,
         pilot=compiler.prefetcher.report() if compiler.prefetcher is not None else None,
@@ -627,6 +659,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
         recompile_limit_raised=compiler.recompile_limit_raised,
         replans=tuple(compiler.budget.replans),
         measured_peak=watch.measured if watch is not None else compiler.checks.sampled_peak,
+        latest_measured_peak=None if watch is not None else compiler.checks.last_sampled_peak,
         summed_grads=tuple(compiler.checks.summed_grads),
         sharded_param_bytes=compiler.fsdp.param_bytes,
         dropped_outputs=tuple(

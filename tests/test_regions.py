@@ -370,8 +370,17 @@ def test_glue_over_the_budget_goes_to_the_host_in_a_loop_without_an_optimizer(
     # tensors go to the host tier, and the loop then fits, unwarned.
     model, compiled, x, budget, over = _glue_loop(monkeypatch, 2, 4)
     assert not over, [str(w.message) for w in over]
-    glue = memcompile.report(compiled).glue
+    rep = memcompile.report(compiled)
+    glue = rep.glue
     assert glue.on and "a sampled iteration measured" in glue.why and glue.bytes > 0
+    # The report's measured peak is the latest sample's (the highest, before, is named too).
+    assert rep.measured_peak is not None and rep.latest_measured_peak is not None
+    assert rep.latest_measured_peak <= budget < rep.measured_peak
+    assert "(latest sample; the highest" in str(rep) and not rep.over_budget
+    # The fallen-back frame's memory is measured and counted: not reported as unmanaged.
+    assert rep.glue_measured and rep.to_dict()["glue_measured"]
+    assert "  eager forward" in str(rep) and "its memory measured, in the budget" in str(rep)
+    assert "EAGER" not in str(rep)
     model.zero_grad(set_to_none=True)
     assert quiet_peak(lambda: compiled(x).backward(), model, x) <= budget
 

@@ -67,6 +67,8 @@ class StepChecks:
     Attributes:
         peak_watch: CUDA with a budget: each step's measured peak against it.
         sampled_peak: CPU with a budget: the highest peak a sampled iteration reached.
+        last_sampled_peak: the latest sample's peak (after the glue moved or a re-plan: what
+            the step holds now).
         samples: CPU iterations measured so far.
         summed_grads: ``F{i}: source`` of each input whose gradient a step added up in another
             order than eager (summed in a fragment's backward after another call added to it).
@@ -92,6 +94,7 @@ class StepChecks:
         self.summed_grads: list[str] = []
         self.compiled_in_step = False
         self.sampled_peak: int | None = None
+        self.last_sampled_peak: int | None = None
         self.samples = 0
         self._device: torch.device | None = None
         self._sample: CpuInterval | None = None
@@ -113,6 +116,7 @@ class StepChecks:
         """Forget what was checked (the fragments are gone)."""
         self.peak_watch = None
         self.sampled_peak = None
+        self.last_sampled_peak = None
         self.samples = 0
         self._device = None
         self.cancel_sample()
@@ -304,6 +308,7 @@ class StepChecks:
         self._samples_left -= 1
         self.samples += 1
         self.sampled_peak = max(self.sampled_peak or 0, m.peak)
+        self.last_sampled_peak = m.peak
         # A tensor from before the iteration freed during it is a free the profiler does not
         # see: the peak may be overstated by that much, so that much is given the benefit of
         # the doubt.
