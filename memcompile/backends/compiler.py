@@ -81,7 +81,7 @@ from memcompile.rewrites.input_uses import InputSplit, split_inputs_pass
 from memcompile.runtime import copy_engine, scalar_reads
 from memcompile.runtime.after_backward import after_backward
 from memcompile.runtime.after_backward import cancel as cancel_after_backward
-from memcompile.runtime.compile_callbacks import ensure_compile_callbacks
+from memcompile.runtime.compile_callbacks import keep_after_reset
 from memcompile.runtime.glue import GlueOffload, pause
 from memcompile.runtime.peakwatch import PeakWatch
 from memcompile.runtime.pinned import install_hooks as install_pinned_hooks
@@ -1036,11 +1036,11 @@ def _on_compile_start(args: Any) -> None:
 
 
 def install_start_hook() -> None:
-    """Register :func:`_on_compile_start` with Dynamo (idempotent). At import, and again where a
-    memcompile model is compiled or called: ``torch._dynamo.reset()`` clears Dynamo's callbacks
-    (a model compiled by name after a reset, none of whose frames compiles, is then only attached
-    by ``report()``)."""
-    ensure_compile_callbacks(_on_compile_start)
+    """Register :func:`_on_compile_start` with Dynamo (idempotent), at import, and again after
+    each ``torch._dynamo.reset()``, which clears Dynamo's callbacks (a model compiled by name after
+    a reset, none of whose frames compiles, would otherwise never be attached:
+    runtime/compile_callbacks.keep_after_reset)."""
+    keep_after_reset(_on_compile_start)
 
 
 install_start_hook()
