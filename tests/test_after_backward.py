@@ -78,3 +78,26 @@ def test_a_failing_callback_is_logged_and_the_backward_still_returns(
     assert w.grad is not None and torch.equal(w.grad, torch.full((3,), 2.0))
     assert "a callback after the backward failed" in caplog.text
     assert not after_backward.waiting()
+
+
+def test_a_wrapper_put_over_it_is_left_in_place() -> None:
+    # Another library wraps autograd's entry point while memcompile waits: cancelling does not
+    # undo theirs, and backward still runs through both.
+    calls: list[str] = []
+    after_backward.after_backward(lambda: False)
+    ours = torch.autograd._engine_run_backward
+
+    def theirs(*args: object, **kwargs: object) -> object:
+        calls.append("theirs")
+        return ours(*args, **kwargs)
+
+    torch.autograd._engine_run_backward = theirs  # type: ignore[attr-defined]
+    try:
+        for fn in list(after_backward._thread_waiting()):
+            after_backward.cancel(fn)
+        assert torch.autograd._engine_run_backward is theirs
+        _loss().backward()
+        assert calls == ["theirs"]
+    finally:
+        torch.autograd._engine_run_backward = after_backward._original or ours  # type: ignore[attr-defined]
+        after_backward._original = None

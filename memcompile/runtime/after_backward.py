@@ -95,7 +95,13 @@ def cancel(fn: Callable[[], bool]) -> None:
         waiting.remove(fn)
         if not waiting:
             _waiting_threads -= 1
-        if _waiting_threads == 0 and _original is not None:
+        # Put back only where it is still ours: a wrapper someone put over it since keeps
+        # calling this one, which then only passes the call on.
+        if (
+            _waiting_threads == 0
+            and _original is not None
+            and torch.autograd._engine_run_backward is _run_backward
+        ):
             torch.autograd._engine_run_backward = _original  # type: ignore[attr-defined]
             _original = None
 
