@@ -185,9 +185,9 @@ class MemCompiler:
         # The compute device (the first fragment's) and the parameters fragments took.
         self._device: torch.device | None = None
         self._params: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-        # The model's parameters as the step in progress found them (its number), kept to the
-        # step's end: a step's first call and its optimizers' steps read them without walking
-        # the module tree again (_loop_params).
+        # The model's parameters as the step in progress found them (with the step's number),
+        # kept to the step's end: a step's first call and its optimizers' steps read them
+        # without walking the module tree again (_loop_params).
         self._step_params: tuple[int, list[torch.Tensor]] | None = None
         #: ``budget="60%"``: the unplanned iteration measured, then the budget (step/fraction.py).
         self.fraction = (
@@ -688,7 +688,7 @@ class MemCompiler:
                 if self.checks.sampling and not self.iteration.optimizers:
                     # A loop without an optimizer: its sample, begun at this call's start
                     # (_between_calls), ends with it, or with its backward when it trained
-                    # (first_backward).
+                    # (_sampled_backward_ended, once autograd's pass returns).
                     self.checks.call_ended(
                         trains=self.step_monitor.step_trains and torch.is_grad_enabled()
                     )
