@@ -24,7 +24,12 @@ from torch._dynamo.eval_frame import innermost_backend
 from memcompile.analysis.fragment_profile import FragmentProfile
 from memcompile.backends.compiler import MemCompiler
 from memcompile.backends.dynamo_hooks import COMPILER_ATTR, dynamo_context
-from memcompile.backends.fallbacks import Fallback, FunctionSpan, function_span
+from memcompile.backends.fallbacks import (
+    Fallback,
+    FunctionSpan,
+    function_span,
+    module_functions,
+)
 from memcompile.backends.regions import Region
 from memcompile.config import MemConfig
 from memcompile.errors import format_bytes
@@ -502,22 +507,11 @@ def _placement_line(p: PilotReport) -> str:
 
 def _own_functions(compiled: Any, model: torch.nn.Module | None) -> set[FunctionSpan]:
     """The model's methods (or the compiled function) as ``(file, name, first, last line)``."""
-    funcs: list[Any] = []
-    for cls in {type(m) for m in model.modules()} if model is not None else ():
-        # Methods the class resolves (an overridden base-class method never runs for it).
-        names = {
-            n
-            for klass in cls.__mro__
-            if not klass.__module__.startswith("torch.")
-            for n in vars(klass)
-        }
-        funcs.extend(getattr(cls, n, None) for n in sorted(names))
-    funcs.append(getattr(compiled, "_torchdynamo_orig_callable", compiled))
-    out = set()
-    for f in funcs:
-        code = getattr(getattr(f, "__func__", f), "__code__", None)
-        if code is not None:
-            out.add(function_span(code))
+    out = module_functions(model) if model is not None else set()
+    f = getattr(compiled, "_torchdynamo_orig_callable", compiled)
+    code = getattr(getattr(f, "__func__", f), "__code__", None)
+    if code is not None:
+        out.add(function_span(code))
     return out
 
 

@@ -528,3 +528,22 @@ def test_a_decorator_shared_by_several_module_types_is_never_skipped(
     for i in range(2 * REGIONAL_AFTER):
         compiler._regional_after_recompiles(f"graph {i}")
     assert compiler._skip_pending == [] and compiler.fallbacks == []
+
+
+def test_a_forward_another_backend_gave_up_on_is_claimed_and_goes_regional() -> None:
+    # aot_eager gives up on the class's forward first: Dynamo skips that code object from then
+    # on, for every instance, and records nothing in memcompile's calls. The first call that
+    # compiles nothing claims the earlier record: warned, and the modules become regions.
+    eager, other, wl = (zoo.build("moe_natural", size="tiny") for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.compile(other.model, backend="aot_eager")(*other.batch(0)).backward()
+    compiled = memcompile.compile(wl.model, budget="1GiB")
+    with warnings.catch_warnings():  # warned once per frame in the process: maybe before
+        warnings.simplefilter("ignore", EagerFallbackWarning)
+        losses = wl.train(compiled, 3)
+    assert all(torch.equal(a, b) for a, b in zip(eager.train(eager.model, 3), losses, strict=True))
+    assert_same_state(eager.model, wl.model)
+    rep = memcompile.report(compiled)
+    assert rep.fallbacks[0].code == forward_label(wl.model)
+    assert len(rep.regions) == 14 and len(rep.fragments) == 5

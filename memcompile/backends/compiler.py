@@ -56,6 +56,7 @@ from memcompile.backends.fallbacks import (
     FunctionSpan,
     code_label,
     dispatch_mode_fallback,
+    module_functions,
 )
 from memcompile.backends.fallbacks import monitor as fallback_monitor
 from memcompile.backends.fragment_build import (
@@ -694,7 +695,10 @@ class MemCompiler:
                     )
                     if self.checks.awaiting_backward:
                         after_backward(self._sampled_backward_ended)
-                self._claim(fallback_monitor.claim_since(cursor))
+                claimed = fallback_monitor.claim_since(cursor)
+                self._claim(claimed)
+                if not claimed and not self.fragments and not self.fallbacks:
+                    self._claim_skipped()
                 if sys.exc_info()[0] is not None:  # Dynamo runs this in a `finally`
                     self._call_failed()
 
@@ -938,6 +942,15 @@ class MemCompiler:
         cursor, self._late_cursor = self._late_cursor, None
         if cursor is not None:
             self._claim(fallback_monitor.claim_since(cursor))
+
+    def _claim_skipped(self) -> None:
+        """A call that compiled nothing and gave up on nothing: a frame of the model's own
+        class that Dynamo gave up on earlier in the process (under another backend: the same
+        code object) is skipped from then on, with no record in this call. Its earlier record
+        is the model's (and its modules become regions)."""
+        model = self._model()
+        if model is not None:
+            self._claim(fallback_monitor.claim_functions(module_functions(model)))
 
     def claim_fallbacks_of(self, functions: Collection[FunctionSpan]) -> None:
         """Claim unclaimed fallbacks of frames of these functions (for hooks attached late, after

@@ -60,6 +60,7 @@ __all__ = [
     "dispatch_mode_fallback",
     "frame_in",
     "function_span",
+    "module_functions",
     "monitor",
 ]
 
@@ -224,6 +225,26 @@ def frame_in(file: str, name: str, line: int, functions: Collection[FunctionSpan
         line = int(at) if at.isdigit() else -1
         return any((f, fn) == (file, name) and lo <= line <= hi for f, fn, lo, hi in functions)
     return any((f, fn, lo) == (file, name, line) for f, fn, lo, _ in functions)
+
+
+def module_functions(model: Any) -> set[FunctionSpan]:
+    """The methods of ``model``'s module classes (not torch's own), as function spans."""
+    funcs: list[Any] = []
+    for cls in {type(m) for m in model.modules()}:
+        # Methods the class resolves (an overridden base-class method never runs for it).
+        names = {
+            n
+            for klass in cls.__mro__
+            if not klass.__module__.startswith("torch.")
+            for n in vars(klass)
+        }
+        funcs.extend(getattr(cls, n, None) for n in sorted(names))
+    out = set()
+    for f in funcs:
+        code = getattr(getattr(f, "__func__", f), "__code__", None)
+        if code is not None:
+            out.add(function_span(code))
+    return out
 
 
 class FallbackMonitor:
