@@ -82,7 +82,7 @@ from memcompile.rewrites.input_uses import InputSplit, split_inputs_pass
 from memcompile.runtime import copy_engine, scalar_reads
 from memcompile.runtime.after_backward import after_backward
 from memcompile.runtime.after_backward import cancel as cancel_after_backward
-from memcompile.runtime.compile_callbacks import keep_after_reset
+from memcompile.runtime.compile_callbacks import ensure_compile_callbacks
 from memcompile.runtime.glue import GlueOffload, pause
 from memcompile.runtime.peakwatch import PeakWatch
 from memcompile.runtime.pinned import install_hooks as install_pinned_hooks
@@ -182,6 +182,7 @@ class MemCompiler:
             self.store, lambda: self._device, lambda: self.resident.model_tensors()
         )
         self._glue_params_seen = -1  # fallbacks when the glue's parameters were looked at
+        self._skipped_looked_at = False  # _claim_skipped ran
         self.fsdp = ShardedModel(check_ranks=config.check_ranks)
         # The compute device (the first fragment's) and the parameters fragments took.
         self._device: torch.device | None = None
@@ -235,6 +236,7 @@ class MemCompiler:
                 store=self.store,
                 tier=config.offload_to,
                 first_step_over=lambda new, transient: self.budget.first_step_over(new, transient),
+                paused=lambda: self.unplanned.direct,
             )
         self.budget = StepBudget(
             config, self.records, self.step_monitor, self.resident, self.iteration
@@ -661,12 +663,10 @@ class MemCompiler:
         was installed now (False: it already was)."""
 
         if self.regional is None:
-            self.regional = RegionSet(hookless(ctx))
+            self.regional = RegionSet(hookless(ctx), self.unplanned)
         regional = self.regional
 
         def enter() -> Callable[[], None]:
-            install_pinned_hooks()  # torch._dynamo.reset() drops them; traces need them
-            install_start_hook()  # the same
             self._between_calls()
             self.claim_late()
             # Under a dispatch mode Dynamo runs the call eagerly, compiled code or not, and
@@ -697,7 +697,7 @@ class MemCompiler:
                         after_backward(self._sampled_backward_ended)
                 claimed = fallback_monitor.claim_since(cursor)
                 self._claim(claimed)
-                if not claimed and not self.fragments and not self.fallbacks:
+                if not (claimed or self.fragments or self.fallbacks or self._skipped_looked_at):
                     self._claim_skipped()
                 if sys.exc_info()[0] is not None:  # Dynamo runs this in a `finally`
                     self._call_failed()
@@ -752,9 +752,9 @@ class MemCompiler:
         # is done (so its check runs now, not in the next step's first fragment) and to drop the
         # code of the fragments to re-plan, which Dynamo then compiles again in this call.
         self.step_monitor.end_step_if_done()
-        # A sampled call whose backward never came: dropped.
-        cancel_after_backward(self._sampled_backward_ended)
-        self.checks.no_backward()
+        if self.checks.awaiting_backward:  # a sampled call whose backward never came: dropped
+            cancel_after_backward(self._sampled_backward_ended)
+            self.checks.no_backward()
         if (
             self.fraction is not None
             and self.fraction.measuring
@@ -781,9 +781,6 @@ class MemCompiler:
         self._skip_recompiling()
         self._host_glue_params()
         self.unplanned.call_starts(self._nothing_to_plan(), self.step_monitor.steps_observed)
-        self.iteration.paused = self.unplanned.direct
-        if self.regional is not None:
-            self.regional.direct = self.unplanned.direct
 
     def _nothing_to_plan(self) -> bool:
         """No budget (nor a fraction to measure), no parameters or optimizer state in the host
@@ -950,6 +947,8 @@ class MemCompiler:
         is the model's (and its modules become regions)."""
         model = self._model()
         if model is not None:
+            # Once: the class's methods are walked (a model that compiles nothing: every call).
+            self._skipped_looked_at = True
             self._claim(fallback_monitor.claim_functions(module_functions(model)))
 
     def claim_fallbacks_of(self, functions: Collection[FunctionSpan]) -> None:
@@ -1049,11 +1048,9 @@ def _on_compile_start(args: Any) -> None:
 
 
 def install_start_hook() -> None:
-    """Register :func:`_on_compile_start` with Dynamo (idempotent), at import, and again after
-    each ``torch._dynamo.reset()``, which clears Dynamo's callbacks (a model compiled by name after
-    a reset, none of whose frames compiles, would otherwise never be attached:
-    runtime/compile_callbacks.keep_after_reset)."""
-    keep_after_reset(_on_compile_start)
+    """Register :func:`_on_compile_start` with Dynamo (idempotent; kept across
+    ``torch._dynamo.reset()``, runtime/compile_callbacks.py)."""
+    ensure_compile_callbacks(_on_compile_start)
 
 
 install_start_hook()

@@ -51,6 +51,7 @@ from memcompile.backends.fallbacks import (
     frame_in,
     function_span,
 )
+from memcompile.backends.unplanned import UnplannedWatch
 
 __all__ = [
     "Region",
@@ -213,16 +214,26 @@ class RegionSet:
     Args:
         compile_fn: wraps a function so Dynamo compiles it with the model's backend (a Dynamo
             context without memcompile's call hook: a region's call is not a model call).
+        unplanned: the compiler's direct mode, which the regions follow.
     """
 
-    def __init__(self, compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    def __init__(
+        self,
+        compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]],
+        unplanned: UnplannedWatch | None = None,
+    ) -> None:
         self._compile = compile_fn
+        self._unplanned = unplanned
         self._codes: dict[str, types.CodeType] = {}
         self._local = threading.local()
         self.regions: list[Region] = []
-        #: The regions call their modules directly: no budget, and the step seen
-        #: (backends/unplanned.py): what the compiled regions would run, without Dynamo's call.
-        self.direct = False
+
+    @property
+    def direct(self) -> bool:
+        """The regions call their modules directly: the model's calls run in the direct mode
+        (no budget, the step seen: backends/unplanned.py), what the compiled regions would run,
+        without Dynamo's call."""
+        return self._unplanned is not None and self._unplanned.direct
 
     def running(self) -> bool:
         """Whether a call of the compiled model is running on this thread."""

@@ -180,8 +180,8 @@ _optimizer_hooked = False
 def install_hooks() -> None:
     """Register the Dynamo compile start/end callbacks (placeholders) unless they are there, and,
     once per process, a global optimizer pre-step hook (finish in-flight copies from the pinned
-    parameters). ``torch._dynamo.reset()`` drops compile callbacks (runtime/compile_callbacks.py):
-    the compiler calls this again before each model call (cheap: two list lookups)."""
+    parameters). The callbacks stay across ``torch._dynamo.reset()``
+    (runtime/compile_callbacks.py)."""
     global _optimizer_hooked
     ensure_compile_callbacks(_on_compile_start, _on_compile_end)
     if not _optimizer_hooked:

@@ -150,8 +150,7 @@ def start(sink: Sink) -> Sink | None:
     """From now on, numbers this thread reads from tensors (module docstring) go to ``sink``,
     until :func:`stop` is given what this returned (the sink it replaced)."""
     global _readers
-    # torch._dynamo.reset() clears Dynamo's callbacks: registered again at each start.
-    ensure_compile_callbacks(_on_compile_start, _on_compile_end)
+    ensure_compile_callbacks(_on_compile_start, _on_compile_end)  # once: kept across resets
     previous: Sink | None = getattr(_local, "sink", None)
     _local.sink = sink
     with _lock:

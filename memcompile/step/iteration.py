@@ -143,6 +143,7 @@ class IterationWatch:
             many bytes of state on the device, with this transient, would pass the budget.
         monitor: the model's steps (the micro-batches are counted by the steps it began).
         on_step: called after each step of an optimizer of this model.
+        paused: whether the optimizers' steps are not watched now (:attr:`paused`).
 
     Attributes:
         optimizers: each live optimizer of this model and its last step's cost.
@@ -167,7 +168,9 @@ class IterationWatch:
         store: TieredStore | None = None,
         tier: Tier = "host",
         first_step_over: Callable[[int, int], bool] | None = None,
+        paused: Callable[[], bool] = lambda: False,
     ) -> None:
+        self._paused = paused
         self._offload_option = offload
         self._first_step_over = first_step_over
         self._store = store
@@ -187,9 +190,6 @@ class IterationWatch:
         self.iterations = 0
         self.grads_at_step = 0
         self.grads_at_start = 0
-        #: The model's calls run in the direct mode (no budget, the step seen:
-        #: backends/unplanned.py): the optimizers' steps are not watched either.
-        self.paused = False
         self._grads_seen = 0
         self._started_at_step = 0
         # The optimizers of this model that stepped since the iteration's first optimizer step.
@@ -301,6 +301,12 @@ class IterationWatch:
         if self._tier == "disk" and self._store is not None and nbytes >= DISK_MIN_BYTES:
             return self._store.put(t, "disk")
         return t if is_host_placed(t) else host_tier_copy(t)
+
+    @property
+    def paused(self) -> bool:
+        """The model's calls run in the direct mode (no budget, the step seen:
+        backends/unplanned.py): the optimizers' steps are not watched either."""
+        return self._paused()
 
     def _stepped(self, optimizer: torch.optim.Optimizer) -> frozenset[int]:
         """Ids of the parameters of this model ``optimizer`` steps (empty: another model's)."""
