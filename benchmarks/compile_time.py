@@ -17,6 +17,16 @@ to ``benchmarks/results/compile_time.{md,json}``.
 after the other: the first step without a budget, then under the budget with an empty cache
 directory (cold), then again with the cache the cold run wrote (warm); the table gives each
 one's first step and planner calls.
+
+``--sweep [MODEL,...]``: issue 41's table, each run a fresh process with the plan cache off: for
+each zoo model (``--size``; default every one) the first step without a budget, then under
+budgets of resident + 0.5x and 0.25x the no-budget run's predicted activations (its predicted
+peak less the resident bytes), then with ``on_infeasible="error"`` under ``--infeasible`` x
+that predicted peak (default 0.05) until ``MemoryBudgetError`` (or the step, where that budget
+fits after all: parameters moved to the host make room). The
+time of a run is that of its first three steps (a model written the natural way compiles its
+regions at the second call); each is held against the targets (a feasible budget's <= 2x the
+no-budget one + 10 s; the error <= 10 s). Results go to ``compile_time_sweep.{md,json}``.
 """
 
 from __future__ import annotations
@@ -58,10 +68,12 @@ def run(
     options: dict[str, Any],
     *,
     cache: bool = False,
+    on_infeasible: str = "best_effort",
 ) -> dict:
     """Time ``steps`` budgeted steps of zoo ``model`` and every planner call in them; the plan
     cache across runs only with ``cache`` (else every plan is searched, whatever the user's
-    cache directory holds)."""
+    cache directory holds). With ``on_infeasible="error"`` a step that raises
+    ``MemoryBudgetError`` ends the run: its time is the first step's, ``error`` its message."""
     import memcompile
     import memcompile.pipeline.search as search
     from memcompile import zoo
@@ -93,16 +105,25 @@ def run(
         with features.patch(plan_cache=cache):
             wl = zoo.build(model, size=size)
             compiled = memcompile.compile(
-                wl.model, budget=budget, on_infeasible="best_effort", **options
+                wl.model, budget=budget, on_infeasible=on_infeasible, **options
             )
             step_seconds = []
+            error = None
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", memcompile.MemoryBudgetWarning)
                 for step in range(steps):
                     start = time.perf_counter()
-                    wl.loss(compiled, step).backward()
+                    try:
+                        wl.loss(compiled, step).backward()
+                    except memcompile.MemoryBudgetError as e:
+                        if on_infeasible != "error":
+                            raise
+                        error = str(e).splitlines()[0]
                     step_seconds.append(round(time.perf_counter() - start, 1))
                     print(f"step {step}: {step_seconds[-1]} s", file=sys.stderr, flush=True)
+                    if error is not None:
+                        break
+            rep = memcompile.report(compiled) if error is None else None
     finally:
         search.plan_fragment = plan_fragment
     return dict(
@@ -113,6 +134,9 @@ def run(
         step_seconds=step_seconds,
         planner_seconds=round(sum(c["seconds"] for c in calls), 1),
         calls=calls,
+        error=error,
+        predicted_peak=None if rep is None else rep.predicted_peak,
+        resident_bytes=None if rep is None else rep.resident_bytes,
     )
 
 
@@ -125,6 +149,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("-O", dest="option", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--warm", action="store_true", help="no budget, cold and warm plan cache")
+    p.add_argument(
+        "--sweep",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="MODEL,...",
+        help="issue 41's table: no budget, 0.5x, 0.25x and an infeasible budget per model",
+    )
+    p.add_argument(
+        "--infeasible",
+        type=float,
+        default=0.05,
+        help="--sweep's infeasible budget: this share of the no-budget predicted peak",
+    )
+    p.add_argument("--on-infeasible", default="best_effort", help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     from memcompile.cli import CliError, _options
@@ -146,6 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     import memcompile
     from memcompile import zoo
 
+    if args.sweep is not None:
+        models = list(zoo.names()) if args.sweep == "all" else args.sweep.split(",")
+        unknown = [m for m in models if m not in zoo.names()]
+        if unknown:
+            p.error(f"unknown zoo workload(s) {unknown}; one of {list(zoo.names())}")
+        if not 0 < args.infeasible < 0.25:
+            p.error(f"--infeasible must be in (0, 0.25), got {args.infeasible}")
     if args.model not in zoo.names():
         p.error(f"unknown zoo workload {args.model!r}; one of {list(zoo.names())}")
     if args.size not in zoo.SIZES:
@@ -156,7 +202,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
 
     if args.child:
-        result = run(args.model, args.size, budget, args.steps, options, cache=True)
+        result = run(
+            args.model,
+            args.size,
+            budget,
+            args.steps,
+            options,
+            cache=True,
+            on_infeasible=args.on_infeasible,
+        )
         print("RESULT " + json.dumps(result))
         return 0
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -164,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.warm:
         return _warm(args, argv)
+    if args.sweep is not None:
+        return _sweep(args, argv, models)
     result = run(args.model, args.size, budget, args.steps, options)
 
     table = [
@@ -206,19 +262,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _child(args: argparse.Namespace, budget: str, cache: Path) -> dict[str, Any]:
-    """:func:`run` in a fresh process with the plan cache in ``cache``."""
+def _child(
+    args: argparse.Namespace,
+    budget: str,
+    cache: Path | None,
+    *,
+    model: str | None = None,
+    on_infeasible: str = "best_effort",
+) -> dict[str, Any]:
+    """:func:`run` in a fresh process with the plan cache in ``cache`` (``None``: off)."""
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
         "--child",
-        f"--model={args.model}",
+        f"--model={model or args.model}",
         f"--size={args.size}",
         f"--budget={budget}",
         f"--steps={args.steps}",
+        f"--on-infeasible={on_infeasible}",
         *(f"-O{o}" for o in args.option),
     ]
-    env = {**os.environ, "MEMCOMPILE_CACHE_DIR": str(cache), "MEMCOMPILE_PLAN_CACHE": "1"}
+    env = (
+        {**os.environ, "MEMCOMPILE_CACHE_DIR": str(cache), "MEMCOMPILE_PLAN_CACHE": "1"}
+        if cache is not None
+        else {**os.environ, "MEMCOMPILE_PLAN_CACHE": "0"}
+    )
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if done.returncode or not lines:
@@ -257,6 +325,72 @@ def _warm(args: argparse.Namespace, argv: list[str] | None) -> int:
         "compile_time_warm",
         script="compile_time",
         title="Compile time of a budgeted step: the plan cache across runs",
+        argv=sys.argv[1:] if argv is None else argv,
+        notes=notes,
+        table=table,
+        rows=rows,
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+def _sweep(args: argparse.Namespace, argv: list[str] | None, models: list[str]) -> int:
+    """``--sweep``: per model, no budget, 0.5x, 0.25x and an infeasible budget (``error``)."""
+    from machine import write_results
+
+    args.steps = max(args.steps, 3)
+
+    rows: list[dict[str, Any]] = []
+    table = [
+        "| model | joint nodes | no budget s | 0.5x s | 0.25x s | infeasible s | ends in "
+        "| targets |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for model in models:
+        base = _child(args, "none", None, model=model)
+        base["run"] = "none"
+        rows.append(base)
+        first = round(sum(base["step_seconds"]), 1)
+        resident, peak = base["resident_bytes"], base["predicted_peak"]
+        acts = max(0, (peak or 0) - (resident or 0))
+        cells, misses = [], []
+        for label, budget, mode in (
+            ("0.5x", str(int(resident + 0.5 * acts)), "best_effort"),
+            ("0.25x", str(int(resident + 0.25 * acts)), "best_effort"),
+            ("infeasible", str(int(args.infeasible * (peak or 0))), "error"),
+        ):
+            r = _child(args, budget, None, model=model, on_infeasible=mode)
+            r["run"] = label
+            rows.append(r)
+            took = round(sum(r["step_seconds"]), 1)
+            cells.append(f"{took}")
+            if mode == "error":
+                ends = "error" if r["error"] else "a plan that fits"
+                if r["error"] and took > 10:
+                    misses.append(f"error {took} s > 10 s")
+            elif took > 2 * first + 10:
+                misses.append(f"{label} {took} s > {2 * first + 10:.1f} s")
+            print(f"{model} {label}: {took} s", file=sys.stderr, flush=True)
+        sizes = [c["nodes"] for r in rows if r["model"] == model for c in r["calls"]]
+        nodes = max(sizes, default=0)
+        table.append(
+            f"| {model} | {nodes or '-'} | {first} | {' | '.join(cells)} | {ends} | "
+            f"{'; '.join(misses) or 'met'} |"
+        )
+    notes = [
+        f"zoo models ({args.size}); each run a fresh process, the plan cache across runs off; "
+        "budgets: resident + 0.5x and 0.25x the no-budget run's predicted activations (its "
+        f"predicted peak less the resident bytes), and {args.infeasible}x its predicted peak "
+        'with on_infeasible="error", timed to MemoryBudgetError',
+        f"seconds: the first {args.steps} steps (or until the error), the first compiling; "
+        "joint nodes: the largest graph the planner searched; targets (issue 41): a feasible "
+        "budget's <= 2x the no-budget one + 10 s, the error <= 10 s",
+    ]
+    path = write_results(
+        args.out,
+        "compile_time_sweep",
+        script="compile_time",
+        title="Compile time: first step without a budget, under 0.5x and 0.25x, and the error",
         argv=sys.argv[1:] if argv is None else argv,
         notes=notes,
         table=table,

@@ -3,6 +3,7 @@ against the CPU allocator on random programs."""
 
 from __future__ import annotations
 
+import copy
 import operator
 
 import torch
@@ -114,6 +115,29 @@ def test_flops_come_from_the_flop_counter() -> None:
     assert p.flops == 2 * N * 32 * 16
     mm = next(n for n in p.nodes if n.target == "aten.mm.default")
     assert mm.bytes_moved == (N * 32 + 32 * 16 + N * 16) * 4
+
+
+def test_a_copied_node_keeps_its_cost_unless_it_reads_or_makes_other_values() -> None:
+    # A node's cost is kept in its meta with the values it was found for: a copy sharing them
+    # (the graphs a search builds) is not costed again; a node reading other values is.
+    def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a @ b
+
+    def mm_of(g: fx.GraphModule) -> fx.Node:
+        return next(n for n in g.graph.nodes if n.target is aten.mm.default)
+
+    gm = trace(f, torch.randn(N, 32), torch.randn(32, 16))
+    profile_graph(gm, kind="forward", persistent_inputs=[0, 1])
+    known = mm_of(gm).meta["memcompile_cost"]
+    assert known[3][0] == 2 * N * 32 * 16
+    copied = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    assert mm_of(copied).meta["memcompile_cost"] is known  # the copy's meta, not costed again
+    assert profile_graph(copied, kind="forward", persistent_inputs=[0, 1]).flops == known[3][0]
+    # The same node with twice the rows, the cost of the first in its meta: costed again.
+    other = trace(f, torch.randn(2 * N, 32), torch.randn(32, 16))
+    mm_of(other).meta["memcompile_cost"] = known
+    p = profile_graph(other, kind="forward", persistent_inputs=[0, 1])
+    assert p.flops == 2 * (2 * N) * 32 * 16
 
 
 def test_peak_node_and_curve() -> None:

@@ -5,6 +5,7 @@ stays bit-identical with the predicted peak equal to the allocator's."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -440,6 +441,82 @@ def test_the_value_gradient_is_made_by_the_blocks_that_make_the_probabilities(vi
         assert all(order[p] < order[view] for p in products)
     for a, b in zip(gm(*args), out(*args), strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_blocks_out_forms_get_the_fake_values_fake_dispatch_gives(monkeypatch):
+    # An out= form's value is the view it writes into, taken without a fake dispatch: the same
+    # shapes, strides and storages as dispatching every node.
+    args = _recomputed_backward_args()
+    gm = make_fx(lambda *a: _attention_recomputed_backward(*a), tracing_mode="fake")(*args)
+    fast = row_tile_pass(gm, CTX, blocks=4)
+    outs = {
+        n: name
+        for n in fast.graph.nodes
+        if (name := tiling_build._out_argument(n.target)) is not None
+    }
+    assert outs  # the softmax gradient's blocks and the value gradient's batches
+    monkeypatch.setattr(tiling_build, "_out_argument", lambda target: None)
+    slow = row_tile_pass(gm, CTX, blocks=4)
+    fast_nodes = [n for n in fast.graph.nodes if n.op == "call_function"]
+    slow_nodes = [n for n in slow.graph.nodes if n.op == "call_function"]
+    assert [n.name for n in fast_nodes] == [n.name for n in slow_nodes]
+
+    def layout(v):
+        return (v.shape, v.stride(), v.storage_offset(), v.dtype)
+
+    storages: dict[object, object] = {}
+    for f, s in zip(fast_nodes, slow_nodes, strict=True):
+        fv, sv = f.meta["val"], s.meta["val"]
+        assert layout(fv) == layout(sv), f.name
+        # The same storage sharing: one storage of the fast graph is one of the slow graph's.
+        key = fv.untyped_storage()._cdata
+        assert storages.setdefault(key, sv.untyped_storage()._cdata) == sv.untyped_storage()._cdata
+    for n, name in outs.items():
+        assert n.meta["val"] is n.kwargs[name].meta["val"]
+
+
+def test_a_graph_tiled_again_on_the_same_values_takes_the_blocks_values_made_before():
+    # A search builds many graphs sharing their nodes' values: the second tiling of the same
+    # op on the same values takes the first's fake values (no dispatch), the same objects.
+    gm = _trace(_branch_backward)
+    memo: dict = {}
+    first = row_tile_pass(gm, CTX, blocks=4, inlined=memo)
+    assert len(memo) == 1
+    again = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # shares the values, as builds do
+    second = row_tile_pass(again, CTX, blocks=4, inlined=memo)
+    assert len(memo) == 1
+    tiled = [n for n in first.graph.nodes if n.name.startswith(tiling_build.PREFIX)]
+    by_name = {n.name: n for n in second.graph.nodes}
+    assert tiled and all(by_name[n.name].meta["val"] is n.meta["val"] for n in tiled)
+    args = _inputs(_branch_backward)
+    for a, b in zip(gm(*args), second(*args), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_same_op_twice_in_one_graph_never_shares_the_blocks_values():
+    # Two copies of one op on the same leaves (a recomputed copy) have one key: the second
+    # gets values of its own, else the profile would count the two results as one buffer.
+
+    def twice(dy, x, w, b):
+        # _branch_backward's op twice on the same leaf nodes.
+        e = aten.expand.default(aten.unsqueeze.default(dy, -1), [B, T, H])
+        wt = aten.t.default(w)
+        outs = []
+        for _ in range(2):
+            g = aten.div.Scalar(e, H)
+            h = aten.view.default(aten.addmm.default(b, x, wt), [B, T, H])
+            gx = aten.view.default(aten.gelu_backward.default(g, h), [N, H])
+            outs += [aten.mm.default(aten.t.default(gx), x), aten.sum.dim_IntList(gx, [0])]
+        return tuple(outs)
+
+    gm = make_fx(twice, tracing_mode="fake")(*_inputs(_branch_backward))
+    memo: dict = {}
+    out = row_tile_pass(gm, CTX, blocks=4, inlined=memo)
+    done = out.meta["memcompile_row_tiles"]
+    assert len(done) == 2 and len(memo) == 1
+    by_name = {n.name: n for n in out.graph.nodes}
+    a, b = (by_name[t.new].meta["val"] for t in done)
+    assert a.untyped_storage()._cdata != b.untyped_storage()._cdata
 
 
 def test_probabilities_kept_for_an_earlier_reader_are_made_by_their_own_blocks_too():

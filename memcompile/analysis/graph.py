@@ -485,11 +485,34 @@ def is_host_value(n: fx.Node) -> bool:
     )
 
 
+#: Node meta key: (target, value, input values, :func:`node_cost`) of the node's last costing.
+_COST_META = "memcompile_cost"
+
+
 def node_cost(n: fx.Node, ids: StorageIds) -> tuple[int, int, bool]:
     """``(FLOPs, bytes moved, approximate)`` of one node; an op whose outputs all alias its
-    inputs (a view) moves nothing."""
+    inputs (a view) moves nothing. Kept in the node's ``meta`` with the values it was found
+    for: a search profiles many graphs whose nodes are copies sharing those values (a node's
+    copy gets its ``meta``), and a copy reading or making other values is costed again."""
     if n.target is _WAIT:
         return 0, 0, False
+    val = n.meta.get("val")
+    inputs = tuple(a.meta.get("val") for a in n.all_input_nodes)
+    known = n.meta.get(_COST_META)
+    if (
+        known is not None
+        and known[0] is n.target
+        and known[1] is val
+        and len(known[2]) == len(inputs)
+        and all(a is b for a, b in zip(known[2], inputs, strict=True))
+    ):
+        return known[3]  # type: ignore[no-any-return]
+    cost = _node_cost(n, ids)
+    n.meta[_COST_META] = (n.target, val, inputs, cost)
+    return cost
+
+
+def _node_cost(n: fx.Node, ids: StorageIds) -> tuple[int, int, bool]:
     flops, approx = _flops(n)
     if n.op != "call_function":
         return flops, 0, approx

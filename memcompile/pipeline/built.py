@@ -43,7 +43,7 @@ from memcompile.rewrites.rematerialize import (
     plan_rematerialize,
     rematerialize_pass,
 )
-from memcompile.rewrites.tiling.build import row_tile_pass
+from memcompile.rewrites.tiling.build import InlineMemo, row_tile_pass
 from memcompile.rewrites.tiling.find import MAX_KEPT_MATMULS, RowTiling, find_row_tilings
 
 __all__ = [
@@ -247,12 +247,15 @@ def built_rewrite(
 
 
 class TilingSearch:
-    """:func:`find_row_tilings` of the built graphs one :func:`tiled` call rewrites, each graph
+    """:func:`find_row_tilings` of the built graphs one fragment's search rewrites, each graph
     and ``max_kept_matmuls`` searched once: the search only decides, and the graphs do not
-    change meanwhile (the rewrites make copies). Keyed by the graph object (by identity)."""
+    change meanwhile (the rewrites make copies). Keyed by the graph object (by identity).
+    ``inlined``: the fake values of the blocks the rewrites made (``tiling/build.InlineMemo``),
+    for the next build that tiles the same op on the same values."""
 
     def __init__(self) -> None:
         self._found: dict[tuple[fx.GraphModule, int], tuple[RowTiling, ...]] = {}
+        self.inlined: InlineMemo = {}
 
     def __call__(self, gm: fx.GraphModule, kept: int) -> tuple[RowTiling, ...]:
         found = self._found.get((gm, kept))
@@ -282,7 +285,10 @@ def tile_rows(
     decisions already made for ``gm``."""
     try:
         decided = None if search is None else search(gm, max_kept_matmuls)
-        tiled = row_tile_pass(gm, ctx, max_kept_matmuls=max_kept_matmuls, decided=decided)
+        inlined = None if search is None else search.inlined
+        tiled = row_tile_pass(
+            gm, ctx, max_kept_matmuls=max_kept_matmuls, decided=decided, inlined=inlined
+        )
     except Exception:  # a graph the pass does not know: the plan stands without it
         log.warning(
             "%s %s: row tiling failed; left as built", ctx.fragment, ctx.graph, exc_info=True
@@ -299,16 +305,17 @@ def tiled(
     split: Split,
     *,
     memo: ProfileMemo | None = None,
+    search: TilingSearch | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, FragmentPlan, int | None]:
     """:func:`built_rewrite` with row tiling: first with no matmul made again by the blocks (a
     value kept whole for another reader is read whole instead), which costs no time; where that
     does not fit, also with them, and the lower peak is kept. The last item: the matmuls the
     kept rewrite may make again (``None``: the graphs as they were). ``memo``: the build's
-    profiles so far."""
+    profiles so far; ``search``: the fragment search's tilings so far."""
     memo = ProfileMemo() if memo is None else memo
     best = None
     best_kept: int | None = None
-    search = TilingSearch()
+    search = TilingSearch() if search is None else search
     for kept in sorted({0, MAX_KEPT_MATMULS}):
         if kept and _same_tilings(fw, bw, kept, search):
             break  # no op's blocks would make a matmul again: the same rewrite

@@ -106,6 +106,9 @@ class FragmentSearch:
         #: Planner calls and builds so far (what the slow-compile notice says, stage.py).
         self._plans = 0
         self._builds = 0
+        #: Row tilings found and blocks made by this search's builds (each build tiles graphs
+        #: that share most of their nodes' values with the builds before).
+        self._tilings = built_rewrites.TilingSearch()
 
     # -- inputs on the host tier -------------------------------------------------------------
     def host_placed(self) -> list[int]:
@@ -349,7 +352,9 @@ class FragmentSearch:
                     applied.append(("in_place",))
             if not plan.feasible and switches.row_tiling and self.eager_kernels:
                 stage.say(f"{building}: row tiling")
-                fw, bw, plan, kept = built_rewrites.tiled(spec, fw, bw, plan, split, memo=memo)
+                fw, bw, plan, kept = built_rewrites.tiled(
+                    spec, fw, bw, plan, split, memo=memo, search=self._tilings
+                )
                 if kept is not None:
                     applied.append(("tiling", kept))
                 row_tiled = tuple(
