@@ -18,15 +18,18 @@ after the other: the first step without a budget, then under the budget with an 
 directory (cold), then again with the cache the cold run wrote (warm); the table gives each
 one's first step and planner calls.
 
-``--sweep [MODEL,...]``: issue 41's table, each run a fresh process with the plan cache off: for
-each zoo model (``--size``; default every one) the first step without a budget, then under
-budgets of resident + 0.5x and 0.25x the no-budget run's predicted activations (its predicted
-peak less the resident bytes), then with ``on_infeasible="error"`` under ``--infeasible`` x
-that predicted peak (default 0.05) until ``MemoryBudgetError`` (or the step, where that budget
-fits after all: parameters moved to the host make room). The
-time of a run is that of its first three steps (a model written the natural way compiles its
-regions at the second call); each is held against the targets (a feasible budget's <= 2x the
-no-budget one + 10 s; the error <= 10 s). Results go to ``compile_time_sweep.{md,json}``.
+``--model`` (and ``--sweep``) also take ``hf:NAME``: a tiny Hugging Face client of ``clients.py``
+(``hf:llama``, ``hf:mixtral_eager``, ...) or ``hf:gpt2_12`` (GPT-2 small's shape, 1 x 128 tokens).
+
+``--sweep [MODEL,...]``: issue 41's table, each run a fresh process with the plan cache off.
+For each model (zoo ones at ``--size``; default every zoo model): the first steps without a
+budget; then under resident + 0.5x and 0.25x the no-budget run's predicted activations (its
+predicted peak less the resident bytes); then, with ``on_infeasible="error"``, under
+``--infeasible`` x that predicted peak (default 0.05) until ``MemoryBudgetError`` (or the step,
+where that budget fits after all: parameters moved to the host make room). The time of a run
+is that of its first three steps (a model written the natural way compiles its regions at the
+second call), held against the targets: a feasible budget's <= 2x the no-budget one + 10 s,
+the error <= 10 s. Results go to ``compile_time_sweep.{md,json}``.
 """
 
 from __future__ import annotations
@@ -60,6 +63,53 @@ def _digest(plan: Any) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
+#: ``hf:NAME``: a tiny Hugging Face client of ``clients.py`` (NAME one of its models), or
+#: ``hf:gpt2_12``: GPT-2 small's shape (12 layers, d 768, 12 heads, vocabulary 50,257), batch
+#: 1 x 128 tokens, random weights, dropout 0.
+HF = "hf:"
+
+
+def _workload(model: str, size: str) -> tuple[Any, Any]:
+    """(module, ``loss(compiled, step)``) of zoo ``model`` (``size``) or of an ``hf:`` client."""
+    import torch
+
+    from memcompile import zoo
+
+    if not model.startswith(HF):
+        wl = zoo.build(model, size=size)
+        return wl.model, wl.loss
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import clients
+
+    name = model.removeprefix(HF)
+    if name == "gpt2_12":
+        import transformers as tf
+
+        torch.manual_seed(0)
+        cfg = tf.GPT2Config(
+            n_layer=12, n_embd=768, n_head=12, n_positions=128,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        net = tf.GPT2LMHeadModel(cfg).train()
+        net.loss_type = "ForCausalLM"  # as clients.py: no logging graph break
+        shape, vocab = (1, 128), cfg.vocab_size
+    else:
+        net, shape, vocab = clients.build(name), (clients.BATCH, clients.SEQ), clients.VOCAB
+    ids = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(1))
+    return net, lambda compiled, step: compiled(input_ids=ids, labels=ids).loss
+
+
+def _known(model: str) -> bool:
+    from memcompile import zoo
+
+    if model.startswith(HF):
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import clients
+
+        return model.removeprefix(HF) in (*clients.MODELS, "gpt2_12")
+    return model in zoo.names()
+
+
 def run(
     model: str,
     size: str,
@@ -76,7 +126,6 @@ def run(
     ``MemoryBudgetError`` ends the run: its time is the first step's, ``error`` its message."""
     import memcompile
     import memcompile.pipeline.search as search
-    from memcompile import zoo
     from memcompile.pipeline import features
 
     calls: list[dict[str, Any]] = []
@@ -103,9 +152,9 @@ def run(
     search.plan_fragment = timed
     try:
         with features.patch(plan_cache=cache):
-            wl = zoo.build(model, size=size)
+            net, loss = _workload(model, size)
             compiled = memcompile.compile(
-                wl.model, budget=budget, on_infeasible=on_infeasible, **options
+                net, budget=budget, on_infeasible=on_infeasible, **options
             )
             step_seconds = []
             error = None
@@ -114,7 +163,7 @@ def run(
                 for step in range(steps):
                     start = time.perf_counter()
                     try:
-                        wl.loss(compiled, step).backward()
+                        loss(compiled, step).backward()
                     except memcompile.MemoryBudgetError as e:
                         if on_infeasible != "error":
                             raise
@@ -187,13 +236,19 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.sweep is not None:
         models = list(zoo.names()) if args.sweep == "all" else args.sweep.split(",")
-        unknown = [m for m in models if m not in zoo.names()]
+        unknown = [m for m in models if not _known(m)]
         if unknown:
-            p.error(f"unknown zoo workload(s) {unknown}; one of {list(zoo.names())}")
+            p.error(
+                f"unknown workload(s) {unknown}; one of {list(zoo.names())}, or hf:NAME "
+                "(a clients.py model, or hf:gpt2_12)"
+            )
         if not 0 < args.infeasible < 0.25:
             p.error(f"--infeasible must be in (0, 0.25), got {args.infeasible}")
-    if args.model not in zoo.names():
-        p.error(f"unknown zoo workload {args.model!r}; one of {list(zoo.names())}")
+    if not _known(args.model):
+        p.error(
+            f"unknown workload {args.model!r}; one of {list(zoo.names())}, or hf:NAME (a "
+            "clients.py model, or hf:gpt2_12)"
+        )
     if args.size not in zoo.SIZES:
         p.error(f"unknown size {args.size!r}; one of {list(zoo.SIZES)}")
     try:
@@ -378,7 +433,8 @@ def _sweep(args: argparse.Namespace, argv: list[str] | None, models: list[str]) 
             f"{'; '.join(misses) or 'met'} |"
         )
     notes = [
-        f"zoo models ({args.size}); each run a fresh process, the plan cache across runs off; "
+        f"zoo models at size {args.size}; each run a fresh process, the plan cache across runs "
+        "off; "
         "budgets: resident + 0.5x and 0.25x the no-budget run's predicted activations (its "
         f"predicted peak less the resident bytes), and {args.infeasible}x its predicted peak "
         'with on_infeasible="error", timed to MemoryBudgetError',

@@ -27,6 +27,7 @@ LONG = frozenset(
         "test_rematerialize.py::test_a_budget_only_rematerialization_meets_fits_exactly_and_bit_identically[gpt]",
         "test_compile_time_bench.py::test_a_tiny_run_times_the_first_step_and_each_plan",
         "test_compile_time_bench.py::test_warm_runs_no_budget_cold_and_warm_and_the_warm_run_does_not_search",
+        "test_compile_time_bench.py::test_a_sweep_times_each_budget_in_a_fresh_process_and_holds_them_to_the_targets",
         "test_replan.py::test_a_fragment_that_does_not_fit_runs_its_smallest_plan_without_the_pilots_reserve",
         "test_dropout.py::test_replayed_masks_lower_the_bench_gpts_smallest_budget",
         "test_linearce.py::test_zoo_gpt_trains_bit_identically_at_a_floor_only_the_blocks_reach",

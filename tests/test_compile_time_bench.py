@@ -17,7 +17,10 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "compile_time.p
     ("args", "message"),
     [
         (["--steps", "0"], "--steps must be >= 1"),
-        (["--model", "nope"], "unknown zoo workload 'nope'"),
+        (["--model", "nope"], "unknown workload 'nope'"),
+        (["--model", "hf:nope"], "unknown workload 'hf:nope'"),
+        (["--sweep", "gpt,nope"], "unknown workload(s) ['nope']"),
+        (["--sweep", "--infeasible", "0.5"], "--infeasible must be in (0, 0.25)"),
         (["--size", "huge"], "unknown size 'huge'"),
         (["--budget", "lots"], "budget"),
         (["-O", "recompute"], "-O takes KEY=VALUE"),
@@ -61,3 +64,39 @@ def test_warm_runs_no_budget_cold_and_warm_and_the_warm_run_does_not_search(
     assert rows[0]["budget"] is None and rows[1]["calls"] and rows[2]["calls"] == []
     text = (tmp_path / "compile_time_warm.md").read_text()
     assert "| warm | 600000 |" in text and "fresh process" in text
+
+
+def test_a_sweep_times_each_budget_in_a_fresh_process_and_holds_them_to_the_targets(
+    tmp_path: Path,
+) -> None:
+    _script(["--size", "tiny", "--sweep", "gpt_manual"], tmp_path)
+    rows = json.loads((tmp_path / "compile_time_sweep.json").read_text())["rows"]
+    assert [r["run"] for r in rows] == ["none", "0.5x", "0.25x", "infeasible"]
+    none, half, quarter, infeasible = rows
+    assert none["budget"] is None and none["predicted_peak"] > none["resident_bytes"] > 0
+    acts = none["predicted_peak"] - none["resident_bytes"]
+    assert int(half["budget"]) == int(none["resident_bytes"] + 0.5 * acts)
+    assert int(infeasible["budget"]) == int(0.05 * none["predicted_peak"])
+    assert all(len(r["step_seconds"]) == 3 for r in rows[:3])  # the first three steps
+    # No plan fits: the error, after its first step.
+    assert infeasible["error"] and len(infeasible["step_seconds"]) == 1
+    (line,) = [
+        x
+        for x in (tmp_path / "compile_time_sweep.md").read_text().splitlines()
+        if "| gpt_manual |" in x
+    ]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[6] == "error"
+    # The targets: each clear miss named with its figures, none named where clearly met (the
+    # times are this machine's; the table rounds them to 0.1 s).
+    limit = 2 * sum(none["step_seconds"]) + 10
+    for label, took, bound in (
+        ("0.5x", sum(half["step_seconds"]), limit),
+        ("0.25x", sum(quarter["step_seconds"]), limit),
+        ("error", sum(infeasible["step_seconds"]), 10),
+    ):
+        if took > bound + 0.3:
+            assert f"{label} " in cells[7]
+        elif took < bound - 0.3:
+            assert f"{label} " not in cells[7]
+    assert cells[7] == "met" or " > " in cells[7]
