@@ -100,3 +100,28 @@ def test_a_sweep_times_each_budget_in_a_fresh_process_and_holds_them_to_the_targ
         elif took < bound - 0.3:
             assert f"{label} " not in cells[7]
     assert cells[7] == "met" or " > " in cells[7]
+
+
+def test_render_writes_a_sweeps_table_again_from_its_rows(tmp_path: Path) -> None:
+    # No model runs: the rows of a sweep, rendered with the targets' rules.
+    def row(model: str, run: str, seconds: list[float], nodes: int, error: str | None = None):
+        calls = [{"nodes": nodes}]
+        return {"model": model, "run": run, "step_seconds": seconds, "calls": calls, "error": error}
+
+    rows = [
+        row("small", "none", [2.0, 0.1, 0.1], 500),
+        row("small", "0.5x", [20.0, 0.1, 0.1], 500),  # over 2 x 2.2 + 10
+        row("small", "0.25x", [5.0, 0.1, 0.1], 500),
+        row("small", "infeasible", [12.0], 500, "no memory plan fits"),  # over 10 s
+        row("big", "none", [20.0, 1.0, 1.0], 5000),
+        row("big", "0.5x", [30.0, 1.0, 1.0], 5000),
+        row("big", "0.25x", [40.0, 1.0, 1.0], 5000),
+        row("big", "infeasible", [60.0], 5000, "no memory plan fits"),  # over 2,000 nodes
+    ]
+    source = {"command": "python benchmarks/compile_time.py --sweep", "date": "d", "machine": "m"}
+    (tmp_path / "in.json").write_text(json.dumps({**source, "rows": rows}))
+    _script(["--render", str(tmp_path / "in.json")], tmp_path)
+    text = (tmp_path / "compile_time_sweep.md").read_text()
+    assert "| small | 500 | 2.2 | 20.2 | 5.2 | 12.0 | error | 0.5x 20.2 s > 14.4 s; error " in text
+    assert "| big | 5000 | 22.0 | 32.0 | 42.0 | 60.0 | error | (error 60.0 s: over 2,000" in text
+    assert "rows measured by `python benchmarks/compile_time.py --sweep` on d (m)" in text

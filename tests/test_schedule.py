@@ -20,12 +20,18 @@ from memcompile.analysis.schedule import schedule, sink
 MiB = 2**20
 
 
+class _Model(SimpleNamespace):
+    @property
+    def effect_nodes(self) -> tuple[int, ...]:  # as JointModel's, from has_effect as set now
+        return tuple(i for i, e in enumerate(self.has_effect) if e)
+
+
 def _model(spec: dict[int, tuple[list[int], int]]) -> Any:
     """node -> (input nodes, bytes of its own storage); storage ids are node ids."""
     n = max(spec) + 1
     inputs = [spec.get(i, ([], 0))[0] for i in range(n)]
     storages = [(i,) for i in range(n)]
-    return SimpleNamespace(
+    return _Model(
         inputs=inputs,
         users=[[u for u in range(n) if i in inputs[u]] for i in range(n)],
         storages=storages,

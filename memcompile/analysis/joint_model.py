@@ -23,6 +23,7 @@ partitioner (``partition.py``) and profiled again exactly.
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import operator
 from collections import OrderedDict
@@ -284,6 +285,7 @@ class JointModel:
             frozenset(s for j in ins for s in self.storages[j]) for ins in self.inputs
         ]
         self.has_effect: list[bool] = [has_effect(n) for n in nodes]
+        self.effect_nodes = tuple(i for i, e in enumerate(self.has_effect) if e)
         self.liveness = Liveness(
             self.storages,
             self.inputs,
@@ -359,6 +361,25 @@ class JointModel:
         saved set implicitly contains those the backward needs."""
         return self._must_save
 
+    @functools.cached_property
+    def _availability(self) -> list[bool | None]:
+        """:meth:`_available` as far as it does not depend on the saved set: ``True`` (always),
+        ``False`` (never), ``None`` (when all its storages are saved, persistent or must be
+        saved)."""
+        out: list[bool | None] = []
+        for i, k in enumerate(self.kind):
+            if k in (_PRIMAL, _TANGENT):
+                out.append(True)
+            elif k != _FW:
+                out.append(False)
+            elif self.is_sym[i]:
+                out.append(True)
+            elif self.is_tuple[i] or not self.storages[i]:
+                out.append(False)
+            else:
+                out.append(None)
+        return out
+
     def _available(self, i: int, saved: Collection[int]) -> bool:
         k = self.kind[i]
         if k in (_PRIMAL, _TANGENT):
@@ -383,7 +404,10 @@ class JointModel:
         needed: set[int] = set()
         inputs: set[int] = set()
 
-        available, node_inputs = self._available, self.inputs
+        node_inputs = self.inputs
+        # _available, inlined (the planner walks the backward for every saved set it prices).
+        by_kind, storages = self._availability, self.storages
+        persistent, must_save = self.persistent, self._must_save
 
         def walk(roots: Iterable[int]) -> None:
             stack = list(roots)
@@ -391,7 +415,11 @@ class JointModel:
                 i = stack.pop()
                 if i in needed or i in inputs:
                     continue
-                if available(i, saved):
+                a = by_kind[i]
+                if a is True or (
+                    a is None
+                    and all(s in saved or s in persistent or s in must_save for s in storages[i])
+                ):
                     inputs.add(i)
                     continue
                 needed.add(i)
@@ -433,7 +461,14 @@ class JointModel:
         node_inputs = self.inputs
 
         def insert(root: int) -> None:
-            todo, seen = [root], []
+            if root in done or root not in needed:
+                return
+            done.add(root)
+            todo = [j for j in node_inputs[root] if j not in done and j in needed]
+            if not todo:  # (most roots: their inputs placed already; no sort of one node)
+                groups.append([root])
+                return
+            seen = [root]
             while todo:
                 i = todo.pop()
                 if i in done or i not in needed:
@@ -441,8 +476,7 @@ class JointModel:
                 done.add(i)
                 seen.append(i)
                 todo.extend(node_inputs[i])
-            if seen:
-                groups.append(sorted(seen))
+            groups.append(sorted(seen))
 
         ordered = sorted(needed)
         # (Each loop skips what is placed already without a call: on the GRU small's graph a

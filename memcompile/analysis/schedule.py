@@ -65,6 +65,7 @@ class JointFacts(Protocol):
     persistent: frozenset[int]
     input_storages: list[frozenset[int]]
     has_effect: list[bool]
+    effect_nodes: tuple[int, ...]
 
     def nodes_holding(self, storage: int) -> tuple[int, ...]: ...
 
@@ -353,8 +354,9 @@ def sink(
     while replays < max_replays:
         peak, _, at, live = result
         position = dict(zip(order, range(len(order)), strict=True))
-        # Positions of the nodes with effects, in order: a move checks only those it passes.
-        effects = [p for p, j in enumerate(order) if model.has_effect[j]]
+        # Positions of the nodes with effects, in order: a move checks only those it passes
+        # (found from the few nodes with effects, not by a pass over the order).
+        effects = sorted(position[j] for j in model.effect_nodes if j in position)
         # Where each storage live at the peak is first made (the first node in the order
         # holding it): looked up for those only, not built for the whole order.
         producer: dict[int, int] = {}

@@ -67,7 +67,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from memcompile.rewrites.context import PassContext
-from memcompile.rewrites.rebuild import rebuilt_module
+from memcompile.rewrites.rebuild import copy_node, rebuilt_module
 from memcompile.runtime.rng import STATE_BYTES
 
 log = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ def dropout_pass(gm: fx.GraphModule, ctx: PassContext, *, replay: bool = False) 
     rewrites: list[DropoutRewrite] = []
 
     def copy(n: fx.Node) -> None:
-        env[n] = new.node_copy(n, lambda a: env[a])
+        env[n] = copy_node(new, n, lambda a: env[a])
 
     for n in gm.graph.nodes:
         if n in env:  # a mask getitem copied early (below)

@@ -72,7 +72,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memcompile.analysis.graph import covers_storage, sym_to_int
 from memcompile.rewrites.context import PassContext
-from memcompile.rewrites.rebuild import rebuilt_module, refresh_view, storage_refs
+from memcompile.rewrites.rebuild import copy_node, rebuilt_module, refresh_view, storage_refs
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ def in_place_pass(
             env[n] = node
             done.append(InPlaceRewrite(rw.node, rw.op, rw.destination, rw.nbytes, new=node.name))
             continue
-        env[n] = new.node_copy(n, lambda a: env[a])
+        env[n] = copy_node(new, n, lambda a: env[a])
         if n.op == "call_function" and storage_refs(n.meta.get("val")) & replaced:
             # A view of a rewritten result: a view of the destination now, for the analysis.
             refresh_view(env[n], n, fake_mode)

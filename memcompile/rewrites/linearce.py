@@ -69,7 +69,13 @@ import memcompile.runtime.linearce as kernels
 from memcompile.analysis.costmodel import DeviceProfile
 from memcompile.analysis.workspace import PROBE_META, materialize, metadata_key
 from memcompile.rewrites.context import PassContext
-from memcompile.rewrites.rebuild import alias_nodes, rebuilt_module, refresh_view, storage_refs
+from memcompile.rewrites.rebuild import (
+    alias_nodes,
+    copy_node,
+    rebuilt_module,
+    refresh_view,
+    storage_refs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -572,7 +578,7 @@ def linear_ce_pass(
             continue
         if n in removed or n in env:  # (env: a total weight made above)
             continue
-        env[n] = new.node_copy(n, lambda a: env[a])
+        env[n] = copy_node(new, n, lambda a: env[a])
         if n.op == "call_function" and storage_refs(n.meta.get("val")) & replaced:
             # A view of a replaced value (the loss, a gradient): a view of the new one.
             refresh_view(env[n], n, fake_mode)

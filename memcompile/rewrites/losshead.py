@@ -56,7 +56,13 @@ import memcompile.runtime.losshead as kernels
 from memcompile.analysis.costmodel import DeviceProfile
 from memcompile.analysis.graph import sym_to_int
 from memcompile.rewrites.context import PassContext
-from memcompile.rewrites.rebuild import alias_nodes, rebuilt_module, refresh_view, storage_refs
+from memcompile.rewrites.rebuild import (
+    alias_nodes,
+    copy_node,
+    rebuilt_module,
+    refresh_view,
+    storage_refs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +257,7 @@ def loss_head_pass(
             make(n, _BACKWARD, (*args, n.args[2], chunks), val, ws)
             rewrites.setdefault(lsm, ["", ""])[1] = env[n].name
             continue
-        env[n] = new.node_copy(n, lambda a: env[a])
+        env[n] = copy_node(new, n, lambda a: env[a])
         if n.op == "call_function" and storage_refs(n.meta.get("val")) & replaced:
             # A view of a replaced value: a view of the new one (its storage), for the analysis.
             refresh_view(env[n], n, fake_mode)

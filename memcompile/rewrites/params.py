@@ -46,6 +46,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.rebuild import copy_node
 from memcompile.runtime.ops import TIERS
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ def param_fetch_pass(
         # This reader's own copy of each host-placed parameter it reads.
         local.clear()
         local.update((p, fetch(p)) for p in dict.fromkeys(n.all_input_nodes) if p in hosted)
-        env[n] = new.node_copy(n, lookup)
+        env[n] = copy_node(new, n, lookup)
         if n.op == "call_function" and _aliases(n.meta.get("val"), hosted_storages):
             # A view of the parameter is now a view of its fetched copy: new fake values, so
             # the analysis sees the view keep the copy (not the host storage) alive.

@@ -21,6 +21,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from memcompile.analysis.joint_model import JointModel
 from memcompile.planning.plan import FragmentPlan
 from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.rebuild import copy_node
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def reorder_pass(gm: fx.GraphModule, ctx: PassContext, *, order: Sequence[str]) 
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in gm.graph.find_nodes(op="placeholder"):
-        env[n] = new.node_copy(n, lambda x: env[x])
+        env[n] = copy_node(new, n, lambda x: env[x])
     for name in order:
         n = nodes[name]
         missing_inputs = [a.name for a in n.all_input_nodes if a not in env]
@@ -55,9 +56,9 @@ def reorder_pass(gm: fx.GraphModule, ctx: PassContext, *, order: Sequence[str]) 
             raise ValueError(
                 f"{ctx.fragment}: {name} is ordered before its inputs {missing_inputs}"
             )
-        env[n] = new.node_copy(n, lambda x: env[x])
+        env[n] = copy_node(new, n, lambda x: env[x])
     for n in gm.graph.find_nodes(op="output"):
-        env[n] = new.node_copy(n, lambda x: env[x])
+        env[n] = copy_node(new, n, lambda x: env[x])
     out = _LazyGraphModule(gm, new)  # (its code generated when first run or read)
     out.graph.lint()
     return out

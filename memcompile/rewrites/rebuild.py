@@ -1,15 +1,21 @@
 """Pieces shared by the passes that copy a joint graph node by node with some nodes replaced
-(``dropout.py``, ``losshead.py``, ``inplace.py``):
+(``dropout.py``, ``losshead.py``, ``inplace.py``, row tiling, ...):
 
     new = fx.Graph(); env = {}
-    for n in gm.graph.nodes: ... env[n] = new.node_copy(n, ...) or a replacement
+    for n in gm.graph.nodes: ... env[n] = copy_node(new, n, ...) or a replacement
         refresh_view(env[n], n, fake_mode)      # a view of a replaced value: its fake value anew
     return rebuilt_module(gm, new, "memcompile_<pass>", records)
+
+:func:`copy_node` is ``fx.Graph.node_copy`` without torch 2.13's check of every node's
+arguments for raw symbolic values (a pytree walk, ~60 % of ``create_node``'s time): a search
+copies its graphs node by node many times over (hand-written-attention GPT (tiny) under an
+infeasible budget: 130,000 nodes made, 4.4 s of a 24 s first step).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import fx
@@ -18,7 +24,60 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memcompile.analysis.graph import tensor_vals
 
-__all__ = ["alias_nodes", "rebuilt_module", "refresh_view", "storage_refs"]
+__all__ = [
+    "alias_nodes",
+    "copy_graph",
+    "copy_node",
+    "make_node",
+    "rebuilt_module",
+    "refresh_view",
+    "storage_refs",
+]
+
+
+def copy_node(graph: fx.Graph, node: fx.Node, arg_transform: Callable[[fx.Node], Any]) -> fx.Node:
+    """``graph.node_copy(node, arg_transform)``: the node made bare, then given its arguments
+    (the same ``Node._update_args_kwargs`` its constructor runs), so that ``create_node`` does
+    not walk them for raw symbolic values (memcompile's graphs are AOT's and its own copies,
+    whose symbolic sizes are nodes); ``meta`` shallow-copied, as ``node_copy`` does."""
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), arg_transform)
+    made = make_node(graph, node.op, node.target, args, kwargs, node.name, node.type)
+    made.meta = copy.copy(node.meta)
+    return made
+
+
+def make_node(
+    graph: fx.Graph,
+    op: str,
+    target: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    name: str | None = None,
+    type_expr: Any = None,
+) -> fx.Node:
+    """``graph.create_node(op, target, args, kwargs, name, type_expr)`` without the walk of its
+    arguments for raw symbolic values (see :func:`copy_node`)."""
+    made = graph.create_node(op, target, (), {}, name, type_expr)
+    if args or kwargs:
+        made.args = args
+        made.kwargs = kwargs
+    return made
+
+
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` as ``copy.deepcopy`` makes it (nodes by :func:`copy_node`, each
+    sharing its original's ``meta`` values; the output node's type and ``meta``; the code
+    generator deep-copied), names registered afresh."""
+    new = fx.Graph(tracer_cls=graph._tracer_cls)
+    env: dict[fx.Node, fx.Node] = {}
+    for n in graph.nodes:
+        if n.op == "output":
+            out = new.output(fx.node.map_arg(n.args[0], env.__getitem__), type_expr=n.type)
+            out.meta = copy.copy(n.meta)
+            continue
+        env[n] = copy_node(new, n, env.__getitem__)
+    new._codegen = copy.deepcopy(graph._codegen)
+    return new
 
 
 def storage_refs(val: object) -> set[StorageWeakRef]:

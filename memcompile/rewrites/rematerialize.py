@@ -64,7 +64,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from memcompile.analysis.graph import GraphProfile, has_effect, tensor_vals
 from memcompile.rewrites.context import PassContext
-from memcompile.rewrites.rebuild import refresh_view
+from memcompile.rewrites.rebuild import copy_graph, refresh_view
 
 log = logging.getLogger(__name__)
 
@@ -363,8 +363,10 @@ def _trial_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm``'s graph for a trial, sharing its attributes, whose Python code is
     generated only if something reads it (torch's ``_LazyGraphModule``, as Inductor's passes
     use): a trial is only profiled, and generating the code twice per trial (the copy, then
-    the pass) was about 40 % of the trials' time on the GRU small's 3,000-node backward."""
-    return _LazyGraphModule(gm, copy.deepcopy(gm.graph))
+    the pass) was about 40 % of the trials' time on the GRU small's 3,000-node backward. The
+    graph is copied as ``copy.deepcopy`` copies it, without torch's check of each node's
+    arguments (``rebuild.copy_graph``)."""
+    return _LazyGraphModule(gm, copy_graph(gm.graph))
 
 
 def plan_rematerialize(

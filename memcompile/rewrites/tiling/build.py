@@ -27,7 +27,13 @@ from torch import fx
 from torch._guards import detect_fake_mode
 
 from memcompile.rewrites.context import PassContext
-from memcompile.rewrites.rebuild import rebuilt_module, refresh_view, storage_refs
+from memcompile.rewrites.rebuild import (
+    copy_node,
+    make_node,
+    rebuilt_module,
+    refresh_view,
+    storage_refs,
+)
 from memcompile.rewrites.tiling.find import (
     _FORMS,
     _REDUCTIONS,
@@ -457,13 +463,7 @@ def _inline(
             result = tuple(local[r] for r in m.args[0])  # type: ignore[union-attr]
             continue
         args, kwargs = fx.node.map_arg((m.args, m.kwargs), local.__getitem__)
-        made = new.create_node(
-            "call_function",
-            m.target,
-            args,  # type: ignore[arg-type]
-            kwargs,  # type: ignore[arg-type]
-            name=f"{PREFIX}_{m.name}",
-        )
+        made = make_node(new, "call_function", m.target, args, kwargs, f"{PREFIX}_{m.name}")
         out = _out_argument(m.target)
         if known is not None:
             made.meta["val"] = next(known)
@@ -569,7 +569,7 @@ def row_tile_pass(
             continue
         entry = graphs.get(n.name)
         if entry is None:
-            env[n] = new.node_copy(n, lambda a: env[a])
+            env[n] = copy_node(new, n, lambda a: env[a])
             if n.op == "call_function" and storage_refs(n.meta.get("val")) & replaced:
                 refresh_view(env[n], n, fake_mode)
             continue
@@ -582,7 +582,7 @@ def row_tile_pass(
             replaced.update(storage_refs(m.meta.get("val")))
             env[m] = made
         for v in deferred[n.name]:
-            env[v] = new.node_copy(v, lambda a: env[a])
+            env[v] = copy_node(new, v, lambda a: env[a])
             refresh_view(env[v], v, fake_mode)
         done.append(dataclasses.replace(t, new=result.name))
     # A value kept for readers that were themselves tiled away has none left.
