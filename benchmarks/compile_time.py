@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         "--render",
         type=Path,
         metavar="SWEEP.json",
-        help="write the table of an earlier --sweep's JSON again (its rows, today's rules)",
+        help="write the table of an earlier --sweep's JSON again (its rows, today's rules; its "
+        "'note', if any, in the notes)",
     )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -487,6 +488,7 @@ def _write_sweep(
         notes.append(
             f"rows measured by `{source['command']}` on {source['date']} ({source['machine']}); "
             "this table rendered again from its JSON (`--render`)"
+            + (f"; {source['note']}" if source.get("note") else "")
         )
     path = write_results(
         args.out,
