@@ -473,9 +473,10 @@ def _write_sweep(
             f"{'; '.join(misses) or 'met'} |"
         )
     notes = [
-        f"zoo models at size {args.size}; each run a fresh process, the plan cache across runs "
-        "off; budgets: resident + 0.5x and 0.25x the no-budget run's predicted activations (its "
-        f"predicted peak less the resident bytes), and {args.infeasible}x its predicted peak "
+        f"zoo models at size {args.size} (an hf: model at its clients.py configuration); each "
+        "run a fresh process, the plan cache across runs off; budgets: resident + 0.5x and "
+        "0.25x the no-budget run's predicted activations (its predicted peak less the resident "
+        f"bytes), and {args.infeasible}x its predicted peak "
         'with on_infeasible="error", timed to MemoryBudgetError',
         f"seconds: the first {max(len(r['step_seconds']) for r in rows)} steps (or until the "
         "error), the first compiling; joint nodes: the largest graph the planner searched; "
