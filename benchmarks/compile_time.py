@@ -69,6 +69,14 @@ def _digest(plan: Any) -> str:
 HF = "hf:"
 
 
+def _clients() -> Any:
+    """``benchmarks/clients.py`` (the Hugging Face client models), imported from beside us."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import clients
+
+    return clients
+
+
 def _workload(model: str, size: str) -> tuple[Any, Any]:
     """(module, ``loss(compiled, step)``) of zoo ``model`` (``size``) or of an ``hf:`` client."""
     import torch
@@ -78,9 +86,7 @@ def _workload(model: str, size: str) -> tuple[Any, Any]:
     if not model.startswith(HF):
         wl = zoo.build(model, size=size)
         return wl.model, wl.loss
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import clients
-
+    clients = _clients()
     name = model.removeprefix(HF)
     if name == "gpt2_12":
         import transformers as tf
@@ -103,10 +109,7 @@ def _known(model: str) -> bool:
     from memcompile import zoo
 
     if model.startswith(HF):
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import clients
-
-        return model.removeprefix(HF) in (*clients.MODELS, "gpt2_12")
+        return model.removeprefix(HF) in (*_clients().MODELS, "gpt2_12")
     return model in zoo.names()
 
 
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         f"s** in {len(result['calls'])} calls"
         + (f"; later steps: {result['step_seconds'][1:]} s" if args.steps > 1 else ""),
     ]
-    path = write_results(
+    write_results(
         args.out,
         "compile_time",
         title="Compile time of a budgeted step",
@@ -316,7 +319,6 @@ def main(argv: list[str] | None = None) -> int:
         table=table,
         rows=[result],
     )
-    print(f"wrote {path}")
     return 0
 
 
@@ -378,7 +380,7 @@ def _warm(args: argparse.Namespace, argv: list[str] | None) -> int:
         "each run a fresh process; cold: an empty plan cache directory; warm: the directory "
         "the cold run wrote (MEMCOMPILE_CACHE_DIR)",
     ]
-    path = write_results(
+    write_results(
         args.out,
         "compile_time_warm",
         script="compile_time",
@@ -388,7 +390,6 @@ def _warm(args: argparse.Namespace, argv: list[str] | None) -> int:
         table=table,
         rows=rows,
     )
-    print(f"wrote {path}")
     return 0
 
 
@@ -491,7 +492,7 @@ def _write_sweep(
             "this table rendered again from its JSON (`--render`)"
             + (f"; {source['note']}" if source.get("note") else "")
         )
-    path = write_results(
+    write_results(
         args.out,
         "compile_time_sweep",
         script="compile_time",
@@ -501,7 +502,6 @@ def _write_sweep(
         table=table,
         rows=rows,
     )
-    print(f"wrote {path}")
     return 0
 
 

@@ -363,9 +363,10 @@ class JointModel:
 
     @functools.cached_property
     def _availability(self) -> list[bool | None]:
-        """:meth:`_available` as far as it does not depend on the saved set: ``True`` (always),
-        ``False`` (never), ``None`` (when all its storages are saved, persistent or must be
-        saved)."""
+        """Whether each node is available to the backward as far as that does not depend on
+        the saved set: ``True`` (a primal, a tangent, a SymInt: saved for free), ``False``
+        (not a forward value, a multi-output op, no storage), ``None`` (when all its storages
+        are saved, persistent or must be saved)."""
         out: list[bool | None] = []
         for i, k in enumerate(self.kind):
             if k in (_PRIMAL, _TANGENT):
@@ -381,18 +382,11 @@ class JointModel:
         return out
 
     def _available(self, i: int, saved: Collection[int]) -> bool:
-        k = self.kind[i]
-        if k in (_PRIMAL, _TANGENT):
-            return True
-        if k != _FW:
-            return False
-        if self.is_sym[i]:
-            return True  # saved as a SymInt: free
-        if self.is_tuple[i]:
-            return False
-        sids = self.storages[i]
-        return bool(sids) and all(
-            s in saved or s in self.persistent or s in self._must_save for s in sids
+        known = self._availability[i]
+        if known is not None:
+            return known
+        return all(
+            s in saved or s in self.persistent or s in self._must_save for s in self.storages[i]
         )
 
     # -- evaluation -----------------------------------------------------------------------------
