@@ -27,16 +27,21 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 @pytest.fixture
 def every_copy_threaded(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """The copy thread on (off by default), every CPU copy to it (the tiny models' are under
-    ``MIN_BYTES``); yields the list of bytes of each copy submitted."""
+    ``MIN_BYTES``); yields the list of bytes of each copy (or block of copies) submitted."""
     submitted: list[int] = []
-    real = copy_engine.submit
+    real, real_many = copy_engine.submit, copy_engine.submit_many
 
     def counting(dst: torch.Tensor, src: torch.Tensor) -> copy_engine.CopyJob:
         submitted.append(src.numel() * src.element_size())
         return real(dst, src)
 
+    def counting_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> copy_engine.CopyJob:
+        submitted.append(sum(s.numel() * s.element_size() for s in srcs))  # a block: one job
+        return real_many(dsts, srcs)
+
     monkeypatch.setattr(copy_engine, "MIN_BYTES", 0)
     monkeypatch.setattr(copy_engine, "submit", counting)
+    monkeypatch.setattr(copy_engine, "submit_many", counting_many)
     with copy_engine.using(True):
         yield submitted
 

@@ -381,6 +381,22 @@ def test_cuda_synchronous_prefetches_copy_on_the_compute_stream() -> None:
     assert torch.equal(cache.fetch(h, lambda: pytest.fail("a hit")).cpu(), h)
 
 
+def test_cuda_a_blocks_prefetch_is_one_copy_call_with_one_event() -> None:
+    ps = [torch.randn(512, 256).pin_memory(), torch.randn(7).pin_memory()]
+    ps.append(torch.randn(512, 256).t().contiguous().t().pin_memory())  # strided, pinned
+    cache = PrefetchCache()
+    cache.watch(ps)
+    cache.counting = True
+    assert cache.prefetch_many(ps, torch.device("cuda"), "b", "t") == sum(p.nbytes for p in ps)
+    dones = [cache._entries[PrefetchCache.key(p)].done for p in ps]
+    assert dones[0] is not None and all(d is dones[0] for d in dones)
+    got = [cache.fetch(p, lambda: pytest.fail("a hit was expected")) for p in ps]
+    assert len({g.untyped_storage().data_ptr() for g in got}) == len(ps)
+    assert all(g.is_cuda and torch.equal(g.cpu(), p) for g, p in zip(got, ps, strict=True))
+    c = cache.counters()  # the first hit's wait is the block's: timed once
+    assert c.hit == sum(p.nbytes for p in ps) and c.gpu_wait_s is not None
+
+
 @pytest.mark.parametrize("pilot", ["markov", "lightgbm", "adversarial"])
 @pytest.mark.parametrize("name", ["moe", "early_exit"])
 def test_cuda_pilot_trains_bit_identically_to_fetching_on_demand(

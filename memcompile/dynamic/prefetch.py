@@ -103,6 +103,7 @@ hand; an explicit ``"markov"``/``"lightgbm"`` runs regardless.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -658,13 +659,19 @@ class Prefetcher:
         clock)."""
         cache = self.cache
         cache.evict(keep={PrefetchCache.key(t) for _, t, _ in wanted} | set(keep))
-        for b, t, tag in wanted:
-            if cache.has(t):
-                cache.retag(t, tag)  # counted under the prediction that keeps it now
+        # A block's tensors go together: one copy where they sit in one slab (slabs.py).
+        for (b, tag), items in itertools.groupby(wanted, key=lambda w: (w[0], w[2])):
+            todo = []
+            for _, t, _ in items:
+                if cache.has(t):
+                    cache.retag(t, tag)  # counted under the prediction that keeps it now
+                else:
+                    todo.append(t)
+            if not todo:
                 continue
-            if cache.bytes + t.untyped_storage().nbytes() > limit:
-                break
-            cache.prefetch(t, self._device, b, tag, issue_s=issue_s)
+            cache.prefetch_many(todo, self._device, b, tag, issue_s=issue_s, limit=limit)
+            if not all(cache.has(t) for t in todo):
+                break  # the limit: nothing further
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer stepped: if it steps host-placed parameters of this model, copy the
@@ -675,13 +682,10 @@ class Prefetcher:
         if not any(cache.watches(p) for g in optimizer.param_groups for p in g["params"]):
             return  # another model's optimizer
         label, tag = self._next_step
-        copied = 0
-        for t in _alive(self._params.get(label, ())):
-            if cache.has(t):
-                continue
-            if cache.bytes + t.untyped_storage().nbytes() > self.capacity:
-                break
-            copied += cache.prefetch(t, self._device, label, tag, issue_s=cache.sim_clock)
+        todo = [t for t in _alive(self._params.get(label, ())) if not cache.has(t)]
+        copied = cache.prefetch_many(
+            todo, self._device, label, tag, issue_s=cache.sim_clock, limit=self.capacity
+        )
         if copied:
             self.step_start_prefetches += 1
 

@@ -9,12 +9,17 @@ the cache first:
     store.prefetched = cache                   # TieredStore.get consults it for the host tier
     cache.watch(params)                        # host-placed parameters the graphs fetch
     cache.prefetch(p, device, block="F2/blocks.0.experts.3")   # a device copy, now
+    cache.prefetch_many(ps, device, block="F2/blocks.0.experts.3")  # a block's: one copy call
     y = store.get(p, device, "host")           # the copy (a hit, handed over) or a fresh one
     cache.evict(keep={...})                    # a misprediction: free the copies nobody took
     cache.trim(limit)                          # at most ``limit`` bytes cached
 
 A hit hands the cached tensor to the graph (it leaves the cache: the graph frees it when done),
-so a copy is used at most once. A miss fetches on demand, as without the cache. Correctness never
+so a copy is used at most once. The prefetcher copies a block's parameters with one call
+(:meth:`PrefetchCache.prefetch_many`: ``torch._foreach_copy_``, one CUDA event or copy-thread
+job for the block), each into an allocation of its own, so each copy is freed where the plan
+frees it. (One allocation for the block that the copies view, FSDP's flat layout, would hold a
+block's bytes until its last copy dies: more than the plans and the step's prediction count.) A miss fetches on demand, as without the cache. Correctness never
 depends on the cache: a copy whose parameter changed since it was made (its version counter
 moved, e.g. an optimizer step) is dropped as stale and fetched again.
 
@@ -71,7 +76,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -114,8 +119,11 @@ class _Entry:
     tag: str
     ready_s: float = -math.inf
     #: CUDA: recorded on the side stream when the copy is done; CPU: the copy thread's job
-    #: (copy_engine.py); ``None``: a synchronous copy
+    #: (copy_engine.py); ``None``: a synchronous copy (or one waited for already)
     done: torch.cuda.Event | CopyJob | None = None
+    #: the keys of the cached entries made by the same copy call (a block's, prefetch_many),
+    #: this one's included: they share ``done``; ``None``: a copy of its own
+    batch: set[int] | None = None
 
 
 @dataclass
@@ -166,6 +174,8 @@ class PrefetchCache:
         self._gpu_late_bytes = 0
         self._gpu_timed = False
         self._entries: dict[int, _Entry] = {}
+        #: prefetch_many copies a block with one call (else one by one: benchmarks compare)
+        self.batched = True
         self._watched: set[int] = set()
         self.bytes = 0
         #: Count fetches as needed (the forward of a training step); set by the prefetcher.
@@ -192,10 +202,24 @@ class PrefetchCache:
     def watches(self, h: torch.Tensor) -> bool:
         return h.device.type == "cpu" and _key(h) in self._watched
 
-    def fetch(self, h: torch.Tensor, on_demand: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The cached copy of ``h`` (a hit, handed over), else ``on_demand()`` (a miss)."""
-        nbytes = h.untyped_storage().nbytes()
-        entry = self._entries.pop(_key(h), None)
+    def watches_key(self, key: int) -> bool:
+        """:meth:`watches` for a CPU tensor whose storage address is ``key``."""
+        return key in self._watched
+
+    def fetch(
+        self,
+        h: torch.Tensor,
+        on_demand: Callable[[], torch.Tensor],
+        *,
+        key: int | None = None,
+        nbytes: int | None = None,
+    ) -> torch.Tensor:
+        """The cached copy of ``h`` (a hit, handed over), else ``on_demand()`` (a miss).
+        ``key`` and ``nbytes``: ``h``'s storage address and bytes, where the caller has them."""
+        if key is None or nbytes is None:
+            storage = h.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+        entry = self._entries.pop(key, None)
         if entry is not None:
             self.bytes -= entry.nbytes
             fresh = (
@@ -210,6 +234,15 @@ class PrefetchCache:
                     self._wait_for_thread(entry)
                 elif entry.done is not None:
                     self._wait_for(entry)
+                if entry.batch is not None:
+                    entry.batch.discard(key)
+                    if entry.done is not None:
+                        # Waited for: the rest of the block's copies need no wait (on CUDA the
+                        # compute stream's later work is ordered after this one), and the
+                        # event is read or reused once.
+                        for k in entry.batch:
+                            if (sibling := self._entries.get(k)) is not None:
+                                sibling.done = None
                 if self.counting:
                     self.needed += nbytes
                     self.hit += nbytes
@@ -223,6 +256,8 @@ class PrefetchCache:
             self.stale += entry.nbytes
             self.wasted += entry.nbytes
             self.by_tag[entry.tag].wasted += entry.nbytes
+            if entry.batch is not None:
+                entry.batch.discard(key)
             log.debug("prefetch cache: stale copy of %s dropped", entry.block)
         if not self.counting:
             return on_demand()
@@ -305,6 +340,83 @@ class PrefetchCache:
         self.peak_bytes = max(self.peak_bytes, self.bytes)
         return nbytes
 
+    def prefetch_many(
+        self,
+        tensors: Sequence[torch.Tensor],
+        device: torch.device,
+        block: str,
+        tag: str = "",
+        *,
+        issue_s: float | None = None,
+        limit: float = math.inf,
+    ) -> int:
+        """:meth:`prefetch` for ``tensors`` (one block's), in order while the cache holds at
+        most ``limit`` bytes, with one copy call and one event (CUDA) or job (the CPU's copy
+        thread) for all of them: ``torch._foreach_copy_`` into a device allocation each, so
+        each copy is freed on its own, where the plan frees it. Returns the bytes copied.
+
+        ``batched = False`` copies them one by one instead (:meth:`prefetch`, what the
+        benchmarks compare with)."""
+        todo: dict[int, torch.Tensor] = {}
+        room = limit - self.bytes
+        for t in tensors:
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key in self._entries or key in todo:
+                continue
+            room -= storage.nbytes()
+            if room < 0:
+                break
+            todo[key] = t
+        if len(todo) < 2 or not self.batched:
+            return sum(self.prefetch(t, device, block, tag, issue_s=issue_s) for t in todo.values())
+        return self._prefetch_batch(todo, device, block, tag, issue_s)
+
+    def _prefetch_batch(
+        self,
+        todo: dict[int, torch.Tensor],
+        device: torch.device,
+        block: str,
+        tag: str,
+        issue_s: float | None,
+    ) -> int:
+        # One copy call for the block: an allocation per tensor (each freed when the plan says),
+        # one event or job that every one of them waits on.
+        srcs = list(todo.values())
+        dsts = [
+            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in srcs
+        ]
+        nbytes = [t.untyped_storage().nbytes() for t in srcs]
+        total = sum(nbytes)
+        done: torch.cuda.Event | CopyJob | None = None
+        cuda = dsts[0].device.type == "cuda"
+        if cuda and self.asynchronous and all(t.is_pinned() for t in srcs):
+            compute = torch.cuda.current_stream(dsts[0].device)
+            side = side_stream(self._side, dsts[0].device)
+            side.wait_stream(compute)  # the copies' blocks may have been freed by queued work
+            with torch.cuda.stream(side), torch.no_grad():
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            done = self._event()
+            done.record(side)
+            for d in dsts:  # freed unused while the copy runs: not reused before it ends
+                d.record_stream(side)
+        elif not cuda and self.asynchronous and copy_engine.worth(total):
+            done = copy_engine.submit_many(dsts, srcs)
+        else:
+            with torch.no_grad():
+                torch._foreach_copy_(dsts, srcs)
+        ready = -math.inf
+        if issue_s is not None and self.copy_seconds is not None:
+            ready = self._copy_free_s = max(issue_s, self._copy_free_s) + self.copy_seconds(total)
+        batch = set(todo)
+        for (key, t), copy, n in zip(todo.items(), dsts, nbytes, strict=True):
+            self._entries[key] = _Entry(copy, t._version, n, block, tag, ready, done, batch)
+        self.bytes += total
+        self.prefetched += total
+        self.by_tag.setdefault(tag, TagCounters()).prefetched += total
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+        return total
+
     def retag(self, h: torch.Tensor, tag: str) -> None:
         """Count the cached copy of ``h`` (its bytes, use or waste) under ``tag`` from now on:
         the prediction that keeps it now, not the one that made it."""
@@ -339,6 +451,8 @@ class PrefetchCache:
     def _drop(self, key: int) -> int:
         entry = self._entries.pop(key)
         _finish(entry)
+        if entry.batch is not None:
+            entry.batch.discard(key)
         self.bytes -= entry.nbytes
         self.wasted += entry.nbytes
         self.by_tag[entry.tag].wasted += entry.nbytes

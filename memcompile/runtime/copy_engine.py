@@ -17,16 +17,18 @@ tests): measured on this project's 2-core CPU it makes training slower, not fast
 its ~1 s on reloads and fetches, the thread takes 2.9 ms of that off the computing thread, and
 the step still runs 7 % slower (997 against 936 ms, 21 paired steps; 6 % in two earlier runs):
 the thread needs the GIL to start each copy, and shares the memory bus with the compute. A small
-MoE's prefetches (9 copies of ~29 KiB a block) cost more to hand over (~12-40 us each) than to
-make (a 256 KiB copy takes 8 us).
+MoE's prefetches (a block of 9 tensors, 264 KiB) cost more to hand over than to make, even as one
+job per block: 72 us to issue and 151 us in the hits' waits, against 55 + 31 us copied on the
+computing thread (``benchmarks/results/block_copy.md``).
 What it is for: a host whose copies are slow (the disk tier's reads) or a CPU with cores to
 spare, measured there first.
 
 Where it is used when on (CPU device only; CUDA keeps its streams):
 
-    prefetch cache   a pilot prefetch of a host-placed parameter (cache.py): a hit waits for
-                     its job at the fetch, a copy dropped unused is waited for first (its bytes
-                     are freed when the plan says, not when the thread is done)
+    prefetch cache   a pilot prefetch of a block's host-placed parameters (cache.py), one
+                     job for the block: a hit waits for its job at the fetch, a copy dropped
+                     unused is waited for first (its bytes are freed when the plan says, not
+                     when the thread is done)
     store.get        the reload of a swapped tensor (a ``put`` result; its graph has a
                      ``memcompile::wait`` before the first reader, ``store.wait``)
 
@@ -53,7 +55,7 @@ import os
 import queue
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -67,6 +69,7 @@ __all__ = [
     "running",
     "shutdown",
     "submit",
+    "submit_many",
     "using",
     "worth",
 ]
@@ -98,14 +101,18 @@ _enabled = _from_env(os.environ.get("MEMCOMPILE_COPY_THREAD"))
 
 
 class CopyJob:
-    """One copy issued to the thread: :meth:`wait` blocks until it is done and raises its
-    error, if it had one (once per waiter)."""
+    """One copy issued to the thread (of one tensor, or of a list with one call): :meth:`wait`
+    blocks until it is done and raises its error, if it had one (once per waiter)."""
 
     __slots__ = ("_done", "_dst", "_error", "_src")
 
-    def __init__(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self._dst: torch.Tensor | None = dst
-        self._src: torch.Tensor | None = src
+    def __init__(
+        self,
+        dst: torch.Tensor | Sequence[torch.Tensor],
+        src: torch.Tensor | Sequence[torch.Tensor],
+    ) -> None:
+        self._dst: torch.Tensor | Sequence[torch.Tensor] | None = dst
+        self._src: torch.Tensor | Sequence[torch.Tensor] | None = src
         self._error: BaseException | None = None
         self._done = threading.Event()
 
@@ -116,7 +123,12 @@ class CopyJob:
             # Grad mode is per thread: this one's is on, and a copy from a parameter that
             # requires grad would make ``dst`` an autograd result.
             with torch.no_grad():
-                dst.copy_(src)
+                if isinstance(dst, torch.Tensor):
+                    assert isinstance(src, torch.Tensor)
+                    dst.copy_(src)
+                else:
+                    assert not isinstance(src, torch.Tensor)
+                    torch._foreach_copy_(list(dst), list(src))
         except BaseException as e:  # handed to the waiter
             self._error = e
         finally:
@@ -212,6 +224,14 @@ def submit(dst: torch.Tensor, src: torch.Tensor) -> CopyJob:
     """Issue ``dst.copy_(src)`` on the copy thread; wait on the returned job before reading
     ``dst``. Both stay referenced until the copy is done."""
     job = CopyJob(dst, src)
+    _engine.submit(job)
+    return job
+
+
+def submit_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> CopyJob:
+    """:func:`submit` for a list: ``torch._foreach_copy_(dsts, srcs)`` on the copy thread, one
+    job (a block's prefetch, ``cache.py``)."""
+    job = CopyJob(list(dsts), list(srcs))
     _engine.submit(job)
     return job
 

@@ -375,8 +375,13 @@ class TieredStore:
         on, the copy is asynchronous: call :meth:`wait` on the result before any use. A
         host-placed parameter the prefetch cache holds comes from there."""
         cache = self.prefetched
-        if cache is not None and tier == "host" and cache.watches(h):
-            return cache.fetch(h, lambda: self._get(h, device, tier))
+        if cache is not None and tier == "host" and h.device.type == "cpu":
+            storage = h.untyped_storage()  # (one read: the storage object is made per call)
+            key = storage.data_ptr()
+            if cache.watches_key(key):
+                return cache.fetch(
+                    h, lambda: self._get(h, device, tier), key=key, nbytes=storage.nbytes()
+                )
         return self._get(h, device, tier)
 
     def _get(self, h: torch.Tensor, device: torch.device, tier: Tier) -> torch.Tensor:
