@@ -250,3 +250,23 @@ def test_without_a_trace_or_the_pilot_nothing_is_wrapped(monkeypatch: pytest.Mon
         warnings.simplefilter("ignore", EagerFallbackWarning)
         wl.train(compiled, 3)
     assert memcompile.report(compiled).regions and not started
+
+
+def test_memcompiles_own_reads_of_a_calls_outputs_are_not_the_models(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The zoo MoE's Python reads its router's counts once a layer (`counts.tolist()`); the pilot
+    # reads the same counts as each call's small integer outputs (runtime/small_ints.py). Those
+    # reads of memcompile's own went to the sink as the model's (47 of 51 a step on the small
+    # MoE): the rule took router counts for block indices, and predicted again at each.
+    reads: list[tuple[int | float, ...]] = []
+    real = MemCompiler._on_read
+    monkeypatch.setattr(
+        MemCompiler, "_on_read", lambda self, values: reads.append(values) or real(self, values)
+    )
+    wl = zoo.build("moe", size="tiny")
+    compiled = memcompile.compile(wl.model, offload_params=True, pilot="lightgbm")
+    wl.train(compiled, 3)
+    layers = len(wl.model.blocks)
+    assert len(reads) == 3 * layers, reads
+    assert memcompile.report(compiled).pilot.in_graph_predictions > 0

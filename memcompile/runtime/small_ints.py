@@ -20,6 +20,8 @@ MAX_OUTPUT_ELEMENTS = 32
 #: Devices whose small integer outputs :func:`small_int_outputs` reads.
 READ_DEVICES = ("cpu", "cuda")
 
+_tolist = torch._C.TensorBase.tolist
+
 _INT_DTYPES = frozenset(
     (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)  # not bool: masks
 )
@@ -46,5 +48,7 @@ def small_int_outputs(outputs: Any) -> tuple[tuple[int, ...], ...]:
             and o.device.type in READ_DEVICES
             and 0 < o.numel() <= MAX_OUTPUT_ELEMENTS
         ):
-            found.append(tuple(int(x) for x in o.detach().reshape(-1).tolist()))
+            # torch's own tolist, not torch.Tensor's: while the pilot watches the model's reads
+            # (scalar_reads.py) that is wrapped, and this read is memcompile's, not the model's.
+            found.append(tuple(_tolist(o.detach().reshape(-1))))
     return tuple(found)
