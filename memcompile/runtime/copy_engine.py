@@ -18,7 +18,7 @@ its ~1 s on reloads and fetches, the thread takes 2.9 ms of that off the computi
 the step still runs 7 % slower (997 against 936 ms, 21 paired steps; 6 % in two earlier runs):
 the thread needs the GIL to start each copy, and shares the memory bus with the compute. A small
 MoE's prefetches (a block of 9 tensors, 264 KiB) cost more to hand over than to make, even as one
-job per block: 72 us to issue and 151 us in the hits' waits, against 55 + 31 us copied on the
+job per block: 67 us to issue and 138 us in the hits' waits, against 53 + 29 us copied on the
 computing thread (``benchmarks/results/block_copy.md``).
 What it is for: a host whose copies are slow (the disk tier's reads) or a CPU with cores to
 spare, measured there first.
