@@ -24,6 +24,7 @@ from memcompile.errors import (
     MemcompileError,
     MemoryBudgetError,
     MemoryBudgetWarning,
+    OffloadError,
     RankDivergenceError,
 )
 from memcompile.report import FragmentReport, MemReport, report
@@ -43,6 +44,7 @@ __all__ = [
     "MemcompileError",
     "MemoryBudgetError",
     "MemoryBudgetWarning",
+    "OffloadError",
     "PeakMeasurement",
     "RankDivergenceError",
     "__version__",

@@ -15,6 +15,7 @@ __all__ = [
     "MemcompileError",
     "MemoryBudgetError",
     "MemoryBudgetWarning",
+    "OffloadError",
     "PilotWarning",
     "RankDivergenceError",
     "format_bytes",
@@ -41,6 +42,11 @@ class MemcompileError(ShortenTraceback):
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args, first_useful_frame=None)
+
+
+class OffloadError(MemcompileError):
+    """Moving a tensor to or from a tier failed (for example, the disk is full, or a copy on
+    the CPU's copy thread raised)."""
 
 
 class MemoryBudgetError(MemcompileError):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import memcompile
-from memcompile import zoo
+from memcompile import OffloadError, zoo
 from memcompile.runtime import copy_engine
 from memcompile.runtime.cache import PrefetchCache
 from memcompile.runtime.store import place_on_host
@@ -152,7 +152,7 @@ def test_a_block_job_that_fails_raises_at_its_first_hit(monkeypatch: pytest.Monk
     monkeypatch.setattr(copy_engine.CopyJob, "_run", broken)
     with copy_engine.using(True):
         cache.prefetch_many(ps, CPU, "b", "t")
-        with pytest.raises(RuntimeError, match="simulated copy failure"):
+        with pytest.raises(OffloadError, match="the prefetch of b failed: simulated copy failure"):
             cache.fetch(ps[0], lambda: pytest.fail("a hit was expected"))
 
 

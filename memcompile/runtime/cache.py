@@ -19,9 +19,11 @@ so a copy is used at most once. The prefetcher copies a block's parameters with 
 (:meth:`PrefetchCache.prefetch_many`: ``torch._foreach_copy_``, one CUDA event or copy-thread
 job for the block), each into an allocation of its own, so each copy is freed where the plan
 frees it. (One allocation for the block that the copies view, FSDP's flat layout, would hold a
-block's bytes until its last copy dies: more than the plans and the step's prediction count.) A miss fetches on demand, as without the cache. Correctness never
-depends on the cache: a copy whose parameter changed since it was made (its version counter
-moved, e.g. an optimizer step) is dropped as stale and fetched again.
+block's bytes until its last copy dies: more than the plans and the step's prediction count.)
+A miss fetches on demand, as without the cache. Correctness never depends on the cache: a copy
+whose parameter changed since it was made (its version counter moved, e.g. an optimizer step)
+is dropped as stale and fetched again. A copy that failed on the CPU's copy thread raises
+:class:`~memcompile.OffloadError` at its first hit, in the step.
 
 Counters (bytes, for the report): ``needed`` (fetches of watched parameters while counting is
 on: the forward of a training step), ``hit`` (of those, served from the cache), ``prefetched``,
@@ -81,6 +83,7 @@ from dataclasses import dataclass
 
 import torch
 
+from memcompile.errors import OffloadError
 from memcompile.runtime import copy_engine
 from memcompile.runtime.copy_engine import CopyJob
 from memcompile.runtime.pinned import side_stream
@@ -486,12 +489,13 @@ class PrefetchCache:
         # the wait is stall time: the copy was issued too late to hide).
         job = entry.done
         assert isinstance(job, CopyJob)
-        if job.done:
-            job.wait()  # raises the copy's error, if any
-            return
         start = time.perf_counter_ns()
-        job.wait()
-        if self.counting:
+        waited = not job.done
+        try:
+            job.wait()  # raises the copy's error, if any
+        except (OSError, RuntimeError) as e:
+            raise OffloadError(f"host tier: the prefetch of {entry.block} failed: {e}") from e
+        if waited and self.counting:
             self.stall_ns += time.perf_counter_ns() - start
 
     # -- CUDA ------------------------------------------------------------------------------------

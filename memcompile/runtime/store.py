@@ -55,7 +55,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from memcompile.errors import MemcompileError, format_bytes
+from memcompile.errors import OffloadError, format_bytes
 from memcompile.runtime import copy_engine, placement
 from memcompile.runtime.cache import PrefetchCache
 from memcompile.runtime.copy_engine import CopyJob
@@ -88,10 +88,6 @@ __all__ = [
 ]
 
 Tier = Literal["host", "disk"]
-
-
-class OffloadError(MemcompileError):
-    """Moving a tensor to or from a tier failed (for example, the disk is full)."""
 
 
 # CPU host-tier storages by address -> bytes. On CPU the host tier and the device are the same
