@@ -382,19 +382,22 @@ def test_cuda_synchronous_prefetches_copy_on_the_compute_stream() -> None:
 
 
 def test_cuda_a_blocks_prefetch_is_one_copy_call_with_one_event() -> None:
-    ps = [torch.randn(512, 256).pin_memory(), torch.randn(7).pin_memory()]
-    ps.append(torch.randn(512, 256).t().contiguous().t().pin_memory())  # strided, pinned
+    # 2 x 32 MiB and a strided one: the copies take milliseconds, so the fetch right after the
+    # prefetch waits for them, and the whole block counts as late.
+    ps = [torch.randn(4096, 2048).pin_memory(), torch.randn(7).pin_memory()]
+    ps.append(torch.randn(2048, 4096).t().pin_memory())
+    total = sum(p.untyped_storage().nbytes() for p in ps)
     cache = PrefetchCache()
     cache.watch(ps)
     cache.counting = True
-    assert cache.prefetch_many(ps, torch.device("cuda"), "b", "t") == sum(p.nbytes for p in ps)
+    assert cache.prefetch_many(ps, torch.device("cuda"), "b", "t") == total
     dones = [cache._entries[PrefetchCache.key(p)].done for p in ps]
     assert dones[0] is not None and all(d is dones[0] for d in dones)
     got = [cache.fetch(p, lambda: pytest.fail("a hit was expected")) for p in ps]
     assert len({g.untyped_storage().data_ptr() for g in got}) == len(ps)
     assert all(g.is_cuda and torch.equal(g.cpu(), p) for g, p in zip(got, ps, strict=True))
-    c = cache.counters()  # the first hit's wait is the block's: timed once
-    assert c.hit == sum(p.nbytes for p in ps) and c.gpu_wait_s is not None
+    c = cache.counters()  # the first hit's wait is the block's: timed once, for all of it
+    assert c.hit == total and c.gpu_late_bytes == total and c.gpu_wait_s and c.gpu_wait_s > 0
 
 
 @pytest.mark.parametrize("pilot", ["markov", "lightgbm", "adversarial"])

@@ -236,7 +236,12 @@ class PrefetchCache:
                 if isinstance(entry.done, CopyJob):
                     self._wait_for_thread(entry)
                 elif entry.done is not None:
-                    self._wait_for(entry)
+                    # A block's copies share the event: late, they are all late.
+                    batch = entry.batch or ()
+                    block_bytes = entry.nbytes + sum(
+                        e.nbytes for k in batch if k != key and (e := self._entries.get(k))
+                    )
+                    self._wait_for(entry, block_bytes)
                 if entry.batch is not None:
                     entry.batch.discard(key)
                     if entry.done is not None:
@@ -499,9 +504,9 @@ class PrefetchCache:
             self.stall_ns += time.perf_counter_ns() - start
 
     # -- CUDA ------------------------------------------------------------------------------------
-    def _wait_for(self, entry: _Entry) -> None:
+    def _wait_for(self, entry: _Entry, nbytes: int) -> None:
         # A hit on a side-stream copy: the compute stream waits for it (and, while counting,
-        # marks where it arrived, to measure how long it waited).
+        # marks where it arrived, to measure how long it waited: late, ``nbytes`` were).
         done = entry.done
         assert isinstance(done, torch.cuda.Event)
         compute = torch.cuda.current_stream(entry.copy.device)
@@ -509,7 +514,7 @@ class PrefetchCache:
             arrived = self._event()
             arrived.record(compute)  # before the wait: where the stream arrived
             compute.wait_event(done)
-            self._hit_events.append((arrived, done, entry.nbytes))
+            self._hit_events.append((arrived, done, nbytes))
             self._gpu_timed = True
             self._bound_events()
         else:
