@@ -156,7 +156,9 @@ PILOT_KNOBS: dict[str, Any] = {}
 _CPU = torch.device("cpu")
 
 #: The predictions a forward call makes, with the tags of their copies: (block, tensor, tag).
-_Wanted = list[tuple[str, torch.Tensor, str]]
+#: What a prediction wants copied: (block, host-placed tensor, tag, the tensor's cache key),
+#: the key read once per prediction.
+_Wanted = list[tuple[str, torch.Tensor, str, int]]
 
 
 class BlockPredictor(Protocol):
@@ -563,10 +565,8 @@ class Prefetcher:
         # its graph would take the copy now.
         own = self._own
         limit = min(self.capacity, self._reserve_now)
-        later = [w for w in wanted if PrefetchCache.key(w[1]) not in own]
-        self._copy(
-            later, limit, keep=own | {PrefetchCache.key(t) for _, t, _ in wanted}, issue_s=issue
-        )
+        later = [w for w in wanted if w[3] not in own]
+        self._copy(later, limit, keep=own | {w[3] for w in wanted}, issue_s=issue)
         self.in_graph_cached = (self.cache.bytes, self.cache.taken)
 
     def take_in_graph_small_ints(self) -> tuple[tuple[int, ...], ...] | None:
@@ -633,6 +633,7 @@ class Prefetcher:
             made.pop()  # predicted again after a read: the latest prediction is scored
         made.append((self._t - 1, blocks))
         wanted: _Wanted = []
+        key = PrefetchCache.key
         self._next_step = None
         for j, b in enumerate(blocks, 1):
             if b is None:
@@ -648,7 +649,7 @@ class Prefetcher:
                 if n % PROBE_EVERY:
                     self.muted_predictions += 1
                     continue
-            wanted.extend((b, t, tag) for t in _alive(self._params.get(b, ())))
+            wanted.extend((b, t, tag, key(t)) for t in _alive(self._params.get(b, ())))
         return wanted
 
     def _copy(
@@ -658,19 +659,21 @@ class Prefetcher:
         the cache holds at most ``limit`` bytes (issued at ``issue_s`` on the simulated
         clock)."""
         cache = self.cache
-        cache.evict(keep={PrefetchCache.key(t) for _, t, _ in wanted} | set(keep))
-        # A block's tensors go together: one copy where they sit in one slab (slabs.py).
+        cache.evict(keep={w[3] for w in wanted} | set(keep))
+        # A block's tensors go together: one copy call for those not cached yet.
         for (b, tag), items in itertools.groupby(wanted, key=lambda w: (w[0], w[2])):
-            todo = []
-            for _, t, _ in items:
-                if cache.has(t):
-                    cache.retag(t, tag)  # counted under the prediction that keeps it now
+            todo: list[torch.Tensor] = []
+            keys: list[int] = []
+            for _, t, _, k in items:
+                if cache.has_key(k):
+                    cache.retag_key(k, tag)  # counted under the prediction that keeps it now
                 else:
                     todo.append(t)
+                    keys.append(k)
             if not todo:
                 continue
             cache.prefetch_many(todo, self._device, b, tag, issue_s=issue_s, limit=limit)
-            if not all(cache.has(t) for t in todo):
+            if not all(cache.has_key(k) for k in keys):
                 break  # the limit: nothing further
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

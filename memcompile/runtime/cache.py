@@ -302,6 +302,10 @@ class PrefetchCache:
     def has(self, h: torch.Tensor) -> bool:
         return _key(h) in self._entries
 
+    def has_key(self, key: int) -> bool:
+        """:meth:`has` for the host-placed tensor whose cache key (:meth:`key`) is ``key``."""
+        return key in self._entries
+
     def prefetch(
         self,
         h: torch.Tensor,
@@ -425,10 +429,11 @@ class PrefetchCache:
         self.peak_bytes = max(self.peak_bytes, self.bytes)
         return total
 
-    def retag(self, h: torch.Tensor, tag: str) -> None:
-        """Count the cached copy of ``h`` (its bytes, use or waste) under ``tag`` from now on:
-        the prediction that keeps it now, not the one that made it."""
-        entry = self._entries.get(_key(h))
+    def retag_key(self, key: int, tag: str) -> None:
+        """Count the cached copy of the host-placed tensor whose cache key (:meth:`key`) is
+        ``key`` (its bytes, use or waste) under ``tag`` from now on: the prediction that keeps
+        it now, not the one that made it."""
+        entry = self._entries.get(key)
         if entry is None or entry.tag == tag:
             return
         self.by_tag[entry.tag].prefetched -= entry.nbytes
