@@ -155,9 +155,8 @@ PILOT_KNOBS: dict[str, Any] = {}
 
 _CPU = torch.device("cpu")
 
-#: The predictions a forward call makes, with the tags of their copies: (block, tensor, tag).
-#: What a prediction wants copied: (block, host-placed tensor, tag, the tensor's cache key),
-#: the key read once per prediction.
+#: What a forward call's prediction wants copied: (block, host-placed tensor, the tag its copy
+#: is counted under, the tensor's cache key), the key read once per prediction.
 _Wanted = list[tuple[str, torch.Tensor, str, int]]
 
 
