@@ -3,6 +3,7 @@ parameters in one ``_foreach_copy_`` with one event or job, against a copy per p
 
     OMP_NUM_THREADS=1 python benchmarks/block_copy.py [--reps 3000] [--steps 40] [--rounds 2]
                                                       [--out DIR]
+    python benchmarks/block_copy.py --device cuda     # on a GPU: the host cost only
 
 Two measurements, the two ways side by side in one process (``PrefetchCache.batched``):
 
@@ -20,7 +21,13 @@ Two measurements, the two ways side by side in one process (``PrefetchCache.batc
   compile each, the order reversed every other round), the median of the rounds' medians; the
   losses of every run are compared with the first's.
 
-Writes ``block_copy.{md,json}`` in ``--out`` (``benchmarks/results`` by default).
+With ``--device cuda`` (``gpu_check.py``'s ``blocks`` stage) only the host cost is measured:
+the parameters are pinned host tensors (``place_on_host`` of CUDA parameters), the prefetch
+copies on the cache's side stream with its events (one per block in one call), a miss on the
+compute stream; the GPU is synchronized after each repetition, outside the timed calls.
+
+Writes ``block_copy.{md,json}`` (``block_copy_cuda.{md,json}`` with ``--device cuda``) in
+``--out`` (``benchmarks/results`` by default).
 """
 
 from __future__ import annotations
@@ -60,24 +67,29 @@ BLOCKS = {
 }
 
 
-def _block(kind: str) -> list[torch.Tensor]:
-    """A copy of one block's parameters (:data:`BLOCKS`), placed on the host tier."""
+def _block(kind: str, device: str = "cpu") -> list[torch.Tensor]:
+    """A copy of one block's parameters (:data:`BLOCKS`) made on ``device``, placed on the host
+    tier (pinned for a CUDA device)."""
     model = moe_workload("small", 0).model
     take = BLOCKS[kind]
     ps = [
-        torch.nn.Parameter(p.detach().clone()) for name, p in model.named_parameters() if take(name)
+        torch.nn.Parameter(p.detach().clone().to(device))
+        for name, p in model.named_parameters()
+        if take(name)
     ]
     for p in ps:
         place_on_host(p)
     return ps
 
 
-def micro(reps: int, kind: str, threaded: bool) -> list[dict[str, Any]]:
-    """Host microseconds per fetched block ``kind`` for each way (see the module doc)."""
-    device = torch.device("cpu")
+def micro(reps: int, kind: str, threaded: bool, device: str = "cpu") -> list[dict[str, Any]]:
+    """Host microseconds per fetched block ``kind`` for each way, copies to ``device`` (see the
+    module doc)."""
+    cuda = device == "cuda"
+    dev = torch.device(device)
     setups = {}
     for way in WAYS:
-        ps = _block(kind)
+        ps = _block(kind, device)
         store, cache = TieredStore(), PrefetchCache()
         cache.batched = way == "one call"
         store.prefetched = cache
@@ -95,16 +107,18 @@ def micro(reps: int, kind: str, threaded: bool) -> list[dict[str, Any]]:
                     ps, store, cache = setups[way]
                     cache.counting = True  # hits, as in a forward
                     a = time.perf_counter_ns()
-                    cache.prefetch_many(ps, device, "b", "t")
+                    cache.prefetch_many(ps, dev, "b", "t")
                     b = time.perf_counter_ns()
-                    outs = [store.get(p, device, "host") for p in ps]
+                    outs = [store.get(p, dev, "host") for p in ps]
                     c = time.perf_counter_ns()
                     del outs
                     cache.counting = False  # a miss copies at once, uncounted
                     d = time.perf_counter_ns()
-                    outs = [store.get(p, device, "host") for p in ps]
+                    outs = [store.get(p, dev, "host") for p in ps]
                     e = time.perf_counter_ns()
                     del outs
+                    if cuda:  # the copies done before the next repetition, untimed
+                        torch.cuda.synchronize()
                     if i >= reps // 10:  # warm-up left out
                         t = times[way]
                         t["prefetch"].append(b - a)
@@ -119,7 +133,9 @@ def micro(reps: int, kind: str, threaded: bool) -> list[dict[str, Any]]:
         rows.append(
             {
                 "block": kind,
-                "copies": "copy thread" if threaded else "computing thread",
+                "copies": "side stream"
+                if cuda
+                else ("copy thread" if threaded else "computing thread"),
                 "way": way,
                 "tensors": len(ps),
                 "block_kib": sum(p.untyped_storage().nbytes() for p in ps) / 1024,
@@ -201,8 +217,8 @@ def _table(micro_rows: list[dict[str, Any]], train_rows: list[dict[str, Any]]) -
         "",
         "Microseconds on the computing thread, median: the prefetch call, the fetches that take "
         "its copies (hits, waits included), their sum (the block with the pilot), and the same "
-        "fetches on demand (no pilot). The copy of the block's bytes is part of every figure "
-        "on the computing thread.",
+        "fetches on demand (no pilot). Copies on the CPU's computing thread are part of these "
+        "figures; on a side stream (CUDA) or the copy thread, only issuing and waiting are.",
         "",
         "| block | copies | block's copies | prefetch (us) | hits (us) | "
         "block with the pilot (us) | on demand (us) |",
@@ -214,6 +230,8 @@ def _table(micro_rows: list[dict[str, Any]], train_rows: list[dict[str, Any]]) -
             f"{r['way']} | {r['prefetch_us']:.1f} | {r['hits_us']:.1f} | "
             f"{r['block_us']:.1f} | {r['on_demand_us']:.1f} |"
         )
+    if not train_rows:
+        return lines
     lines += [
         "",
         "## Zoo MoE (small), 1 x 8 tokens, parameters on the host, Adam",
@@ -237,25 +255,34 @@ def main(argv: list[str] | None = None, *, train: Callable[..., Any] = training)
     ap.add_argument("--steps", type=int, default=40, help="training steps per run")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the three training runs")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = ap.parse_args(argv)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
     torch.set_num_threads(1)
     micro_rows = [
         r
         for kind in BLOCKS
-        for threaded in (False, True)
-        for r in micro(args.reps, kind, threaded=threaded)
+        for threaded in ((False,) if cuda else (False, True))
+        for r in micro(args.reps, kind, threaded=threaded, device=args.device)
     ]
     copy_engine.shutdown()
-    train_rows = train(args.steps, args.rounds)
+    train_rows = [] if cuda else train(args.steps, args.rounds)
+    note = (
+        "CUDA device: host time of the calls, the copies on the cache's side stream; no training "
+        "rows"
+        if cuda
+        else "CPU device; the copy thread uses the second core (`OMP_NUM_THREADS=1`: compute has "
+        "one), as a GPU's copy engine is its own hardware"
+    )
     return write_results(
         Path(args.out),
-        "block_copy",
+        "block_copy_cuda" if cuda else "block_copy",
         title="One copy call per block: the pilot's prefetch of a block, against a copy per tensor",
         argv=argv if argv is not None else sys.argv[1:],
-        notes=[
-            "CPU device; the copy thread uses the second core (`OMP_NUM_THREADS=1`: compute has "
-            "one), as a GPU's copy engine is its own hardware",
-        ],
+        script="block_copy",
+        notes=[note],
         table=_table(micro_rows, train_rows),
         rows=[
             *({"measure": "host_cost", **r} for r in micro_rows),

@@ -8,25 +8,28 @@ leaves room to rerun), then copy what comes back into ``benchmarks/results/gpu/`
 
     run(command="PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out $OUT", timeout_s=540)
 
-Three stages, in order of priority, each in its own process group under a deadline (its own
+Four stages, in order of priority, each in its own process group under a deadline (its own
 limit, and never past the whole check's ``--budget-s``), so one that hangs or runs long loses
 only itself and what it measured so far is kept:
 
 1. ``tests``: ``pytest tests/test_cuda.py`` (log: ``test_cuda.log``).
-2. ``anchors``: ``cuda_anchors.py --size large`` (a GPT with 6 layers, d 1024, T 1024, B 8: a
+2. ``blocks``: ``block_copy.py --device cuda``: the host time of the pilot's prefetch of a
+   block in one copy call against one by one (issue 40, item 2), ``block_copy_cuda.md``.
+3. ``anchors``: ``cuda_anchors.py --size large`` (a GPT with 6 layers, d 1024, T 1024, B 8: a
    step takes >= 50 ms on an H100) with the configurations issue 42 compares: eager, per-block
    checkpointing, Inductor (plain and with ``activation_memory_budget`` 0.5 / 0.1), and memcompile
    with each inner compiler (``mc_`` eager kernels, ``mci_`` Inductor) at 0.5 / 0.25 of eager's
    step peak, with the host tier at 0.1, without a budget, and with Inductor's own measured peaks
    as budgets (``mci_amb50``, ``mci_amb10``). Rows arrive one by one (JSON lines) and the most
    telling come first, so a deadline cuts the least telling.
-3. ``moe``: ``dynamic_prefetch.py --device cuda`` on the pilot's MoE (parameters on the host;
+4. ``moe``: ``dynamic_prefetch.py --device cuda`` on the pilot's MoE (parameters on the host;
    fetching on demand against the pilot's prefetches).
 
 Written to ``--out``: ``gpu_check.md`` (machine, torch, date, commit; each stage's outcome and
 time; the anchors table; the targets checked), ``gpu_check.json`` (everything), ``test_cuda.log``,
-``stages.log`` (the stages' stderr), ``dynamic_prefetch_cuda.{md,json}``: six files, inside the
-device tool's eight. CUDA peak = ``torch.cuda.max_memory_allocated``.
+``stages.log`` (the stages' stderr), ``block_copy_cuda.{md,json}``,
+``dynamic_prefetch_cuda.{md,json}``: eight files, the device tool's limit (a dry run keeps the
+blocks stage's files in a temporary folder). CUDA peak = ``torch.cuda.max_memory_allocated``.
 
 ``--dry-run`` runs the same stages on the CPU at tiny sizes, without the Inductor rows (a first
 Inductor compile takes ~45 s here): it checks the plumbing, and its numbers mean nothing. The
@@ -76,7 +79,7 @@ ANCHOR_CONFIGS = (
 #: The same without Inductor, for the dry run.
 DRY_ANCHOR_CONFIGS = ("eager", "mc_r25", "mc_h10", "checkpoint", "mc_r50")
 #: Per-stage limits in seconds (the whole check's budget caps each further).
-LIMITS = {"tests": 150.0, "anchors": 300.0, "moe": 90.0}
+LIMITS = {"tests": 150.0, "blocks": 45.0, "anchors": 300.0, "moe": 90.0}
 
 
 def _stage_commands(args: argparse.Namespace, tmp: Path) -> dict[str, list[str]]:
@@ -85,6 +88,20 @@ def _stage_commands(args: argparse.Namespace, tmp: Path) -> dict[str, list[str]]
     device = "cpu" if args.dry_run else "cuda"
     return {
         "tests": [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+        "blocks": [
+            py,
+            str(HERE / "block_copy.py"),
+            "--reps",
+            "20" if args.dry_run else "1000",
+            "--steps",
+            "11",
+            "--rounds",
+            "1",
+            "--device",
+            device,
+            "--out",
+            str(args.out if not args.dry_run else tmp / "blocks"),
+        ],
         "anchors": [
             py,
             str(HERE / "cuda_anchors.py"),
@@ -252,7 +269,8 @@ def render(result: dict[str, Any]) -> str:
         lines += [f"Not run (the deadline came first): {', '.join(result['not_run'])}", ""]
     lines += [
         "The MoE's prefetch table: `dynamic_prefetch_cuda.md` (`dynamic_prefetch.md` in a dry "
-        "run); the tests' log: `test_cuda.log`; the stages' stderr: `stages.log`.",
+        "run); a block's prefetch in one call: `block_copy_cuda.md`; the tests' log: "
+        "`test_cuda.log`; the stages' stderr: `stages.log`.",
         "",
     ]
     return "\n".join(lines)
@@ -291,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--dry-run", action="store_true", help="the CPU, tiny sizes, no Inductor")
     p.add_argument("--budget-s", type=float, default=460.0, help="the whole check's deadline")
-    p.add_argument("--stages", default="tests,anchors,moe")
+    p.add_argument("--stages", default="tests,blocks,anchors,moe")
     p.add_argument("--configs", default=None, help="the anchors' configurations (comma-separated)")
     p.add_argument("--reps", type=int, default=3, help="timed steps per anchors configuration")
     args = p.parse_args(argv)

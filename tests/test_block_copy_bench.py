@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
@@ -57,3 +58,10 @@ def test_the_training_runs_give_the_same_losses() -> None:
     ]  # fmt: skip
     assert all(r["same_losses"] for r in rows)
     assert rows[0]["hit_rate"] and rows[2]["hit_rate"] is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_device_cuda_without_a_gpu_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        block_copy.main(["--device", "cuda"])
+    assert e.value.code == 2 and "--device cuda: no CUDA device here" in capsys.readouterr().err

@@ -21,7 +21,7 @@ import gpu_check  # noqa: E402
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--stages", "tests,nope"], "--stages: any of tests, anchors, moe"),
+        (["--stages", "tests,nope"], "--stages: any of tests, blocks, anchors, moe"),
         (["--dry-run", "--budget-s", "0"], "--budget-s must be positive"),
         ([], "no CUDA device here: run it on a lent GPU, or with --dry-run"),
     ],
@@ -48,6 +48,15 @@ def test_dry_run_writes_the_report_with_machine_rows_and_targets(tmp_path: Path)
     md = (tmp_path / "gpu_check.md").read_text()
     assert "dry run on the CPU" in md and "| gpt | mc_r50 |" in md
     # Within the device tool's limits: at most 8 plain files, none in folders.
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["gpu_check.json", "gpu_check.md", "stages.log"], files
+
+
+def test_dry_run_times_a_blocks_prefetch_and_leaves_its_files_out(tmp_path: Path) -> None:
+    rc = gpu_check.main(["--dry-run", "--out", str(tmp_path), "--stages", "blocks"])
+    assert rc == 0
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [(s["stage"], s["status"]) for s in result["stages"]] == [("blocks", "ok")]
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["gpu_check.json", "gpu_check.md", "stages.log"], files
 
