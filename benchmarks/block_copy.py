@@ -252,7 +252,9 @@ def _table(micro_rows: list[dict[str, Any]], train_rows: list[dict[str, Any]]) -
 def main(argv: list[str] | None = None, *, train: Callable[..., Any] = training) -> Path:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3000, help="microbenchmark repetitions")
-    ap.add_argument("--steps", type=int, default=40, help="training steps per run")
+    ap.add_argument(
+        "--steps", type=int, default=40, help="training steps per run (0: no training rows)"
+    )
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the three training runs")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -268,7 +270,7 @@ def main(argv: list[str] | None = None, *, train: Callable[..., Any] = training)
         for r in micro(args.reps, kind, threaded=threaded, device=args.device)
     ]
     copy_engine.shutdown()
-    train_rows = [] if cuda else train(args.steps, args.rounds)
+    train_rows = [] if cuda or args.steps == 0 else train(args.steps, args.rounds)
     note = (
         "CUDA device: host time of the calls, the copies on the cache's side stream; no training "
         "rows"

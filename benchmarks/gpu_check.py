@@ -94,9 +94,7 @@ def _stage_commands(args: argparse.Namespace, tmp: Path) -> dict[str, list[str]]
             "--reps",
             "20" if args.dry_run else "1000",
             "--steps",
-            "11",
-            "--rounds",
-            "1",
+            "0",  # the host cost only (on CUDA there are no training rows anyway)
             "--device",
             device,
             "--out",

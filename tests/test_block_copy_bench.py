@@ -50,6 +50,15 @@ def test_main_writes_the_table_and_rows(tmp_path: Path) -> None:
     assert {r["measure"] for r in rows} == {"host_cost", "training"} and len(rows) == 10
 
 
+def test_steps_0_writes_the_host_cost_alone(tmp_path: Path) -> None:
+    def train(steps: int, rounds: int) -> list[dict[str, Any]]:
+        raise AssertionError("no training with --steps 0")
+
+    md = block_copy.main(["--reps", "5", "--steps", "0", "--out", str(tmp_path)], train=train)
+    assert "## Host cost per fetched block" in md.read_text()
+    assert "## Zoo MoE" not in md.read_text()
+
+
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_the_training_runs_give_the_same_losses() -> None:
     rows = block_copy.training(11, 1)
