@@ -684,9 +684,13 @@ class Prefetcher:
         if not any(cache.watches(p) for g in optimizer.param_groups for p in g["params"]):
             return  # another model's optimizer
         label, tag = self._next_step
-        todo = [t for t in _alive(self._params.get(label, ())) if not cache.has(t)]
-        copied = cache.prefetch_many(
-            todo, self._device, label, tag, issue_s=cache.sim_clock, limit=self.capacity
+        copied = cache.prefetch_many(  # (it skips the copies cached already)
+            _alive(self._params.get(label, ())),
+            self._device,
+            label,
+            tag,
+            issue_s=cache.sim_clock,
+            limit=self.capacity,
         )
         if copied:
             self.step_start_prefetches += 1

@@ -79,7 +79,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -125,8 +125,8 @@ class _Entry:
     #: (copy_engine.py); ``None``: a synchronous copy (or one waited for already)
     done: torch.cuda.Event | CopyJob | None = None
     #: the keys of the cached entries made by the same copy call (a block's, prefetch_many),
-    #: this one's included: they share ``done``; ``None``: a copy of its own
-    batch: set[int] | None = None
+    #: this one's included: they share ``done``
+    batch: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -237,20 +237,18 @@ class PrefetchCache:
                     self._wait_for_thread(entry)
                 elif entry.done is not None:
                     # A block's copies share the event: late, they are all late.
-                    batch = entry.batch or ()
                     block_bytes = entry.nbytes + sum(
-                        e.nbytes for k in batch if k != key and (e := self._entries.get(k))
+                        e.nbytes for k in entry.batch if k != key and (e := self._entries.get(k))
                     )
                     self._wait_for(entry, block_bytes)
-                if entry.batch is not None:
-                    entry.batch.discard(key)
-                    if entry.done is not None:
-                        # Waited for: the rest of the block's copies need no wait (on CUDA the
-                        # compute stream's later work is ordered after this one), and the
-                        # event is read or reused once.
-                        for k in entry.batch:
-                            if (sibling := self._entries.get(k)) is not None:
-                                sibling.done = None
+                entry.batch.discard(key)
+                if entry.done is not None:
+                    # Waited for: the rest of the block's copies need no wait (on CUDA the
+                    # compute stream's later work is ordered after this one), and the event is
+                    # read or reused once.
+                    for k in entry.batch:
+                        if (sibling := self._entries.get(k)) is not None:
+                            sibling.done = None
                 if self.counting:
                     self.needed += nbytes
                     self.hit += nbytes
@@ -264,8 +262,7 @@ class PrefetchCache:
             self.stale += entry.nbytes
             self.wasted += entry.nbytes
             self.by_tag[entry.tag].wasted += entry.nbytes
-            if entry.batch is not None:
-                entry.batch.discard(key)
+            entry.batch.discard(key)
             log.debug("prefetch cache: stale copy of %s dropped", entry.block)
         if not self.counting:
             return on_demand()
@@ -321,36 +318,7 @@ class PrefetchCache:
         key = _key(h)
         if key in self._entries:
             return 0
-        copy = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
-        done: torch.cuda.Event | CopyJob | None = None
-        if copy.device.type == "cuda" and self.asynchronous and h.is_pinned():
-            compute = torch.cuda.current_stream(copy.device)
-            side = side_stream(self._side, copy.device)
-            side.wait_stream(compute)  # copy's block may have been freed by queued work
-            with torch.cuda.stream(side):
-                copy.copy_(h, non_blocking=True)
-            done = self._event()
-            done.record(side)
-            # Freed unused while the copy runs (evicted, trimmed): not reused before it ends.
-            copy.record_stream(side)
-        elif (
-            copy.device.type == "cpu"
-            and self.asynchronous
-            and copy_engine.worth(h.untyped_storage().nbytes())
-        ):
-            done = copy_engine.submit(copy, h)  # the CPU's copy engine (copy_engine.py)
-        else:
-            copy.copy_(h)
-        nbytes = h.untyped_storage().nbytes()
-        ready = -math.inf
-        if issue_s is not None and self.copy_seconds is not None:
-            ready = self._copy_free_s = max(issue_s, self._copy_free_s) + self.copy_seconds(nbytes)
-        self._entries[key] = _Entry(copy, h._version, nbytes, block, tag, ready, done)
-        self.bytes += nbytes
-        self.prefetched += nbytes
-        self.by_tag.setdefault(tag, TagCounters()).prefetched += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.bytes)
-        return nbytes
+        return self._prefetch_batch({key: h}, device, block, tag, issue_s)
 
     def prefetch_many(
         self,
@@ -392,14 +360,15 @@ class PrefetchCache:
         tag: str,
         issue_s: float | None,
     ) -> int:
-        # One copy call for the block: an allocation per tensor (each freed when the plan says),
-        # one event or job that every one of them waits on.
+        # One copy call for the tensors (``copy_`` for one, ``_foreach_copy_`` for a block): an
+        # allocation each (each freed when the plan says), one event or job they all wait on.
         srcs = list(todo.values())
         dsts = [
             torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in srcs
         ]
         nbytes = [t.untyped_storage().nbytes() for t in srcs]
         total = sum(nbytes)
+        single = len(srcs) == 1
         done: torch.cuda.Event | CopyJob | None = None
         cuda = dsts[0].device.type == "cuda"
         if cuda and self.asynchronous and all(t.is_pinned() for t in srcs):
@@ -407,16 +376,26 @@ class PrefetchCache:
             side = side_stream(self._side, dsts[0].device)
             side.wait_stream(compute)  # the copies' blocks may have been freed by queued work
             with torch.cuda.stream(side), torch.no_grad():
-                torch._foreach_copy_(dsts, srcs, non_blocking=True)
+                if single:
+                    dsts[0].copy_(srcs[0], non_blocking=True)
+                else:
+                    torch._foreach_copy_(dsts, srcs, non_blocking=True)
             done = self._event()
             done.record(side)
             for d in dsts:  # freed unused while the copy runs: not reused before it ends
                 d.record_stream(side)
         elif not cuda and self.asynchronous and copy_engine.worth(total):
-            done = copy_engine.submit_many(dsts, srcs)
+            # The CPU's copy engine (copy_engine.py)
+            if single:
+                done = copy_engine.submit(dsts[0], srcs[0])
+            else:
+                done = copy_engine.submit_many(dsts, srcs)
         else:
             with torch.no_grad():
-                torch._foreach_copy_(dsts, srcs)
+                if single:
+                    dsts[0].copy_(srcs[0])
+                else:
+                    torch._foreach_copy_(dsts, srcs)
         ready = -math.inf
         if issue_s is not None and self.copy_seconds is not None:
             ready = self._copy_free_s = max(issue_s, self._copy_free_s) + self.copy_seconds(total)
@@ -464,8 +443,7 @@ class PrefetchCache:
     def _drop(self, key: int) -> int:
         entry = self._entries.pop(key)
         _finish(entry)
-        if entry.batch is not None:
-            entry.batch.discard(key)
+        entry.batch.discard(key)
         self.bytes -= entry.nbytes
         self.wasted += entry.nbytes
         self.by_tag[entry.tag].wasted += entry.nbytes
