@@ -47,6 +47,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
 from machine import write_results  # noqa: E402
+from timing import timed_steps  # noqa: E402
 
 import memcompile  # noqa: E402
 from memcompile.report import find_compiler  # noqa: E402
@@ -156,15 +157,7 @@ def _train(pilot: str, batched: bool, steps: int) -> dict[str, Any]:
     if prefetcher is not None:
         prefetcher.cache.batched = batched
     opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3)
-    times, losses = [], []
-    for i in range(steps):
-        start = time.perf_counter()
-        loss = wl.loss(compiled, i)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
+    times, losses = timed_steps(wl, compiled, opt, steps)
     p = memcompile.report(compiled).pilot
     return {
         "step_ms_p50": 1e3 * statistics.median(times[10:]),
@@ -204,10 +197,6 @@ def training(steps: int, rounds: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _fmt(x: float | None, spec: str = ".1f", scale: float = 1.0) -> str:
-    return "-" if x is None else format(x * scale, spec)
-
-
 def _table(micro_rows: list[dict[str, Any]], train_rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "## Host cost per fetched block",
@@ -241,9 +230,9 @@ def _table(micro_rows: list[dict[str, Any]], train_rows: list[dict[str, Any]]) -
     ]
     for r in train_rows:
         rounds = ", ".join(f"{x:.1f}" for x in r["step_ms_rounds"])
+        hit = "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f} %"
         lines.append(
-            f"| {r['run']} | {r['step_ms_p50']:.1f} | {rounds} | "
-            f"{_fmt(r['hit_rate'], '.1f', 100)}{'' if r['hit_rate'] is None else ' %'} | "
+            f"| {r['run']} | {r['step_ms_p50']:.1f} | {rounds} | {hit} | "
             f"{'yes' if r['same_losses'] else 'NO'} |"
         )
     return lines

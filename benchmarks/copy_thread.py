@@ -43,6 +43,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
 from machine import write_results  # noqa: E402
+from timing import timed_steps  # noqa: E402
 
 import memcompile  # noqa: E402
 from memcompile import zoo  # noqa: E402
@@ -163,17 +164,9 @@ def moe_pilot(steps: int) -> list[dict[str, Any]]:
         opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3)
         old = copy_engine.MIN_BYTES
         copy_engine.MIN_BYTES = 0 if forced else old
-        times, losses = [], []
         try:
             with _mode("thread" if forced else "sync"):
-                for i in range(steps):
-                    start = time.perf_counter()
-                    loss = wl.loss(compiled, i)
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    times.append(time.perf_counter() - start)
-                    losses.append(loss.item())
+                times, losses = timed_steps(wl, compiled, opt, steps)
         finally:
             copy_engine.MIN_BYTES = old
         p = memcompile.report(compiled).pilot

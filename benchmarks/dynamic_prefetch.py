@@ -58,7 +58,6 @@ import json
 import math
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +68,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
 from machine import describe_machine  # noqa: E402
+from timing import timed_steps  # noqa: E402
 
 import memcompile  # noqa: E402
 from memcompile.dynamic import prefetch  # noqa: E402
@@ -142,21 +142,8 @@ def _run(kind: str, args: argparse.Namespace) -> tuple[dict[str, Any], list[floa
     if prefetcher is not None:
         prefetcher.cache.asynchronous = not kind.endswith(", sync")
         prefetcher.cache.time_gpu = not args.untimed
-    cuda = args.device == "cuda"
     opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3)
-    losses, times = [], []
-    for step in range(args.steps):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        loss = wl.loss(compiled, step)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
+    times, losses = timed_steps(wl, compiled, opt, args.steps, cuda=args.device == "cuda")
     rep = memcompile.report(compiled)
     row: dict[str, Any] = {"predictor": kind, "step_ms_p50": 1000 * statistics.median(times[2:])}
     if rep.pilot is not None:
