@@ -1,5 +1,7 @@
 """A fast "no": a budget below every plan's lower bound raises ``MemoryBudgetError`` at once,
-with the bound, before any plan is searched (``pipeline/fragment.py``, ``search.lower_bound``)."""
+with the bound, before any plan is searched (``pipeline/fragment.py``, ``search.lower_bound``);
+a budget under half the first plan built raises without searching the alternatives (a quick
+"no", ``fragment._quick_no``)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 
 import memcompile
 from memcompile import MemoryBudgetError, zoo
-from memcompile.pipeline import search
+from memcompile.pipeline import features, plan_cache, search
 from memcompile.runtime.measure import storage_sizes
 
 
@@ -76,3 +78,54 @@ def test_the_bound_is_at_or_under_the_first_fragments_smallest_plan_on_the_zoo(n
         wl.loss(compiled, 0).backward()
     first = memcompile.report(compiled).fragments[0].plan
     assert first is not None and bound <= first.predicted_peak, (bound, first.predicted_peak)
+
+
+def _searches(monkeypatch) -> list[str]:
+    """The alternatives' searches and the plan cache's stores, as they are made."""
+    made: list[str] = []
+    alternatives, store = search.FragmentSearch.with_alternatives, plan_cache.store
+
+    def with_alternatives(self, hosted, first):
+        made.append("alternatives")
+        return alternatives(self, hosted, first)
+
+    def stored(key, entry):
+        made.append("stored")
+        return store(key, entry)
+
+    monkeypatch.setattr(search.FragmentSearch, "with_alternatives", with_alternatives)
+    monkeypatch.setattr(plan_cache, "store", stored)
+    return made
+
+
+def test_a_budget_far_under_the_first_plan_is_told_without_the_alternatives(monkeypatch):
+    # Tiny GPT at 100 kB: over the bound (its 64 KiB head read whole, the batch), under half of
+    # the first plan built (300 KiB, and so with its loss heads by blocks): a quick "no".
+    made = _searches(monkeypatch)
+    wl = zoo.build("gpt", size="tiny")
+    with features.patch(plan_cache=True):
+        err = _error(wl, 100_000)
+    assert not err.bound and err.min_feasible > 2 * 100_000, err.min_feasible
+    assert made == [], made  # no alternative searched, nothing cached to be replayed
+    message = str(err)
+    assert "the smallest peak found is" in message
+    assert "the budget is under half of it, so no other plan was searched" in message
+    assert "on_infeasible='best_effort' searches them all" in message
+
+
+def test_best_effort_and_a_budget_within_reach_search_the_alternatives(monkeypatch):
+    # The same budget with best_effort (it runs the smallest plan: it must find it), and with
+    # the error at 0.6x the first plan's peak (the alternatives may get there).
+    made = _searches(monkeypatch)
+    wl = zoo.build("gpt", size="tiny")
+    torch._dynamo.reset()
+    compiled = memcompile.compile(wl.model, budget=100_000, on_infeasible="best_effort")
+    with pytest.warns(memcompile.MemoryBudgetWarning, match="running the smallest plan found"):
+        wl.loss(compiled, 0).backward()
+    assert "alternatives" in made
+    first = memcompile.report(compiled).fragments[0].plan
+    assert first is not None
+    made.clear()
+    wl = zoo.build("gpt", size="tiny")
+    err = _error(wl, int(0.6 * first.predicted_peak))
+    assert "alternatives" in made and "no other plan was searched" not in str(err)

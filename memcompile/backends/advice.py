@@ -62,6 +62,7 @@ def infeasible(
     device_other: int | None,
     untaken: int,
     inner_over: tuple[str, int] | None = None,
+    first_only: bool = False,
 ) -> None:
     """No plan fits: raise MemoryBudgetError, or warn (``on_infeasible="best_effort"``); a
     re-plan only logs it (the next step's prediction tells whether the step fits).
@@ -72,10 +73,17 @@ def infeasible(
     the backward; ``sharded``: FSDP2 manages the model's parameters; ``device_other``: bytes
     others had allocated on the device; ``untaken``: bytes of the model's parameters and
     buffers no fragment reads; ``inner_over``: the inner compiler and the bytes its code was
-    measured to need past the budget with the smallest plan found."""
+    measured to need past the budget with the smallest plan found; ``first_only``: the plan
+    is the first one built, no other was searched (pipeline/fragment.py's quick no)."""
     budget = config.budget
     assert budget is not None
     tips = []
+    if first_only:
+        tips.append(
+            "that is the first plan's peak: the budget is under half of it, so no other plan "
+            "was searched (on_infeasible='best_effort' searches them all and runs the "
+            "smallest)"
+        )
     if inner_over is not None:
         inner, over = inner_over
         tips.append(

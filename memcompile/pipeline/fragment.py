@@ -16,6 +16,7 @@ and their plan. It changes nothing outside the graphs; the backend then applies 
     7  host parameters  offload_params: their bytes leave the resident    rewrites/params
     8  reserve cut      the pilot's prefetch reserve gives way to a fit
     9  build            partition, swaps; late rewrites of built graphs   rewrites/; built.py
+       quick no         a budget under half the built plan's peak: no alternatives (error)
     10 alternatives     recompute only, swap only, floors, heads by blocks; choose()  search.py
 
 The forward compiler then finishes both graphs (``finish.py``: where the pilot predicts, and
@@ -63,6 +64,8 @@ class Decided:
         joint: the joint graph the plan names (how it was derived from AOT's: its ``meta``,
             ``plan_cache.DERIVATION``).
         cached: the plan cache's key when the plan was replayed from it, else ``None``.
+        first_only: the plan does not fit and is the first one built: no alternative was
+            searched (a quick "no", :func:`_quick_no`), so a smaller plan may exist.
     """
 
     fw: fx.GraphModule
@@ -75,6 +78,18 @@ class Decided:
     held_outputs: int
     joint: fx.GraphModule
     cached: str | None = None
+    first_only: bool = False
+
+
+#: A quick "no" (:func:`_quick_no`) when the budget is under this share of the built plan's
+#: peak. Counted on 104 searches that reached the alternatives (2026-11-30: the zoo, tiny and
+#: small, at 0.05-0.7x its peak, and the test suite's planner, tiling and loss-head tests),
+#: the alternatives besides the loss heads by blocks lowered the lower of the first plan's
+#: and the blocks' peaks by 2.5 % at most (the one budget they made fit was 0.05 % under
+#: the first plan's peak: tests/test_linearce.py); the heads by blocks
+#: lowered the first plan's by up to 31 % (tiny GPT, 283,272 -> 195,028 B), so a quick "no"
+#: still builds them. Half the peak is far outside what the rest reach.
+QUICK_NO_SHARE = 0.5
 
 
 def plan_partition(
@@ -101,7 +116,7 @@ def plan_partition(
             if decided is not None:
                 return dataclasses.replace(decided, cached=key)
     decided = _searched(search, joint, traced, placed, aligned)
-    if key is not None:
+    if key is not None and not decided.first_only:  # (a replay would skip the alternatives)
         plan_cache.store(key, _cached(decided))
     return decided
 
@@ -123,9 +138,10 @@ def _searched(
     cand, hosted, host_peak = _with_host_params(search, cand, blocked, aligned)  # 7
     cand = _cut_reserve(search, cand, hosted)  # 8
     built = search.build(cand)  # 9: changes nothing outside the graphs
+    quick = False
     if not built.plan.feasible and spec.replan_resident is None:  # 10
-        built = _alternatives(search, built, blocked, hosted)
-    return _decided(built, search, hosted, placed, host_peak)
+        built, quick = _alternatives(search, built, blocked, hosted)
+    return dataclasses.replace(_decided(built, search, hosted, placed, host_peak), first_only=quick)
 
 
 def _replayed(
@@ -226,6 +242,37 @@ def _fast_no(search: FragmentSearch, placed: Sequence[int], aligned: bool) -> No
             "F%d: budget %d is below every plan's peak (%d): no search", spec.index, budget, bound
         )
         raise BelowBound(bound, resident, largest, hostable)
+
+
+def _quick_no(search: FragmentSearch, plan: FragmentPlan, what: str = "the first plan") -> bool:
+    """Whether the budget is so far under the built plan ``plan`` (``what``: which, for the
+    log) that the alternatives are not searched: with ``on_infeasible="error"`` (a "no" is
+    all the user is told; ``best_effort`` runs the smallest plan, so it searches them all),
+    for a fragment's first plan, when the budget is under :data:`QUICK_NO_SHARE` of the plan's
+    peak. The alternatives build up to eleven more plans (a second or more each on a graph of
+    a few hundred nodes) for a peak lower by a third at most; the error then says that no
+    other plan was searched, and that ``best_effort`` searches them."""
+    config, spec = search.env.config, search.spec
+    budget = config.budget
+    if (
+        budget is None
+        or plan.feasible
+        or not features.current().fast_no
+        or config.on_infeasible != "error"
+        or spec.replan_resident is not None
+        or spec.host_replan
+        or budget >= QUICK_NO_SHARE * plan.predicted_peak
+    ):
+        return False
+    log.info(
+        "F%d: budget %s is under %.0f%% of %s's peak (%s): no other plan searched",
+        spec.index,
+        format_bytes(budget),
+        100 * QUICK_NO_SHARE,
+        what,
+        format_bytes(plan.predicted_peak),
+    )
+    return True
 
 
 def _aligned(joint: fx.GraphModule, spec: FragmentSpec, env: FragmentEnv) -> bool:
@@ -410,20 +457,37 @@ def _cut_reserve(search: FragmentSearch, cand: Candidate, hosted: Sequence[int])
 
 def _alternatives(
     search: FragmentSearch, built: Built, blocked: fx.GraphModule | None, hosted: Sequence[int]
-) -> Built:
+) -> tuple[Built, bool]:
     """The rewrites of a plan over its target (in place, blocks of rows, reloads by rows) act
     on what the plan recomputes and what it swaps differently, which the planner does not
     price: a plan with one of the two only may end lower. Then the loss heads by blocks, where
     nothing else fits (their matmuls are not in the plans' times) and the joint model's peak
     was not theirs: the rewrites of the built graphs may bring the rest below the head (bench
     GPT, parameters on the host: 22.9 MiB planned either way, 20.05 MiB built, 16 MiB of it
-    the head)."""
+    the head).
+
+    Under a quick "no" (:func:`_quick_no`: the budget is far under the plan) only the heads by
+    blocks are built, which can take a third off; not the alternatives. Returns the plan
+    chosen and whether it was a quick "no"."""
+    heads = blocked is not None and not built.joint.meta.get("memcompile_linear_ce")
+
+    def with_heads() -> Built:
+        assert blocked is not None
+        joint = search.fetch(blocked, hosted) if hosted else blocked
+        return search.build_blocks(joint, hosted, built.plan)
+
+    by_blocks: Built | None = None
+    if _quick_no(search, built.plan):
+        if not heads:
+            return built, True
+        by_blocks = with_heads()
+        if _quick_no(search, by_blocks.plan, "the plan with its loss heads by blocks"):
+            return choose([built, by_blocks]), True
+        # Within reach of the budget with the heads by blocks: the whole search after all.
     tried = search.with_alternatives(hosted, built)
-    fits = any(t.plan.feasible for t in tried)
-    if not fits and blocked is not None and not built.joint.meta.get("memcompile_linear_ce"):
-        other = search.fetch(blocked, hosted) if hosted else blocked
-        tried += search.with_blocks(other, hosted, built.plan)
-    return choose(tried)
+    if not any(t.plan.feasible for t in tried) and heads:
+        tried += search.with_alternatives(hosted, by_blocks or with_heads())
+    return choose(tried), False
 
 
 def _decided(

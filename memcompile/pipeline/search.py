@@ -446,12 +446,11 @@ class FragmentSearch:
             found.append(built)
         return found
 
-    def with_blocks(
+    def build_blocks(
         self, joint: fx.GraphModule, hosted: Sequence[int], planned: FragmentPlan
-    ) -> list[Built]:
+    ) -> Built:
         """The plan of ``joint`` (its loss heads made by blocks, ``rewrites/linearce.py``) built
-        with the rewrites, and while none fits its alternatives (:meth:`alternatives`);
-        ``planned``: the plan without blocks, for the log."""
+        with the rewrites; ``planned``: the plan without blocks, for the log."""
         built = self.build(self.plan(joint, host=hosted, reserve=self.prefetch_reserve))
         log.info(
             "F%d: with its loss heads made by blocks the built plan peaks at %s (%s without)",
@@ -459,4 +458,4 @@ class FragmentSearch:
             format_bytes(built.plan.predicted_peak),
             format_bytes(planned.predicted_peak),
         )
-        return self.with_alternatives(hosted, built)
+        return built
