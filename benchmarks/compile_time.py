@@ -215,6 +215,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0.05,
         help="--sweep's infeasible budget: this share of the no-budget predicted peak",
     )
+    p.add_argument(
+        "--runs",
+        default=",".join(SWEEP_RUNS),
+        metavar="RUN,...",
+        help=f"--sweep's budgeted runs, of {','.join(SWEEP_RUNS)} (the no-budget run always "
+        "comes first: it sets their budgets)",
+    )
     p.add_argument("--on-infeasible", default="best_effort", help=argparse.SUPPRESS)
     p.add_argument(
         "--render",
@@ -254,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         if not 0 < args.infeasible < 0.25:
             p.error(f"--infeasible must be in (0, 0.25), got {args.infeasible}")
+        unknown = [r for r in args.runs.split(",") if r not in SWEEP_RUNS]
+        if unknown:
+            p.error(f"unknown run(s) {unknown} in --runs; of {list(SWEEP_RUNS)}")
     if not _known(args.model):
         p.error(
             f"unknown workload {args.model!r}; one of {list(zoo.names())}, or hf:NAME (a "
@@ -412,6 +422,9 @@ def _provenance() -> str:
 #: ``_ERROR_NODES`` nodes.
 _FACTOR, _SLACK_S, _ERROR_S, _ERROR_NODES = 2, 10, 10, 2000
 
+#: ``--sweep``'s budgeted runs, after each model's run without a budget.
+SWEEP_RUNS = ("0.5x", "0.25x", "infeasible")
+
 
 def _sweep(args: argparse.Namespace, argv: list[str] | None, models: list[str]) -> int:
     """``--sweep``: per model, no budget, 0.5x, 0.25x and an infeasible budget (``error``)."""
@@ -428,6 +441,8 @@ def _sweep(args: argparse.Namespace, argv: list[str] | None, models: list[str]) 
             ("0.25x", str(int(resident + 0.25 * acts)), "best_effort"),
             ("infeasible", str(int(args.infeasible * peak)), "error"),
         ):
+            if label not in args.runs.split(","):
+                continue
             r = _child(args, budget, None, model=model, on_infeasible=mode)
             r["run"] = label
             rows.append(r)
@@ -459,18 +474,19 @@ def _write_sweep(
         misses = [
             f"{label} {took[label]} s > {limit:.1f} s"
             for label in ("0.5x", "0.25x")
-            if took[label] > limit
+            if label in took and took[label] > limit
         ]
-        error = runs["infeasible"]["error"]
+        error = runs["infeasible"]["error"] if "infeasible" in runs else None
         if error and took["infeasible"] > _ERROR_S:
             misses.append(
                 f"error {took['infeasible']} s > {_ERROR_S} s"
                 if nodes <= _ERROR_NODES
                 else f"(error {took['infeasible']} s: over {_ERROR_NODES:,} nodes, no target)"
             )
+        ends = "-" if "infeasible" not in runs else "error" if error else "a plan that fits"
+        cells = " | ".join(str(took.get(label, "-")) for label in SWEEP_RUNS)
         table.append(
-            f"| {model} | {nodes or '-'} | {took['none']} | {took['0.5x']} | {took['0.25x']} | "
-            f"{took['infeasible']} | {'error' if error else 'a plan that fits'} | "
+            f"| {model} | {nodes or '-'} | {took['none']} | {cells} | {ends} | "
             f"{'; '.join(misses) or 'met'} |"
         )
     notes = [

@@ -21,6 +21,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "compile_time.p
         (["--model", "hf:nope"], "unknown workload 'hf:nope'"),
         (["--sweep", "gpt,nope"], "unknown workload(s) ['nope']"),
         (["--sweep", "--infeasible", "0.5"], "--infeasible must be in (0, 0.25)"),
+        (["--sweep", "--runs", "infeasible,1x"], "unknown run(s) ['1x'] in --runs"),
         (["--size", "huge"], "unknown size 'huge'"),
         (["--budget", "lots"], "budget"),
         (["-O", "recompute"], "-O takes KEY=VALUE"),
@@ -125,3 +126,18 @@ def test_render_writes_a_sweeps_table_again_from_its_rows(tmp_path: Path) -> Non
     assert "| small | 500 | 2.2 | 20.2 | 5.2 | 12.0 | error | 0.5x 20.2 s > 14.4 s; error " in text
     assert "| big | 5000 | 22.0 | 32.0 | 42.0 | 60.0 | error | (error 60.0 s: over 2,000" in text
     assert "rows measured by `python benchmarks/compile_time.py --sweep` on d (m)" in text
+
+
+def test_render_leaves_the_runs_a_sweep_did_not_make_empty(tmp_path: Path) -> None:
+    # A sweep with --runs infeasible: its model's row has the error's cell only, and its
+    # targets are the error's.
+    def row(run: str, seconds: list[float], error: str | None = None):
+        calls = [{"nodes": 500}]
+        return {"model": "m", "run": run, "step_seconds": seconds, "calls": calls, "error": error}
+
+    rows = [row("none", [2.0, 0.1, 0.1]), row("infeasible", [3.0], "no memory plan fits")]
+    source = {"command": "c", "date": "d", "machine": "m"}
+    (tmp_path / "in.json").write_text(json.dumps({**source, "rows": rows}))
+    _script(["--render", str(tmp_path / "in.json")], tmp_path)
+    text = (tmp_path / "compile_time_sweep.md").read_text()
+    assert "| m | 500 | 2.2 | - | - | 3.0 | error | met |" in text
