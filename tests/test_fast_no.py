@@ -129,3 +129,35 @@ def test_best_effort_and_a_budget_within_reach_search_the_alternatives(monkeypat
     wl = zoo.build("gpt", size="tiny")
     err = _error(wl, int(0.6 * first.predicted_peak))
     assert "alternatives" in made and "no other plan was searched" not in str(err)
+
+
+def test_a_budget_far_under_the_first_plan_as_planned_is_told_before_its_late_rewrites(
+    monkeypatch,
+):
+    # An MLP of 512 KiB activations and 64 KiB weights, no loss head to make by blocks, at
+    # 150 kB: over its bound (the batch, a weight read whole), under a quarter of the first plan
+    # as planned: its graphs are built only without the late rewrites (in place, row tiling,
+    # rematerialization), and no other plan is searched.
+    made = _searches(monkeypatch)
+    builds, build = [], search.FragmentSearch.build
+
+    def built(self, cand, *, late=None):
+        builds.append(late)
+        return build(self, cand, late=late)
+
+    monkeypatch.setattr(search.FragmentSearch, "build", built)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 128)]
+    for _ in range(6):
+        layers += [torch.nn.ReLU(), torch.nn.Linear(128, 128)]
+    compiled = memcompile.compile(torch.nn.Sequential(*layers), budget=150_000)
+    with features.patch(plan_cache=True), pytest.raises(MemoryBudgetError) as info:
+        compiled(torch.randn(1024, 8)).pow(2).mean().backward()
+    err = info.value
+    assert builds == [()] and made == [], (builds, made)
+    assert not err.bound and err.min_feasible > 4 * 150_000, err.min_feasible
+    message = str(err)
+    assert "that is the first plan's peak as planned: the budget is under 25% of it" in message
+    assert "the rewrites of a plan's built graphs have taken off 50% at most" in message
+    assert "on_infeasible='best_effort' tries them all" in message

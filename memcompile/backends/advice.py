@@ -20,7 +20,7 @@ from memcompile.analysis.fragment_profile import FragmentProfile
 from memcompile.config import MemConfig
 from memcompile.errors import MemoryBudgetError, MemoryBudgetWarning, format_bytes
 from memcompile.pipeline.env import FragmentSpec
-from memcompile.pipeline.fragment import BelowBound
+from memcompile.pipeline.fragment import LATE_CUT, QUICK_NO_SHARE, BelowBound
 from memcompile.planning.plan import FragmentPlan
 from memcompile.runtime.store import HOSTABLE_DEVICES
 from memcompile.step.budget import OptimizerOver, StepOver
@@ -62,7 +62,7 @@ def infeasible(
     device_other: int | None,
     untaken: int,
     inner_over: tuple[str, int] | None = None,
-    first_only: bool = False,
+    quick_no: str = "",
 ) -> None:
     """No plan fits: raise MemoryBudgetError, or warn (``on_infeasible="best_effort"``); a
     re-plan only logs it (the next step's prediction tells whether the step fits).
@@ -73,16 +73,24 @@ def infeasible(
     the backward; ``sharded``: FSDP2 manages the model's parameters; ``device_other``: bytes
     others had allocated on the device; ``untaken``: bytes of the model's parameters and
     buffers no fragment reads; ``inner_over``: the inner compiler and the bytes its code was
-    measured to need past the budget with the smallest plan found; ``first_only``: the plan
-    is the first one built, no other was searched (pipeline/fragment.py's quick no)."""
+    measured to need past the budget with the smallest plan found; ``quick_no``: no other
+    plan was searched (pipeline/fragment.py's quick no: ``"built"``, the plan is the first
+    one built; ``"planned"``, as planned, before the rewrites of its built graphs)."""
     budget = config.budget
     assert budget is not None
     tips = []
-    if first_only:
+    if quick_no == "built":
         tips.append(
             "that is the first plan's peak: the budget is under half of it, so no other plan "
             "was searched (on_infeasible='best_effort' searches them all and runs the "
             "smallest)"
+        )
+    elif quick_no == "planned":
+        tips.append(
+            "that is the first plan's peak as planned: the budget is under "
+            f"{QUICK_NO_SHARE * (1 - LATE_CUT):.0%} of it, and the rewrites of a plan's built "
+            f"graphs have taken off {LATE_CUT:.0%} at most, so neither they nor other plans "
+            "were tried (on_infeasible='best_effort' tries them all and runs the smallest)"
         )
     if inner_over is not None:
         inner, over = inner_over

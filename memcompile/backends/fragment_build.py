@@ -441,7 +441,7 @@ class FragmentBuild:
                 device_other=resident.device_other_bytes,
                 untaken=resident.untaken_bytes(self.example_inputs),
                 inner_over=(self.inner, self.inner_over) if self.inner_over else None,
-                first_only=decided.first_only,
+                quick_no=decided.quick_no,
             )
         self.hosted_inputs = decided.hosted + decided.placed
         env.budget.compiled(self.index, None, reserve=self.prefetch_reserve)

@@ -30,6 +30,7 @@ import logging
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from torch import fx
 from torch._functorch import partitioners as P
@@ -64,8 +65,10 @@ class Decided:
         joint: the joint graph the plan names (how it was derived from AOT's: its ``meta``,
             ``plan_cache.DERIVATION``).
         cached: the plan cache's key when the plan was replayed from it, else ``None``.
-        first_only: the plan does not fit and is the first one built: no alternative was
-            searched (a quick "no", :func:`_quick_no`), so a smaller plan may exist.
+        quick_no: the plan does not fit and no other was searched (a quick "no",
+            :func:`_quick_no`), so a smaller plan may exist: ``"built"``, the first plan built;
+            ``"planned"``, the first plan as planned, its graphs built without the late
+            rewrites; ``""``: the search ran to its end.
     """
 
     fw: fx.GraphModule
@@ -78,18 +81,26 @@ class Decided:
     held_outputs: int
     joint: fx.GraphModule
     cached: str | None = None
-    first_only: bool = False
+    quick_no: Literal["", "built", "planned"] = ""
 
 
 #: A quick "no" (:func:`_quick_no`) when the budget is under this share of the built plan's
-#: peak. Counted on 104 searches that reached the alternatives (2026-11-30: the zoo, tiny and
-#: small, at 0.05-0.7x its peak, and the test suite's planner, tiling and loss-head tests),
-#: the alternatives besides the loss heads by blocks lowered the lower of the first plan's
-#: and the blocks' peaks by 2.5 % at most (the one budget they made fit was 0.05 % under
-#: the first plan's peak: tests/test_linearce.py); the heads by blocks
-#: lowered the first plan's by up to 31 % (tiny GPT, 283,272 -> 195,028 B), so a quick "no"
-#: still builds them. Half the peak is far outside what the rest reach.
+#: peak. Counted on 181 searches that reached the alternatives (2026-11-30, two scratch runs:
+#: the zoo, tiny and small, and HF Llama and GPT-2 at 0.05-0.7x their peaks, best_effort;
+#: the suite's planner, tiling and loss-head tests), the alternatives besides the loss heads
+#: by blocks lowered the lower of the first plan's and the blocks' peaks by 3.5 % at most
+#: (GPT-2 at 0.2x; the one budget they made fit was 0.05 % under the first plan's peak:
+#: tests/test_linearce.py); the heads by blocks lowered the first plan's by up to 31 % (tiny
+#: GPT, 283,272 -> 195,028 B), so a quick "no" still builds them. Half the peak is far
+#: outside what the rest reach.
 QUICK_NO_SHARE = 0.5
+
+#: What the late rewrites of a plan's built graphs (in place, row tiling, rematerialization:
+#: ``search.build``) may take off its planned peak: a budget under ``QUICK_NO_SHARE * (1 -
+#: LATE_CUT)`` of the planned peak gets its quick "no" before they run (they profile the
+#: graphs many times: 43 s of a 52 s "no" on a 6-layer Llama). The most seen on 380 builds of
+#: the same runs was 39 % (zoo branchy, small, its rows tiled).
+LATE_CUT = 0.5
 
 
 def plan_partition(
@@ -116,7 +127,7 @@ def plan_partition(
             if decided is not None:
                 return dataclasses.replace(decided, cached=key)
     decided = _searched(search, joint, traced, placed, aligned)
-    if key is not None and not decided.first_only:  # (a replay would skip the alternatives)
+    if key is not None and not decided.quick_no:  # (a replay would skip the alternatives)
         plan_cache.store(key, _cached(decided))
     return decided
 
@@ -137,11 +148,20 @@ def _searched(
     cand = _with_dropouts(search, cand)  # 6
     cand, hosted, host_peak = _with_host_params(search, cand, blocked, aligned)  # 7
     cand = _cut_reserve(search, cand, hosted)  # 8
+    heads = blocked is not None and not cand.joint.meta.get("memcompile_linear_ce")
+    share = QUICK_NO_SHARE * (1 - LATE_CUT)
+    if not heads and _quick_no(search, cand.plan, "the first plan as planned", share=share):
+        # (Built only for the error's sake: the late rewrites are what costs.)
+        built = search.build(cand, late=())
+        return dataclasses.replace(
+            _decided(built, search, hosted, placed, host_peak), quick_no="planned"
+        )
     built = search.build(cand)  # 9: changes nothing outside the graphs
     quick = False
     if not built.plan.feasible and spec.replan_resident is None:  # 10
         built, quick = _alternatives(search, built, blocked, hosted)
-    return dataclasses.replace(_decided(built, search, hosted, placed, host_peak), first_only=quick)
+    decided = _decided(built, search, hosted, placed, host_peak)
+    return dataclasses.replace(decided, quick_no="built" if quick else "")
 
 
 def _replayed(
@@ -244,14 +264,20 @@ def _fast_no(search: FragmentSearch, placed: Sequence[int], aligned: bool) -> No
         raise BelowBound(bound, resident, largest, hostable)
 
 
-def _quick_no(search: FragmentSearch, plan: FragmentPlan, what: str = "the first plan") -> bool:
-    """Whether the budget is so far under the built plan ``plan`` (``what``: which, for the
-    log) that the alternatives are not searched: with ``on_infeasible="error"`` (a "no" is
-    all the user is told; ``best_effort`` runs the smallest plan, so it searches them all),
-    for a fragment's first plan, when the budget is under :data:`QUICK_NO_SHARE` of the plan's
-    peak. The alternatives build up to eleven more plans (a second or more each on a graph of
-    a few hundred nodes) for a peak lower by a third at most; the error then says that no
-    other plan was searched, and that ``best_effort`` searches them."""
+def _quick_no(
+    search: FragmentSearch,
+    plan: FragmentPlan,
+    what: str = "the first plan",
+    *,
+    share: float = QUICK_NO_SHARE,
+) -> bool:
+    """Whether the budget is so far under ``plan`` (``what``: which, for the log) that no
+    other plan is searched: with ``on_infeasible="error"`` (a "no" is all the user is told;
+    ``best_effort`` runs the smallest plan, so it searches them all), for a fragment's first
+    plan, when the budget is under ``share`` of the plan's peak. The alternatives build up to
+    eleven more plans (a second or more each on a graph of a few hundred nodes) for a peak
+    lower by a third at most; the error then says that no other plan was searched, and that
+    ``best_effort`` searches them."""
     config, spec = search.env.config, search.spec
     budget = config.budget
     if (
@@ -261,14 +287,14 @@ def _quick_no(search: FragmentSearch, plan: FragmentPlan, what: str = "the first
         or config.on_infeasible != "error"
         or spec.replan_resident is not None
         or spec.host_replan
-        or budget >= QUICK_NO_SHARE * plan.predicted_peak
+        or budget >= share * plan.predicted_peak
     ):
         return False
     log.info(
-        "F%d: budget %s is under %.0f%% of %s's peak (%s): no other plan searched",
+        "F%d: budget %s is under %.0f%% of the peak of %s (%s): no other plan searched",
         spec.index,
         format_bytes(budget),
-        100 * QUICK_NO_SHARE,
+        100 * share,
         what,
         format_bytes(plan.predicted_peak),
     )
