@@ -15,8 +15,9 @@ and their plan. It changes nothing outside the graphs; the backend then applies 
     6  dropouts         recomputable (saved masks, then replayed)         rewrites/dropout
     7  host parameters  offload_params: their bytes leave the resident    rewrites/params
     8  reserve cut      the pilot's prefetch reserve gives way to a fit
+       quick no         a budget under 1/4 of the plan: built without late rewrites (error)
     9  build            partition, swaps; late rewrites of built graphs   rewrites/; built.py
-       quick no         a budget under half the built plan's peak: no alternatives (error)
+       quick no         a budget under 1/2 of the built plan: no alternatives (error)
     10 alternatives     recompute only, swap only, floors, heads by blocks; choose()  search.py
 
 The forward compiler then finishes both graphs (``finish.py``: where the pilot predicts, and
