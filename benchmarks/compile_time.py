@@ -19,7 +19,9 @@ directory (cold), then again with the cache the cold run wrote (warm); the table
 one's first step and planner calls.
 
 ``--model`` (and ``--sweep``) also take ``hf:NAME``: a tiny Hugging Face client of ``clients.py``
-(``hf:llama``, ``hf:mixtral_eager``, ...) or ``hf:gpt2_12`` (GPT-2 small's shape, 1 x 128 tokens).
+(``hf:llama``, ``hf:mixtral_eager``, ...) or ``hf:gpt2_12`` (GPT-2 small's shape, 1 x 128 tokens);
+and ``lstm:T``: a hand-written LSTM cell unrolled over T time steps (issue 41's recurrent net: d
+96, batch 32, a linear head and cross-entropy).
 
 ``--sweep [MODEL,...]``: issue 41's table, each run a fresh process with the plan cache off.
 For each model (zoo ones at ``--size``; default every zoo model): the first steps without a
@@ -77,12 +79,51 @@ def _clients() -> Any:
     return clients
 
 
+#: ``lstm:T``: issue 41's recurrent net, a hand-written LSTM cell unrolled over T time steps
+#: (d 96, batch 32, a linear head and cross-entropy over 256 tokens), 1 <= T <= 512.
+LSTM = "lstm:"
+
+
+def _lstm(steps: int) -> tuple[Any, Any]:
+    """(module, ``loss(compiled, step)``) of ``lstm:steps``."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Unrolled(nn.Module):
+        def __init__(self, d: int = 96, vocab: int = 256) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(vocab, d)
+            self.ih, self.hh = nn.Linear(d, 4 * d), nn.Linear(d, 4 * d)
+            self.head = nn.Linear(d, vocab)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            e = self.emb(x)
+            h = e.new_zeros(x.shape[0], e.shape[-1])
+            c, outs = torch.zeros_like(h), []
+            for t in range(x.shape[1]):
+                i, f, g, o = (self.ih(e[:, t]) + self.hh(h)).chunk(4, -1)
+                c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                h = torch.sigmoid(o) * torch.tanh(c)
+                outs.append(h)
+            logits = self.head(torch.stack(outs, 1))
+            return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, 256, (32, steps), generator=gen) for _ in range(2))
+    return Unrolled(), lambda compiled, step: compiled(x, y)
+
+
 def _workload(model: str, size: str) -> tuple[Any, Any]:
-    """(module, ``loss(compiled, step)``) of zoo ``model`` (``size``) or of an ``hf:`` client."""
+    """(module, ``loss(compiled, step)``) of zoo ``model`` (``size``), an ``hf:`` client or an
+    ``lstm:T``."""
     import torch
 
     from memcompile import zoo
 
+    if model.startswith(LSTM):
+        return _lstm(int(model.removeprefix(LSTM)))
     if not model.startswith(HF):
         wl = zoo.build(model, size=size)
         return wl.model, wl.loss
@@ -110,6 +151,9 @@ def _known(model: str) -> bool:
 
     if model.startswith(HF):
         return model.removeprefix(HF) in (*_clients().MODELS, "gpt2_12")
+    if model.startswith(LSTM):
+        steps = model.removeprefix(LSTM)
+        return steps.isdigit() and 1 <= int(steps) <= 512
     return model in zoo.names()
 
 
@@ -256,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [m for m in models if not _known(m)]
         if unknown:
             p.error(
-                f"unknown workload(s) {unknown}; one of {list(zoo.names())}, or hf:NAME "
-                "(a clients.py model, or hf:gpt2_12)"
+                f"unknown workload(s) {unknown}; one of {list(zoo.names())}, hf:NAME "
+                "(a clients.py model, or hf:gpt2_12) or lstm:T (1 <= T <= 512)"
             )
         if not 0 < args.infeasible < 0.25:
             p.error(f"--infeasible must be in (0, 0.25), got {args.infeasible}")
@@ -266,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown run(s) {unknown} in --runs; of {list(SWEEP_RUNS)}")
     if not _known(args.model):
         p.error(
-            f"unknown workload {args.model!r}; one of {list(zoo.names())}, or hf:NAME (a "
-            "clients.py model, or hf:gpt2_12)"
+            f"unknown workload {args.model!r}; one of {list(zoo.names())}, hf:NAME (a "
+            "clients.py model, or hf:gpt2_12) or lstm:T (1 <= T <= 512)"
         )
     if args.size not in zoo.SIZES:
         p.error(f"unknown size {args.size!r}; one of {list(zoo.SIZES)}")
@@ -490,7 +534,8 @@ def _write_sweep(
             f"{'; '.join(misses) or 'met'} |"
         )
     notes = [
-        f"zoo models at size {args.size} (an hf: model at its clients.py configuration); each "
+        f"zoo models at size {args.size} (an hf: model at its clients.py configuration, lstm:T "
+        "a hand-written LSTM cell unrolled over T steps, d 96, batch 32); each "
         "run a fresh process, the plan cache across runs off; budgets: resident + 0.5x and "
         "0.25x the no-budget run's predicted activations (its predicted peak less the resident "
         f"bytes), and {args.infeasible}x its predicted peak "

@@ -19,6 +19,8 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "compile_time.p
         (["--steps", "0"], "--steps must be >= 1"),
         (["--model", "nope"], "unknown workload 'nope'"),
         (["--model", "hf:nope"], "unknown workload 'hf:nope'"),
+        (["--model", "lstm:0"], "unknown workload 'lstm:0'"),
+        (["--sweep", "lstm:x"], "or lstm:T (1 <= T <= 512)"),
         (["--sweep", "gpt,nope"], "unknown workload(s) ['nope']"),
         (["--sweep", "--infeasible", "0.5"], "--infeasible must be in (0, 0.25)"),
         (["--sweep", "--runs", "infeasible,1x"], "unknown run(s) ['1x'] in --runs"),
@@ -141,3 +143,10 @@ def test_render_leaves_the_runs_a_sweep_did_not_make_empty(tmp_path: Path) -> No
     _script(["--render", str(tmp_path / "in.json")], tmp_path)
     text = (tmp_path / "compile_time_sweep.md").read_text()
     assert "| m | 500 | 2.2 | - | - | 3.0 | error | met |" in text
+
+
+def test_an_unrolled_lstm_is_a_workload(tmp_path: Path) -> None:
+    # Issue 41's recurrent net, 4 time steps, under a budget at which it does not fit.
+    _script(["--model", "lstm:4", "--budget", "1", "--steps", "1"], tmp_path)
+    (row,) = json.loads((tmp_path / "compile_time.json").read_text())["rows"]
+    assert row["model"] == "lstm:4" and row["calls"] and not row["calls"][0]["feasible"]
