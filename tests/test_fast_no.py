@@ -99,13 +99,14 @@ def _searches(monkeypatch) -> list[str]:
 
 
 def test_a_budget_far_under_the_first_plan_is_told_without_the_alternatives(monkeypatch):
-    # Tiny GPT at 100 kB: over the bound (its 64 KiB head read whole, the batch), under half of
-    # the first plan built (300 KiB, and so with its loss heads by blocks): a quick "no".
+    # Tiny GPT at 130 kB: over the bound (its 64 KiB head read whole, the batch), over a quarter
+    # of the first plan as planned (386 KiB), under half of it built (300 KiB, and so with its
+    # loss heads by blocks): a quick "no" after those two builds.
     made = _searches(monkeypatch)
     wl = zoo.build("gpt", size="tiny")
     with features.patch(plan_cache=True):
-        err = _error(wl, 100_000)
-    assert not err.bound and err.min_feasible > 2 * 100_000, err.min_feasible
+        err = _error(wl, 130_000)
+    assert not err.bound and err.min_feasible > 2 * 130_000, err.min_feasible
     assert made == [], made  # no alternative searched, nothing cached to be replayed
     message = str(err)
     assert "the smallest peak found is" in message
@@ -119,7 +120,7 @@ def test_best_effort_and_a_budget_within_reach_search_the_alternatives(monkeypat
     made = _searches(monkeypatch)
     wl = zoo.build("gpt", size="tiny")
     torch._dynamo.reset()
-    compiled = memcompile.compile(wl.model, budget=100_000, on_infeasible="best_effort")
+    compiled = memcompile.compile(wl.model, budget=130_000, on_infeasible="best_effort")
     with pytest.warns(memcompile.MemoryBudgetWarning, match="running the smallest plan found"):
         wl.loss(compiled, 0).backward()
     assert "alternatives" in made
@@ -161,3 +162,19 @@ def test_a_budget_far_under_the_first_plan_as_planned_is_told_before_its_late_re
     assert "that is the first plan's peak as planned: the budget is under 25% of it" in message
     assert "the rewrites of a plan's built graphs have taken off 50% at most" in message
     assert "on_infeasible='best_effort' tries them all" in message
+
+
+def test_the_quick_no_before_the_late_rewrites_weighs_the_loss_heads_by_blocks_too(monkeypatch):
+    # Tiny GPT at 80 kB: under a quarter of the first plan as planned (386 KiB) and of the plan
+    # with its loss heads by blocks (412 KiB): planned, not built with the late rewrites.
+    made = _searches(monkeypatch)
+    builds, build = [], search.FragmentSearch.build
+
+    def built(self, cand, *, late=None):
+        builds.append(late)
+        return build(self, cand, late=late)
+
+    monkeypatch.setattr(search.FragmentSearch, "build", built)
+    err = _error(zoo.build("gpt", size="tiny"), 80_000)
+    assert builds == [()] and made == [], (builds, made)
+    assert "that is the first plan's peak as planned" in str(err)

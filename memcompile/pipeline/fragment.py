@@ -15,7 +15,7 @@ and their plan. It changes nothing outside the graphs; the backend then applies 
     6  dropouts         recomputable (saved masks, then replayed)         rewrites/dropout
     7  host parameters  offload_params: their bytes leave the resident    rewrites/params
     8  reserve cut      the pilot's prefetch reserve gives way to a fit
-       quick no         a budget under 1/4 of the plan: built without late rewrites (error)
+       quick no         a budget under 1/4 of the plans: built without late rewrites (error)
     9  build            partition, swaps; late rewrites of built graphs   rewrites/; built.py
        quick no         a budget under 1/2 of the built plan: no alternatives (error)
     10 alternatives     recompute only, swap only, floors, heads by blocks; choose()  search.py
@@ -149,11 +149,10 @@ def _searched(
     cand = _with_dropouts(search, cand)  # 6
     cand, hosted, host_peak = _with_host_params(search, cand, blocked, aligned)  # 7
     cand = _cut_reserve(search, cand, hosted)  # 8
-    heads = blocked is not None and not cand.joint.meta.get("memcompile_linear_ce")
-    share = QUICK_NO_SHARE * (1 - LATE_CUT)
-    if not heads and _quick_no(search, cand.plan, "the first plan as planned", share=share):
+    planned = _planned_no(search, cand, blocked, hosted)
+    if planned is not None:
         # (Built only for the error's sake: the late rewrites are what costs.)
-        built = search.build(cand, late=())
+        built = search.build(planned, late=())
         return dataclasses.replace(
             _decided(built, search, hosted, placed, host_peak), quick_no="planned"
         )
@@ -271,6 +270,7 @@ def _quick_no(
     what: str = "the first plan",
     *,
     share: float = QUICK_NO_SHARE,
+    say: bool = True,
 ) -> bool:
     """Whether the budget is so far under ``plan`` (``what``: which, for the log) that no
     other plan is searched: with ``on_infeasible="error"`` (a "no" is all the user is told;
@@ -278,7 +278,7 @@ def _quick_no(
     plan, when the budget is under ``share`` of the plan's peak. The alternatives build up to
     eleven more plans (a second or more each on a graph of a few hundred nodes) for a peak
     lower by a third at most; the error then says that no other plan was searched, and that
-    ``best_effort`` searches them."""
+    ``best_effort`` searches them. ``say``: log the decision."""
     config, spec = search.env.config, search.spec
     budget = config.budget
     if (
@@ -291,6 +291,8 @@ def _quick_no(
         or budget >= share * plan.predicted_peak
     ):
         return False
+    if not say:
+        return True
     log.info(
         "F%d: budget %s is under %.0f%% of the peak of %s (%s): no other plan searched",
         spec.index,
@@ -300,6 +302,32 @@ def _quick_no(
         format_bytes(plan.predicted_peak),
     )
     return True
+
+
+def _planned_no(
+    search: FragmentSearch,
+    cand: Candidate,
+    blocked: fx.GraphModule | None,
+    hosted: Sequence[int],
+) -> Candidate | None:
+    """The quick "no" before any build: the candidate to build without late rewrites for the
+    error (the lower planned peak of ``cand`` and, where its loss heads may still be made by
+    blocks, of the plan with them), when the budget is under ``QUICK_NO_SHARE * (1 -
+    LATE_CUT)`` of both; else ``None``. The plan with the heads by blocks costs a planner call
+    here, where building both took a minute on an unrolled LSTM (rematerialization's trials)."""
+    share = QUICK_NO_SHARE * (1 - LATE_CUT)
+    if not _quick_no(search, cand.plan, share=share, say=False):
+        return None
+    found = cand
+    if blocked is not None and not cand.joint.meta.get("memcompile_linear_ce"):
+        joint = search.fetch(blocked, hosted) if hosted else blocked
+        other = search.plan(joint, host=hosted, reserve=search.prefetch_reserve)
+        if not _quick_no(search, other.plan, share=share, say=False):
+            return None
+        if other.plan.predicted_peak < cand.plan.predicted_peak:
+            found = other
+    _quick_no(search, found.plan, "the smallest plan as planned", share=share)  # (logs it)
+    return found
 
 
 def _aligned(joint: fx.GraphModule, spec: FragmentSpec, env: FragmentEnv) -> bool:
