@@ -1,7 +1,8 @@
 """A fast "no": a budget below every plan's lower bound raises ``MemoryBudgetError`` at once,
 with the bound, before any plan is searched (``pipeline/fragment.py``, ``search.lower_bound``);
-a budget under half the first plan built raises without searching the alternatives (a quick
-"no", ``fragment._quick_no``)."""
+a budget under half the first plan built raises without searching the alternatives, and one
+under a quarter of it as planned before the late rewrites of its graphs (a quick "no",
+``fragment._quick_no``)."""
 
 from __future__ import annotations
 
@@ -98,6 +99,18 @@ def _searches(monkeypatch) -> list[str]:
     return made
 
 
+def _builds(monkeypatch) -> list:
+    """The late rewrites of each plan built: ``None``, tried; ``()``, none."""
+    builds, build = [], search.FragmentSearch.build
+
+    def built(self, cand, *, late=None):
+        builds.append(late)
+        return build(self, cand, late=late)
+
+    monkeypatch.setattr(search.FragmentSearch, "build", built)
+    return builds
+
+
 def test_a_budget_far_under_the_first_plan_is_told_without_the_alternatives(monkeypatch):
     # Tiny GPT at 130 kB: over the bound (its 64 KiB head read whole, the batch), over a quarter
     # of the first plan as planned (386 KiB), under half of it built (300 KiB, and so with its
@@ -140,13 +153,7 @@ def test_a_budget_far_under_the_first_plan_as_planned_is_told_before_its_late_re
     # as planned: its graphs are built only without the late rewrites (in place, row tiling,
     # rematerialization), and no other plan is searched.
     made = _searches(monkeypatch)
-    builds, build = [], search.FragmentSearch.build
-
-    def built(self, cand, *, late=None):
-        builds.append(late)
-        return build(self, cand, late=late)
-
-    monkeypatch.setattr(search.FragmentSearch, "build", built)
+    builds = _builds(monkeypatch)
     torch._dynamo.reset()
     torch.manual_seed(0)
     layers = [torch.nn.Linear(8, 128)]
@@ -168,13 +175,7 @@ def test_the_quick_no_before_the_late_rewrites_weighs_the_loss_heads_by_blocks_t
     # Tiny GPT at 80 kB: under a quarter of the first plan as planned (386 KiB) and of the plan
     # with its loss heads by blocks (412 KiB): planned, not built with the late rewrites.
     made = _searches(monkeypatch)
-    builds, build = [], search.FragmentSearch.build
-
-    def built(self, cand, *, late=None):
-        builds.append(late)
-        return build(self, cand, late=late)
-
-    monkeypatch.setattr(search.FragmentSearch, "build", built)
+    builds = _builds(monkeypatch)
     err = _error(zoo.build("gpt", size="tiny"), 80_000)
     assert builds == [()] and made == [], (builds, made)
     assert "that is the first plan's peak as planned" in str(err)
