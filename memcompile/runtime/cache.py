@@ -368,34 +368,22 @@ class PrefetchCache:
         ]
         nbytes = [t.untyped_storage().nbytes() for t in srcs]
         total = sum(nbytes)
-        single = len(srcs) == 1
         done: torch.cuda.Event | CopyJob | None = None
         cuda = dsts[0].device.type == "cuda"
         if cuda and self.asynchronous and all(t.is_pinned() for t in srcs):
             compute = torch.cuda.current_stream(dsts[0].device)
             side = side_stream(self._side, dsts[0].device)
             side.wait_stream(compute)  # the copies' blocks may have been freed by queued work
-            with torch.cuda.stream(side), torch.no_grad():
-                if single:
-                    dsts[0].copy_(srcs[0], non_blocking=True)
-                else:
-                    torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            with torch.cuda.stream(side):
+                copy_engine.copy_all(dsts, srcs, non_blocking=True)
             done = self._event()
             done.record(side)
             for d in dsts:  # freed unused while the copy runs: not reused before it ends
                 d.record_stream(side)
         elif not cuda and self.asynchronous and copy_engine.worth(total):
-            # The CPU's copy engine (copy_engine.py)
-            if single:
-                done = copy_engine.submit(dsts[0], srcs[0])
-            else:
-                done = copy_engine.submit_many(dsts, srcs)
+            done = copy_engine.submit_many(dsts, srcs)  # the CPU's copy engine (copy_engine.py)
         else:
-            with torch.no_grad():
-                if single:
-                    dsts[0].copy_(srcs[0])
-                else:
-                    torch._foreach_copy_(dsts, srcs)
+            copy_engine.copy_all(dsts, srcs)
         ready = -math.inf
         if issue_s is not None and self.copy_seconds is not None:
             ready = self._copy_free_s = max(issue_s, self._copy_free_s) + self.copy_seconds(total)

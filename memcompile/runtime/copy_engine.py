@@ -66,6 +66,7 @@ __all__ = [
     "MIN_BYTES",
     "CopyJob",
     "active",
+    "copy_all",
     "running",
     "shutdown",
     "submit",
@@ -100,35 +101,37 @@ def _from_env(value: str | None) -> bool:
 _enabled = _from_env(os.environ.get("MEMCOMPILE_COPY_THREAD"))
 
 
+def copy_all(
+    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *, non_blocking: bool = False
+) -> None:
+    """``dsts[i].copy_(srcs[i])`` for each, in one call: ``copy_`` for one tensor,
+    ``torch._foreach_copy_`` for more (a block's copies, ``cache.py``); under ``no_grad``, so a
+    copy from a parameter that requires grad is not an autograd result."""
+    with torch.no_grad():
+        if len(dsts) == 1:
+            dsts[0].copy_(srcs[0], non_blocking=non_blocking)
+        else:
+            torch._foreach_copy_(list(dsts), list(srcs), non_blocking=non_blocking)
+
+
 class CopyJob:
-    """One copy issued to the thread (of one tensor, or of a list with one call): :meth:`wait`
+    """One copy call issued to the thread (:func:`copy_all`: one tensor, or a list): :meth:`wait`
     blocks until it is done and raises its error, if it had one (once per waiter)."""
 
     __slots__ = ("_done", "_dst", "_error", "_src")
 
-    def __init__(
-        self,
-        dst: torch.Tensor | Sequence[torch.Tensor],
-        src: torch.Tensor | Sequence[torch.Tensor],
-    ) -> None:
-        self._dst: torch.Tensor | Sequence[torch.Tensor] | None = dst
-        self._src: torch.Tensor | Sequence[torch.Tensor] | None = src
+    def __init__(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+        self._dst: Sequence[torch.Tensor] | None = dsts
+        self._src: Sequence[torch.Tensor] | None = srcs
         self._error: BaseException | None = None
         self._done = threading.Event()
 
     def _run(self) -> None:
-        dst, src = self._dst, self._src
+        dsts, srcs = self._dst, self._src
         try:
-            assert dst is not None and src is not None
-            # Grad mode is per thread: this one's is on, and a copy from a parameter that
-            # requires grad would make ``dst`` an autograd result.
-            with torch.no_grad():
-                if isinstance(dst, torch.Tensor):
-                    assert isinstance(src, torch.Tensor)
-                    dst.copy_(src)
-                else:
-                    assert not isinstance(src, torch.Tensor)
-                    torch._foreach_copy_(list(dst), list(src))
+            assert dsts is not None and srcs is not None
+            # (Grad mode is per thread: this one's is on; copy_all turns it off.)
+            copy_all(dsts, srcs)
         except BaseException as e:  # handed to the waiter
             self._error = e
         finally:
@@ -223,7 +226,7 @@ def worth(nbytes: int) -> bool:
 def submit(dst: torch.Tensor, src: torch.Tensor) -> CopyJob:
     """Issue ``dst.copy_(src)`` on the copy thread; wait on the returned job before reading
     ``dst``. Both stay referenced until the copy is done."""
-    job = CopyJob(dst, src)
+    job = CopyJob([dst], [src])
     _engine.submit(job)
     return job
 
@@ -231,7 +234,7 @@ def submit(dst: torch.Tensor, src: torch.Tensor) -> CopyJob:
 def submit_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> CopyJob:
     """:func:`submit` for a list: ``torch._foreach_copy_(dsts, srcs)`` on the copy thread, one
     job (a block's prefetch, ``cache.py``)."""
-    job = CopyJob(list(dsts), list(srcs))
+    job = CopyJob(dsts, srcs)
     _engine.submit(job)
     return job
 
