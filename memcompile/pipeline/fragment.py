@@ -27,9 +27,10 @@ reloads hoisted where their copies hide).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -149,7 +150,13 @@ def _searched(
     cand = _with_dropouts(search, cand)  # 6
     cand, hosted, host_peak = _with_host_params(search, cand, blocked, aligned)  # 7
     cand = _cut_reserve(search, cand, hosted)  # 8
-    planned = _planned_no(search, cand, blocked, hosted)
+    # The joint graph with the loss heads by blocks and this plan's parameters fetched, made
+    # once when first asked (the quick no plans it, the alternatives build it); None: no heads
+    # are left to make by blocks.
+    heads: Callable[[], fx.GraphModule] | None = None
+    if blocked is not None and not cand.joint.meta.get("memcompile_linear_ce"):
+        heads = functools.cache(lambda: search.fetch(blocked, hosted) if hosted else blocked)
+    planned = _planned_no(search, cand, heads, hosted)
     if planned is not None:
         # (Built only for the error's sake: the late rewrites are what costs.)
         built = search.build(planned, late=())
@@ -159,7 +166,7 @@ def _searched(
     built = search.build(cand)  # 9: changes nothing outside the graphs
     quick = False
     if not built.plan.feasible and spec.replan_resident is None:  # 10
-        built, quick = _alternatives(search, built, blocked, hosted)
+        built, quick = _alternatives(search, built, heads, hosted)
     decided = _decided(built, search, hosted, placed, host_peak)
     return dataclasses.replace(decided, quick_no="built" if quick else "")
 
@@ -307,21 +314,21 @@ def _quick_no(
 def _planned_no(
     search: FragmentSearch,
     cand: Candidate,
-    blocked: fx.GraphModule | None,
+    heads: Callable[[], fx.GraphModule] | None,
     hosted: Sequence[int],
 ) -> Candidate | None:
     """The quick "no" before any build: the candidate to build without late rewrites for the
     error (the lower planned peak of ``cand`` and, where its loss heads may still be made by
-    blocks, of the plan with them), when the budget is under ``QUICK_NO_SHARE * (1 -
-    LATE_CUT)`` of both; else ``None``. The plan with the heads by blocks costs a planner call
-    here, where building both took a minute on an unrolled LSTM (rematerialization's trials)."""
+    blocks, of the plan of ``heads()``, the joint graph with them), when the budget is under
+    ``QUICK_NO_SHARE * (1 - LATE_CUT)`` of both; else ``None``. The plan with the heads by
+    blocks costs a planner call here, where building both took a minute on an unrolled LSTM
+    (rematerialization's trials)."""
     share = QUICK_NO_SHARE * (1 - LATE_CUT)
     if not _quick_no(search, cand.plan, share=share, say=False):
         return None
     found = cand
-    if blocked is not None and not cand.joint.meta.get("memcompile_linear_ce"):
-        joint = search.fetch(blocked, hosted) if hosted else blocked
-        other = search.plan(joint, host=hosted, reserve=search.prefetch_reserve)
+    if heads is not None:
+        other = search.plan(heads(), host=hosted, reserve=search.prefetch_reserve)
         if not _quick_no(search, other.plan, share=share, say=False):
             return None
         if other.plan.predicted_peak < cand.plan.predicted_peak:
@@ -511,7 +518,10 @@ def _cut_reserve(search: FragmentSearch, cand: Candidate, hosted: Sequence[int])
 
 
 def _alternatives(
-    search: FragmentSearch, built: Built, blocked: fx.GraphModule | None, hosted: Sequence[int]
+    search: FragmentSearch,
+    built: Built,
+    heads: Callable[[], fx.GraphModule] | None,
+    hosted: Sequence[int],
 ) -> tuple[Built, bool]:
     """The rewrites of a plan over its target (in place, blocks of rows, reloads by rows) act
     on what the plan recomputes and what it swaps differently, which the planner does not
@@ -521,26 +531,25 @@ def _alternatives(
     GPT, parameters on the host: 22.9 MiB planned either way, 20.05 MiB built, 16 MiB of it
     the head).
 
+    ``heads``: the joint graph with the loss heads by blocks (``None``: none left to make).
     Under a quick "no" (:func:`_quick_no`: the budget is far under the plan) only the heads by
     blocks are built, which can take a third off; not the alternatives. Returns the plan
     chosen and whether it was a quick "no"."""
-    heads = blocked is not None and not built.joint.meta.get("memcompile_linear_ce")
 
     def with_heads() -> Built:
-        assert blocked is not None
-        joint = search.fetch(blocked, hosted) if hosted else blocked
-        return search.build_blocks(joint, hosted, built.plan)
+        assert heads is not None
+        return search.build_blocks(heads(), hosted, built.plan)
 
     by_blocks: Built | None = None
     if _quick_no(search, built.plan):
-        if not heads:
+        if heads is None:
             return built, True
         by_blocks = with_heads()
         if _quick_no(search, by_blocks.plan, "the plan with its loss heads by blocks"):
             return choose([built, by_blocks]), True
         # Within reach of the budget with the heads by blocks: the whole search after all.
     tried = search.with_alternatives(hosted, built)
-    if not any(t.plan.feasible for t in tried) and heads:
+    if not any(t.plan.feasible for t in tried) and heads is not None:
         tried += search.with_alternatives(hosted, by_blocks or with_heads())
     return choose(tried), False
 
