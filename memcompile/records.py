@@ -119,6 +119,9 @@ class FragmentRecord:
     #: Why the inner compiler's code was not measured at compile time
     #: (``backends/inner_peak.py``; ``""``: measured, or the eager inner compiler).
     inner_unmeasured: str = ""
+    #: Why it runs on eager kernels where ``inner="auto"`` chose Inductor (``""``: it does
+    #: not): Inductor failed on it, or no plan of Inductor's fit the budget.
+    inner_fallback: str = ""
 
     @property
     def name(self) -> str:

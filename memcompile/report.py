@@ -77,6 +77,8 @@ class FragmentReport:
     inner_unmeasured: str = ""
     #: The inner compiler its graphs ran on (``inner="auto"`` resolved for its device).
     inner: str = "eager"
+    #: Why it ran on eager kernels where ``inner="auto"`` chose Inductor (``""``: it did not).
+    inner_fallback: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -98,6 +100,7 @@ class FragmentReport:
             "inner_adjust": list(self.profile.inner_adjust) if self.profile is not None else None,
             "inner_unmeasured": self.inner_unmeasured,
             "inner": self.inner,
+            "inner_fallback": self.inner_fallback,
         }
 
 
@@ -572,7 +575,11 @@ def _inner_lines(fragments: Sequence[FragmentReport]) -> list[str]:
         else:
             fw, bw = f.profile.inner_adjust
             measured.append(f"{f.name} (forward {_signed(fw)}, backward {_signed(bw)})")
-    lines = []
+    lines = [
+        f"  eager kernels instead of Inductor (inner='auto'): {f.name} ({f.inner_fallback})"
+        for f in fragments
+        if f.inner_fallback
+    ]
     if measured:
         lines.append(
             f"  {inner}'s code, measured at compile time beside the graphs' profile: "
@@ -619,6 +626,7 @@ def build_report(compiler: MemCompiler, model: torch.nn.Module | None = None) ->
             plan=r.plan,
             plan_cached=r.plan_cached,
             inner_unmeasured=r.inner_unmeasured,
+            inner_fallback=r.inner_fallback,
             inner=r.inner,
         )
         for r in records

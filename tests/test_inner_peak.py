@@ -21,6 +21,7 @@ from memcompile.backends import inner as inner_mod
 from memcompile.backends.inner_peak import InnerPeaks, measure_inner
 from memcompile.config import resolve_inner
 from memcompile.report import find_compiler
+from memcompile.runtime.store import is_host_placed
 
 
 def _workload() -> Any:
@@ -287,6 +288,93 @@ def test_auto_runs_eager_kernels_with_a_warning_where_inductor_fails(
     strict = memcompile.compile(wl.model, budget=budget, inner="inductor")
     with pytest.raises(Exception, match="no compiler here"):
         wl.loss(strict, 0).backward()
+
+
+def _auto_is_inductor(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """As on a CUDA device: ``inner="auto"`` picks Inductor. Returns the inner compiler each
+    joint graph was traced for (its decompositions), in order."""
+    monkeypatch.setattr(
+        fragment_build, "resolve_inner", lambda inner, device: inner.replace("auto", "inductor")
+    )
+    traced: list[str] = []
+
+    def decompositions(inner: str) -> Any:
+        traced.append(inner)
+        return inner_mod.decompositions(inner)
+
+    monkeypatch.setattr(fragment_build, "decompositions", decompositions)
+    return traced
+
+
+@pytest.mark.usefixtures("eager_kernels")
+def test_auto_plans_for_eager_kernels_where_no_plan_of_inductors_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    traced = _auto_is_inductor(monkeypatch)
+    wl, ref = _workload(), _workload()
+    peak, resident = _eager_step_peak(wl)
+    budget = int(resident + 0.5 * (peak - resident))
+    # Inductor's code is measured 64 MiB over every plan of its graphs.
+    made = _synthetic(monkeypatch, 64 * 2**20)
+    compiled = memcompile.compile(wl.model, budget=budget)
+    with pytest.warns(
+        memcompile.InnerCompilerWarning,
+        match=r"F0: no plan of Inductor's fits budget=.*; inner='auto' plans and runs it on "
+        "eager kernels instead",
+    ):
+        losses = wl.train(compiled, 2)
+    assert traced == ["inductor", "eager"]  # traced again, with eager's decompositions
+    assert len(made) >= 1
+    # Eager kernels on graphs traced for them: bit-identical to eager, within the budget.
+    assert losses == ref.train(ref.model, 2)
+    for a, b in zip(wl.model.parameters(), ref.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    rep = memcompile.report(compiled)
+    (f,) = rep.fragments
+    assert f.inner == "eager" and rep.exact
+    assert f.inner_fallback.startswith("no plan of Inductor's fits budget=")
+    assert rep.predicted_peak is not None and rep.predicted_peak <= budget
+    assert "eager kernels instead of Inductor (inner='auto'): F0 (no plan of" in str(rep)
+
+
+@pytest.mark.usefixtures("eager_kernels")
+def test_inductor_asked_for_raises_where_its_plans_do_not_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    traced = _auto_is_inductor(monkeypatch)
+    wl = _workload()
+    peak, resident = _eager_step_peak(wl)
+    _synthetic(monkeypatch, 64 * 2**20)
+    compiled = memcompile.compile(
+        wl.model, budget=int(resident + 0.5 * (peak - resident)), inner="inductor"
+    )
+    with pytest.raises(memcompile.MemoryBudgetError, match="inductor's code, measured"):
+        wl.loss(compiled, 0).backward()
+    assert traced == ["inductor"]
+
+
+@pytest.mark.usefixtures("eager_kernels")
+def test_where_eager_kernels_do_not_fit_either_the_error_says_inductor_was_tried(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    traced = _auto_is_inductor(monkeypatch)
+    wl = _workload()
+    peak, resident = _eager_step_peak(wl)
+    _synthetic(monkeypatch, 64 * 2**20)
+    # Under every plan's floor, but not so far under that the search stops at its first plan.
+    compiled = memcompile.compile(wl.model, budget=int(resident + 0.05 * (peak - resident)))
+    with (
+        pytest.warns(memcompile.InnerCompilerWarning, match="no plan of Inductor's fits"),
+        pytest.raises(memcompile.MemoryBudgetError) as err,
+    ):
+        wl.loss(compiled, 0).backward()
+    assert traced == ["inductor", "eager"]
+    assert "that is the smallest plan for eager kernels: inner='auto' planned for them " in str(
+        err.value
+    )
+    assert "because no plan of Inductor's fits budget=" in str(err.value)
+    # Nothing applied: the parameters are where they were.
+    assert not any(is_host_placed(p) or p.grad is not None for p in wl.model.parameters())
 
 
 @pytest.mark.slow

@@ -63,6 +63,7 @@ def infeasible(
     untaken: int,
     inner_over: tuple[str, int] | None = None,
     quick_no: str = "",
+    inner_fallback: str = "",
 ) -> None:
     """No plan fits: raise MemoryBudgetError, or warn (``on_infeasible="best_effort"``); a
     re-plan only logs it (the next step's prediction tells whether the step fits).
@@ -75,7 +76,9 @@ def infeasible(
     buffers no fragment reads; ``inner_over``: the inner compiler and the bytes its code was
     measured to need past the budget with the smallest plan found; ``quick_no``: no other
     plan was searched (pipeline/fragment.py's quick no: ``"built"``, the plan is the first
-    one built; ``"planned"``, as planned, before the rewrites of its built graphs)."""
+    one built; ``"planned"``, as planned, before the rewrites of its built graphs);
+    ``inner_fallback``: why ``inner="auto"`` planned it for eager kernels instead of
+    Inductor."""
     budget = config.budget
     assert budget is not None
     tips = []
@@ -98,6 +101,11 @@ def infeasible(
             f"{inner}'s code, measured at compile time, peaks {format_bytes(over)} above the "
             "budget with the smallest plan found (the eager model of the graphs fits it: "
             "inner='eager' runs them as planned)"
+        )
+    if inner_fallback:
+        tips.append(
+            "that is the smallest plan for eager kernels: inner='auto' planned for them "
+            f"because {inner_fallback}"
         )
     tips += _resident_tips(config, spec, plan, hosted=hosted, host_peak=host_peak, sharded=sharded)
     tips += _others_tips(device_other, untaken)

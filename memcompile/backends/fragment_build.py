@@ -6,7 +6,8 @@ compilers, sharing the fragment's state (the backward compiles lazily, at the fi
                    is registered, parameters move to the host tier
                    (with inner="inductor": the pair compiled and run once, what Inductor's code
                    peaks beside the eager run measured, the plan made again while that puts it
-                   over the budget: inner_peak.py)
+                   over the budget: inner_peak.py; inner="auto" with no plan of Inductor's
+                   within it: the fragment traced and planned again for eager kernels)
     fw compiler    where the pilot predicts (pipeline/finish.py), the exact profile of the
                    forward and backward (with Inductor's measured difference), reloads
                    hoisted, the budget checked, the inner compiler
@@ -59,6 +60,17 @@ from memcompile.runtime.store import is_host_placed
 __all__ = ["FragmentBuild", "device_of"]
 
 log = logging.getLogger(__name__)
+
+
+class _EagerRetry(Exception):
+    """The partitioner's word to :meth:`FragmentBuild.compile`: trace the fragment again for
+    eager kernels (``FragmentBuild._eager_may_fit``); ``smallest``: the peak of Inductor's
+    smallest plan, bytes."""
+
+    def __init__(self, smallest: int) -> None:
+        super().__init__(f"no plan of Inductor's fits (smallest {smallest} bytes)")
+        self.smallest = smallest
+
 
 #: Profiles kept per fragment for the sizes its calls had (dynamic shapes).
 MAX_SIZE_PROFILES = 256
@@ -182,6 +194,9 @@ class FragmentBuild:
         #: Bytes the inner compiler's code was measured to need past the budget with the
         #: smallest plan found (the plan is then infeasible), else 0.
         self.inner_over = 0
+        #: Why the fragment runs on eager kernels where ``inner="auto"`` chose Inductor
+        #: (``""``: it does not).
+        self.inner_fallback = ""
 
     def spec(self) -> FragmentSpec:
         """This fragment as the pipeline plans it."""
@@ -198,6 +213,7 @@ class FragmentBuild:
             host_replan=self.host_replan,
             code=self.code,
             inner_excess=self.inner_excess,
+            inner=self.inner,
         )
 
     # -- compiling ---------------------------------------------------------------------------
@@ -213,14 +229,11 @@ class FragmentBuild:
             n.op in ("call_function", "call_method", "call_module") for n in gm.graph.nodes
         )
         if has_ops:
-            compiled = aot_autograd(
-                fw_compiler=self.forward_compiler,
-                bw_compiler=self.backward_compiler,
-                inference_compiler=self.inference_compiler,
-                partition_fn=self.partition,
-                decompositions=decompositions(self.inner),
-                keep_inference_input_mutations=True,
-            )(gm, example_inputs)
+            try:
+                compiled = self._aot(gm, example_inputs)
+            except _EagerRetry as retry:
+                self._eager_to_fit(retry.smallest)
+                compiled = self._aot(gm, example_inputs)
         else:
             # Nothing to plan or run through AOTAutograd (an empty resume graph).
             compiled = wrap_plain(self.env.monitor, self, gm)
@@ -247,6 +260,7 @@ class FragmentBuild:
             hostable=frozenset(storage_sizes(t for t in statics if may_host(t))),
             plan_cached=self.plan_cached,
             inner_unmeasured=self.inner_unmeasured,
+            inner_fallback=self.inner_fallback,
         )
         return compiled, record
 
@@ -293,6 +307,8 @@ class FragmentBuild:
                     device_other=resident.device_other_bytes,
                     untaken=resident.untaken_bytes(self.example_inputs),
                 )
+            if self._eager_may_fit(spec, decided):
+                raise _EagerRetry(decided.plan.predicted_peak)
             self._apply(spec, decided)
             fw, bw = decided.fw, decided.bw
         self.bw_gm = bw
@@ -442,6 +458,7 @@ class FragmentBuild:
                 untaken=resident.untaken_bytes(self.example_inputs),
                 inner_over=(self.inner, self.inner_over) if self.inner_over else None,
                 quick_no=decided.quick_no,
+                inner_fallback=self.inner_fallback,
             )
         self.hosted_inputs = decided.hosted + decided.placed
         env.budget.compiled(self.index, None, reserve=self.prefetch_reserve)
@@ -553,11 +570,63 @@ class FragmentBuild:
                 self._eager_instead(e)
         return compile_inner(self.inner, gm, example_inputs, role=role, static_input_indices=static)
 
+    def _aot(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        """``gm`` through AOTAutograd with this build's partitioner and compilers."""
+        return aot_autograd(
+            fw_compiler=self.forward_compiler,
+            bw_compiler=self.backward_compiler,
+            inference_compiler=self.inference_compiler,
+            partition_fn=self.partition,
+            decompositions=decompositions(self.inner),
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
+
+    def _eager_may_fit(self, spec: FragmentSpec, decided: Decided) -> bool:
+        """``inner="auto"`` chose Inductor, and no plan of its graphs fits the budget: eager
+        kernels may (their graphs keep eager's decompositions and get the rewrites that rely
+        on eager's kernels: in place, row tiling). Only a fragment's first plan, searched to
+        its end (a quick "no" is far below either)."""
+        config = self.env.pipeline.config
+        return (
+            config.inner == "auto"
+            and self.inner != "eager"
+            and config.budget is not None
+            and not decided.plan.feasible
+            and not decided.quick_no
+            and spec.replan_resident is None
+            and not spec.host_replan
+        )
+
+    def _eager_to_fit(self, smallest: int) -> None:
+        """``inner="auto"``: no plan of Inductor's fits this fragment's budget (its smallest
+        peaks at ``smallest``); it is traced, planned and run with eager kernels from now on
+        (exact, at eager's speed). Nothing was applied yet: the partitioner raises before."""
+        budget = self.env.pipeline.config.budget
+        assert budget is not None
+        self.inner_fallback = (
+            f"no plan of Inductor's fits budget={format_bytes(budget)}: its smallest peaks at "
+            f"{format_bytes(smallest)}"
+        )
+        self.inner = "eager"
+        self.inner_peaks = None
+        self.inner_unmeasured = ""
+        self.inner_excess = self.inner_over = 0
+        self.plan_cached = None
+        warnings.warn(
+            f"memcompile: F{self.index}: {self.inner_fallback}; inner='auto' plans and runs it "
+            "on eager kernels instead, whose plans reach further (eager's decompositions, "
+            "elementwise ops in place, row tiling; exact, but slower than Inductor's code; "
+            "inner='inductor' raises instead)",
+            InnerCompilerWarning,
+            stacklevel=2,
+        )
+
     def _eager_instead(self, error: Exception) -> None:
         """``inner="auto"``: Inductor failed on this fragment; its graphs run on eager kernels
         from now on (correct, at eager's speed; the graphs keep Inductor's decompositions)."""
         self.inner = "eager"
         self.inner_peaks = None
+        self.inner_fallback = f"Inductor failed ({type(error).__name__})"
         warnings.warn(
             f"memcompile: Inductor failed on F{self.index} ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''}); inner='auto' runs its graphs "

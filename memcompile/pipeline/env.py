@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -47,6 +47,9 @@ class FragmentSpec:
             the graphs' profile of an earlier plan of this fragment that it put over the
             budget (Inductor: ``backends/inner_peak.py``): planned as if that much more were
             resident, as the prefetch reserve is (``plan.resident_bytes`` includes it).
+        inner: the inner compiler its graphs run on (``inner="auto"`` resolved for its
+            device): the rewrites that rely on eager's kernels and order apply only to
+            ``"eager"``.
     """
 
     index: int
@@ -61,6 +64,7 @@ class FragmentSpec:
     host_replan: bool = False
     code: str = ""
     inner_excess: int = 0
+    inner: Literal["eager", "inductor"] = "eager"
 
     @property
     def name(self) -> str:

@@ -218,6 +218,7 @@ def fragment_key(
         "may_host": [resident.may_host(t) for t in spec.example_inputs],
         "alias_sources": sorted(spec.alias_sources.items()),
         "device": str(spec.device),
+        "inner": spec.inner,
         "dropped_outputs": sorted(spec.dropped_outputs),
         "released_tangents": sorted(spec.released_tangents),
         "replan": [

@@ -31,7 +31,6 @@ from torch._functorch import partitioners as P
 from memcompile.analysis.fragment_profile import accumulate_clone_bytes
 from memcompile.analysis.joint_model import JointModel
 from memcompile.analysis.workspace import clone_workspace, probe_workspaces
-from memcompile.config import resolve_inner
 from memcompile.errors import format_bytes
 from memcompile.pipeline import built as built_rewrites
 from memcompile.pipeline import features, stage
@@ -163,11 +162,9 @@ class FragmentSearch:
 
     @property
     def eager_kernels(self) -> bool:
-        """The fragment's graphs run on the eager inner compiler (``inner="auto"`` resolved for
-        its device): the rewrites that rely on eager's kernels and order apply."""
-        device = self.spec.device
-        inner = self.env.config.inner
-        return resolve_inner(inner, device.type if device is not None else None) == "eager"
+        """The fragment's graphs run on the eager inner compiler (``spec.inner``): the rewrites
+        that rely on eager's kernels and order apply."""
+        return self.spec.inner == "eager"
 
     def reserve(self, host: Sequence[int]) -> int:
         """The prefetch cache's share of the budget if this fragment fetches the inputs at
