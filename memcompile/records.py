@@ -122,6 +122,10 @@ class FragmentRecord:
     #: Why it runs on eager kernels where ``inner="auto"`` chose Inductor (``""``: it does
     #: not): Inductor failed on it, or no plan of Inductor's fit the budget.
     inner_fallback: str = ""
+    #: No plan of it fit, by no more than the rest of the step may still give way: it was
+    #: not reported as infeasible (no error, no warning); the step's check decides
+    #: (``FragmentBuild._step_decides``).
+    step_decides: bool = False
 
     @property
     def name(self) -> str:

@@ -197,6 +197,8 @@ class FragmentBuild:
         #: Why the fragment runs on eager kernels where ``inner="auto"`` chose Inductor
         #: (``""``: it does not).
         self.inner_fallback = ""
+        #: Its plan does not fit, and the step decides (:meth:`_step_decides`).
+        self.step_decides = False
 
     def spec(self) -> FragmentSpec:
         """This fragment as the pipeline plans it."""
@@ -261,6 +263,7 @@ class FragmentBuild:
             plan_cached=self.plan_cached,
             inner_unmeasured=self.inner_unmeasured,
             inner_fallback=self.inner_fallback,
+            step_decides=self.step_decides,
         )
         return compiled, record
 
@@ -307,9 +310,10 @@ class FragmentBuild:
                     device_other=resident.device_other_bytes,
                     untaken=resident.untaken_bytes(self.example_inputs),
                 )
-            if self._eager_may_fit(spec, decided):
+            deferred = self._step_decides(spec, decided)
+            if not deferred and self._eager_may_fit(spec, decided):
                 raise _EagerRetry(decided.plan.predicted_peak)
-            self._apply(spec, decided)
+            self._apply(spec, decided, deferred=deferred)
             fw, bw = decided.fw, decided.bw
         self.bw_gm = bw
         return fw, bw
@@ -437,14 +441,48 @@ class FragmentBuild:
             early_reloads(bw, decided.plan, profile, cost, spec)
         return bw
 
-    def _apply(self, spec: FragmentSpec, decided: Decided) -> None:
+    def _step_decides(self, spec: FragmentSpec, decided: Decided) -> bool:
+        """No plan of this fragment fits, but it misses the budget by no more than the rest
+        of the step may still give way (``ResidentSet.movable_bytes``: the other fragments'
+        saved sets, counted at their most, parameters the host tier may take, the loop's
+        optimizer state): then the step decides, not the fragment. Its smallest plan runs, the
+        step's check re-plans the step as a whole (planning/replan.py) and warns if that does
+        not fit (``advice.step_over``). A naturally written MoE whose head compiled last
+        missed half the unplanned iteration's peak by its bound, 21.33 against 15.69 MiB;
+        re-planned as a step it measured 11.81 MiB."""
+        config = self.env.pipeline.config
+        plan = decided.plan
+        if (
+            config.budget is None
+            or plan.feasible
+            or decided.quick_no
+            or spec.replan_resident is not None
+            or spec.host_replan
+        ):
+            return False
+        movable = self.env.pipeline.resident.movable_bytes(spec, host=decided.hosted)
+        if plan.predicted_peak - movable > config.budget:
+            return False
+        log.info(
+            "F%d: its smallest plan peaks at %s, over budget=%s by no more than the rest of the "
+            "step may give way (%s): running it; the step's check plans the step as a whole",
+            self.index,
+            format_bytes(plan.predicted_peak),
+            format_bytes(config.budget),
+            format_bytes(movable),
+        )
+        return True
+
+    def _apply(self, spec: FragmentSpec, decided: Decided, *, deferred: bool = False) -> None:
         """What the pipeline decided, applied: only now, so an infeasible plan raises with the
-        parameters untouched."""
+        parameters untouched (``deferred``: it does not fit only by what the rest of the step
+        holds now; the step decides: :meth:`_step_decides`)."""
         env, plan = self.env, decided.plan
         resident, config = env.pipeline.resident, env.pipeline.config
         self.prefetch_reserve = decided.prefetch_reserve
         self.plan_cached = decided.cached
-        if not plan.feasible:
+        self.step_decides = deferred
+        if not plan.feasible and not deferred:
             advice.infeasible(
                 config,
                 spec,

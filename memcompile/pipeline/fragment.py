@@ -265,6 +265,18 @@ def _fast_no(search: FragmentSearch, placed: Sequence[int], aligned: bool) -> No
     hostable = aligned and config.offload_params is not False
     bound, resident, largest = search.lower_bound(placed, hostable=hostable)
     if budget < bound:
+        movable = search.movable(search.host_candidates() if hostable else [])
+        if budget + movable >= bound:
+            # Counted with the rest of the step as it is now: the step's re-planning decides.
+            log.info(
+                "F%d: budget %d is below every plan's peak (%d) by no more than the rest of "
+                "the step may give way (%d): searching",
+                spec.index,
+                budget,
+                bound,
+                movable,
+            )
+            return
         log.info(
             "F%d: budget %d is below every plan's peak (%d): no search", spec.index, budget, bound
         )
@@ -274,6 +286,7 @@ def _fast_no(search: FragmentSearch, placed: Sequence[int], aligned: bool) -> No
 def _quick_no(
     search: FragmentSearch,
     plan: FragmentPlan,
+    hosted: Sequence[int],
     what: str = "the first plan",
     *,
     share: float = QUICK_NO_SHARE,
@@ -285,7 +298,9 @@ def _quick_no(
     plan, when the budget is under ``share`` of the plan's peak. The alternatives build up to
     eleven more plans (a second or more each on a graph of a few hundred nodes) for a peak
     lower by a third at most; the error then says that no other plan was searched, and that
-    ``best_effort`` searches them. ``say``: log the decision."""
+    ``best_effort`` searches them. What the rest of the step may still give way
+    (``search.movable``, with the parameters at ``hosted`` on the host) counts as budget here:
+    the step's re-planning decides what it holds. ``say``: log the decision."""
     config, spec = search.env.config, search.spec
     budget = config.budget
     if (
@@ -296,6 +311,7 @@ def _quick_no(
         or spec.replan_resident is not None
         or spec.host_replan
         or budget >= share * plan.predicted_peak
+        or budget + search.movable(hosted) >= share * plan.predicted_peak
     ):
         return False
     if not say:
@@ -324,16 +340,16 @@ def _planned_no(
     blocks costs a planner call here, where building both took a minute on an unrolled LSTM
     (rematerialization's trials)."""
     share = QUICK_NO_SHARE * (1 - LATE_CUT)
-    if not _quick_no(search, cand.plan, share=share, say=False):
+    if not _quick_no(search, cand.plan, hosted, share=share, say=False):
         return None
     found = cand
     if heads is not None:
         other = search.plan(heads(), host=hosted, reserve=search.prefetch_reserve)
-        if not _quick_no(search, other.plan, share=share, say=False):
+        if not _quick_no(search, other.plan, hosted, share=share, say=False):
             return None
         if other.plan.predicted_peak < cand.plan.predicted_peak:
             found = other
-    _quick_no(search, found.plan, "the smallest plan as planned", share=share)  # (logs it)
+    _quick_no(search, found.plan, hosted, "the smallest plan as planned", share=share)  # (logs)
     return found
 
 
@@ -541,11 +557,11 @@ def _alternatives(
         return search.build_blocks(heads(), hosted, built.plan)
 
     by_blocks: Built | None = None
-    if _quick_no(search, built.plan):
+    if _quick_no(search, built.plan, hosted):
         if heads is None:
             return built, True
         by_blocks = with_heads()
-        if _quick_no(search, by_blocks.plan, "the plan with its loss heads by blocks"):
+        if _quick_no(search, by_blocks.plan, hosted, "the plan with its loss heads by blocks"):
             return choose([built, by_blocks]), True
         # Within reach of the budget with the heads by blocks: the whole search after all.
     tried = search.with_alternatives(hosted, built)

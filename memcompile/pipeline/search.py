@@ -148,6 +148,13 @@ class FragmentSearch:
         largest = max((t.untyped_storage().nbytes() for t in fetched), default=0)
         return resident + largest, resident, largest
 
+    def movable(self, host: Sequence[int] = ()) -> int:
+        """Of the resident bytes a plan with the inputs at ``host`` on the host tier counts,
+        what the step's own re-planning may still take off the device
+        (``ResidentSet.movable_bytes``): a budget missed by no more is not a "no" yet
+        (``fragment.py``'s fast and quick no; the backend's infeasible plan)."""
+        return self.env.resident.movable_bytes(self.spec, host=host)
+
     def fetch(self, joint: fx.GraphModule, primals: Sequence[int]) -> fx.GraphModule:
         """``joint`` reading the inputs at ``primals`` from the host tier (rewrites/params.py)."""
         fetched = param_fetch_pass(

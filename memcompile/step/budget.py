@@ -399,7 +399,10 @@ class StepBudget:
         # that plan counted what the step held then, e.g. parameters other fragments have
         # moved to the host since. Alone, its plan knew the whole step.
         reported = any(
-            r.plan is not None and not r.plan.feasible and i not in self._replanned
+            r.plan is not None
+            and not r.plan.feasible
+            and not r.step_decides  # (left to this check: not reported)
+            and i not in self._replanned
             for i, r in records.items()
             if i in used
         )

@@ -67,6 +67,7 @@ class ResidentSet:
             them).
         loop: the training loop's share of every step (``step/iteration.py``): the optimizers'
             state and the gradients a micro-batch may begin with.
+        loop_parts: that share as (the optimizers' state, the gradients), bytes.
 
     Attributes:
         host_param_bytes: bytes of parameters this compiler moved to the host tier.
@@ -93,9 +94,11 @@ class ResidentSet:
         model: Callable[[], torch.nn.Module | None],
         is_sharded: Callable[[torch.Tensor], bool],
         loop: Callable[[], int] = int,
+        loop_parts: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ) -> None:
         self._config = config
         self._loop = loop
+        self._loop_parts = loop_parts
         self._records = records
         self._model = model
         self._is_sharded = is_sharded
@@ -269,6 +272,40 @@ class ResidentSet:
         known = sum(storages.values())
         device_other = self._device_other(fragment.device, known)
         return known + others + self._loop() + device_other + fragment.inner_excess
+
+    def movable_bytes(self, fragment: Planned, *, host: Sequence[int] = ()) -> int:
+        """Of :meth:`resident_bytes` (with the same ``host``), what the step's own re-planning
+        may still take off the device once the whole step is known (planning/replan.py): what
+        the other fragments save (an upper bound there), the parameters of other fragments
+        that the host tier may take, and the loop's optimizer state and starting gradients
+        where they may move. Not the parameters no fragment reads so far: those of fragments
+        not compiled yet may move, but an eager frame's stay on the device, and which they are
+        is not known yet. A plan that misses the budget by no more than this does so because of the
+        rest of the step as it is counted now: the step decides, not the fragment. 0 for a
+        re-plan (its resident is the step's prediction)."""
+        if fragment.replan_resident is not None:
+            return 0
+        inputs, index = fragment.example_inputs, fragment.index
+        own = set(storage_sizes(t for t in inputs if isinstance(t, torch.Tensor)))
+        hostable = self._config.offload_params is not False
+        movable: dict[int, int] = {}
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        frame = str(compile_id).split("/")[0] if compile_id is not None else None
+        saved = 0
+        for r in self._records():
+            # The same records resident_bytes counts (see there).
+            same_code = bool(fragment.code) and r.code == fragment.code
+            if r.compile_id.split("/")[0] == frame or r.index == index or same_code:
+                continue
+            if hostable and not (host and self.host_step):  # (else not counted there)
+                movable.update((a, n) for a, n in self.static_storages(r) if a in r.hostable)
+            if r.profile is not None and r.profile.training:
+                saved += r.profile.saved_bytes + r.profile.saved_input_bytes
+        state, grads = self._loop_parts()
+        loop = (state if self._config.offload_optimizer is not False else 0) + (
+            grads if hostable else 0
+        )
+        return sum(n for a, n in movable.items() if a not in own) + saved + loop
 
     def _device_other(self, device: torch.device | None, known: int) -> int:
         # The budget is what max_memory_allocated sees, so on CUDA it covers device memory that
