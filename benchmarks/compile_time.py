@@ -173,10 +173,18 @@ def run(
     ``MemoryBudgetError`` ends the run: its time is the first step's, ``error`` its message."""
     import memcompile
     import memcompile.pipeline.search as search
-    from memcompile.pipeline import features
+    from memcompile.pipeline import features, plan_cache
 
     calls: list[dict[str, Any]] = []
     plan_fragment = search.plan_fragment
+    load = plan_cache.load
+    replayed: list[str] = []  # the plan cache's entries found (each replayed, if valid)
+
+    def counted(key: str) -> Any:
+        entry = load(key)
+        if entry is not None:
+            replayed.append(key)
+        return entry
 
     def timed(joint_model: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -197,6 +205,7 @@ def run(
         return plan
 
     search.plan_fragment = timed
+    plan_cache.load = counted
     try:
         with features.patch(plan_cache=cache):
             net, loss = _workload(model, size)
@@ -222,6 +231,7 @@ def run(
             rep = memcompile.report(compiled) if error is None else None
     finally:
         search.plan_fragment = plan_fragment
+        plan_cache.load = load
     return dict(
         model=model,
         size=size,
@@ -230,6 +240,7 @@ def run(
         step_seconds=step_seconds,
         planner_seconds=round(sum(c["seconds"] for c in calls), 1),
         calls=calls,
+        cache_hits=len(replayed),
         error=error,
         predicted_peak=None if rep is None else rep.predicted_peak,
         resident_bytes=None if rep is None else rep.resident_bytes,
@@ -327,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
             budget,
             args.steps,
             options,
-            cache=True,
+            # As the parent set it (_child): a sweep's runs search every plan, whatever the
+            # user's cache directory holds (patched on, they replayed earlier runs' plans).
+            cache=os.environ.get("MEMCOMPILE_PLAN_CACHE", "1") != "0",
             on_infeasible=args.on_infeasible,
         )
         print("RESULT " + json.dumps(result))

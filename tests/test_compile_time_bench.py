@@ -58,6 +58,38 @@ def test_a_tiny_run_times_the_first_step_and_each_plan(tmp_path: Path) -> None:
     assert "first step (compiles)" in text and f"| {len(row['calls'])} |" in text
 
 
+def _child(tmp_path: Path, cache: str) -> dict:
+    """One ``--child`` run (tiny GPT, budget 40 KiB: a plan the search stores) with the plan
+    cache directory ``tmp_path`` and ``MEMCOMPILE_PLAN_CACHE=cache``: its row."""
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--child", "--model=gpt", "--size=tiny", "--budget=40960"],
+        capture_output=True,
+        text=True,
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "MEMCOMPILE_CACHE_DIR": str(tmp_path),
+            "MEMCOMPILE_PLAN_CACHE": cache,
+        },
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def test_a_run_with_the_plan_cache_off_searches_whatever_the_cache_directory_holds(
+    tmp_path: Path,
+) -> None:
+    # A sweep's runs set MEMCOMPILE_PLAN_CACHE=0; the child had switched the cache on again,
+    # so they replayed what earlier runs had stored in the user's cache directory.
+    assert _child(tmp_path, "1")["cache_hits"] == 0  # stores its plan
+    assert list(tmp_path.glob("*.json"))
+    assert _child(tmp_path, "1")["cache_hits"] == 1  # replays it
+    off = _child(tmp_path, "0")
+    assert off["cache_hits"] == 0 and off["calls"]  # searched
+
+
 def test_warm_runs_no_budget_cold_and_warm_and_the_warm_run_does_not_search(
     tmp_path: Path,
 ) -> None:
@@ -81,6 +113,7 @@ def test_a_sweep_times_each_budget_in_a_fresh_process_and_holds_them_to_the_targ
     assert int(half["budget"]) == int(none["resident_bytes"] + 0.5 * acts)
     assert int(infeasible["budget"]) == int(0.05 * none["predicted_peak"])
     assert all(len(r["step_seconds"]) == 3 for r in rows[:3])  # the first three steps
+    assert all(r["cache_hits"] == 0 for r in rows)  # every plan searched
     # No plan fits: the error, after its first step.
     assert infeasible["error"] and len(infeasible["step_seconds"]) == 1
     (line,) = [
