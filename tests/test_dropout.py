@@ -50,11 +50,14 @@ def test_scale_is_unknown_where_identity_is_not_established() -> None:
     assert dropout_scale(1.0, torch.float32, "cuda") is None  # CUDA returns zeros_like
 
 
-def test_pass_rewrites_every_gpt_dropout_and_keeps_the_joint() -> None:
+def test_pass_rewrites_every_gpt_dropout_and_keeps_the_joint(caplog) -> None:
     found = capture_joint("gpt")
     joint = found["joint"]
     before = joint.graph.python_code("self").src
-    out = dropout_pass(joint, PassContext(fragment="F0", graph="joint"))
+    with caplog.at_level("INFO", logger="memcompile.rewrites.dropout"):
+        out = dropout_pass(joint, PassContext(fragment="F0", graph="joint"))
+    assert "F0: 4 of 4 dropouts rewritten as x * mask * scale" in caplog.text
+    assert "(recomputable; 0 masks replayed)" in caplog.text
     assert joint.graph.python_code("self").src == before  # the input graph is not changed
     dropouts = [n for n in out.graph.nodes if n.target is torch.ops.aten.native_dropout.default]
     assert len(dropouts) == 4
@@ -203,11 +206,13 @@ def test_draw_then_replay_is_native_dropouts_mask_and_stream(make) -> None:
         assert torch.equal(torch.get_rng_state(), after)  # the replay put the generator back
 
 
-def test_replay_pass_draws_and_replays_every_cpu_dropout() -> None:
+def test_replay_pass_draws_and_replays_every_cpu_dropout(caplog) -> None:
     from memcompile.rewrites.dropout import MASK_PREFIX, STATE_PREFIX
 
     joint = capture_joint("gpt")["joint"]
-    out = dropout_pass(joint, PassContext(fragment="F0", graph="joint"), replay=True)
+    with caplog.at_level("INFO", logger="memcompile.rewrites.dropout"):
+        out = dropout_pass(joint, PassContext(fragment="F0", graph="joint"), replay=True)
+    assert "F0: 4 of 4 dropouts rewritten" in caplog.text and "4 masks replayed" in caplog.text
     targets = [n.target for n in out.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten.native_dropout.default not in targets
     draws = [n for n in out.graph.nodes if n.name.startswith(STATE_PREFIX)]

@@ -267,12 +267,12 @@ def dropout_pass(gm: fx.GraphModule, ctx: PassContext, *, replay: bool = False) 
         "%s: %d of %d dropouts rewritten as x * mask * scale (recomputable; %d masks replayed)",
         ctx.fragment,
         len(rewrites),
-        len(replays),
         sum(
             1
             for n in gm.graph.nodes
             if n.op == "call_function" and n.target is aten.native_dropout.default
         ),
+        len(replays),
     )
     return out_gm
 
