@@ -354,6 +354,24 @@ def test_inductor_asked_for_raises_where_its_plans_do_not_fit(
 
 
 @pytest.mark.usefixtures("eager_kernels")
+def test_inductors_error_names_the_eager_kernels_plans_where_no_plan_of_its_graphs_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    wl = _workload()
+    peak, resident = _eager_step_peak(wl)
+    _synthetic(monkeypatch, 0)  # Inductor's code measured as the graphs' profile
+    compiled = memcompile.compile(
+        wl.model, budget=int(resident + 0.05 * (peak - resident)), inner="inductor"
+    )
+    with pytest.raises(memcompile.MemoryBudgetError) as err:
+        wl.loss(compiled, 0).backward()
+    assert "the plans were made for Inductor: inner='eager' plans for eager kernels" in str(
+        err.value
+    )
+    assert "inner='auto' tries them where Inductor's plans miss" in str(err.value)
+
+
+@pytest.mark.usefixtures("eager_kernels")
 def test_where_eager_kernels_do_not_fit_either_the_error_says_inductor_was_tried(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -497,6 +497,7 @@ class FragmentBuild:
                 inner_over=(self.inner, self.inner_over) if self.inner_over else None,
                 quick_no=decided.quick_no,
                 inner_fallback=self.inner_fallback,
+                inner=self.inner,
             )
         self.hosted_inputs = decided.hosted + decided.placed
         env.budget.compiled(self.index, None, reserve=self.prefetch_reserve)
