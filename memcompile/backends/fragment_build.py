@@ -444,7 +444,7 @@ class FragmentBuild:
     def _step_decides(self, spec: FragmentSpec, decided: Decided) -> bool:
         """No plan of this fragment fits, but it misses the budget by no more than the rest
         of the step may still give way (``ResidentSet.movable_bytes``: the other fragments'
-        saved sets, counted at their most, parameters the host tier may take, the loop's
+        saved sets, counted at their most, their parameters the host tier may take, the loop's
         optimizer state): then the step decides, not the fragment. Its smallest plan runs, the
         step's check re-plans the step as a whole (planning/replan.py) and warns if that does
         not fit (``advice.step_over``). A naturally written MoE whose head compiled last

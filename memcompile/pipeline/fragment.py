@@ -7,7 +7,8 @@ and their plan. It changes nothing outside the graphs; the backend then applies 
 
     1  in place         loss heads, dying gradients' elementwise ops  rewrites/losshead, inplace
     2  aligned?         may this fragment's parameters move to the host
-       fast no          a budget below every plan's lower bound: BelowBound, at once
+       fast no          a budget below every plan's lower bound: BelowBound, at once (less
+                        what the rest of the step may give way: search.movable)
        cached plan      what an earlier run's search decided: replayed, 3 to 10 skipped  plan_cache
     3  fetch placed     parameters an earlier fragment put on the host    rewrites/params
     4  plan             the planner, for budget - resident                planning/planner

@@ -233,11 +233,7 @@ class ResidentSet:
         less the inputs at ``host`` that would leave the device now. Either way the bytes its
         inner compiler's code was measured to need beyond an earlier plan
         (``fragment.inner_excess``) count as resident too."""
-        inputs, index, replan_resident = (
-            fragment.example_inputs,
-            fragment.index,
-            fragment.replan_resident,
-        )
+        inputs, replan_resident = fragment.example_inputs, fragment.replan_resident
         skip = set(host)
         if replan_resident is not None:
             moved = storage_sizes(inputs[i] for i in skip)
@@ -248,21 +244,8 @@ class ResidentSet:
         # tier as this one does (the step's check re-plans if they do not).
         hosted = {id(t) for i, t in enumerate(inputs) if i in skip}
         storages.update(storage_sizes(self._untaken_resident(hosted, bool(skip))))
-        compile_id = torch._guards.CompileContext.current_compile_id()
-        frame = str(compile_id).split("/")[0] if compile_id is not None else None
         others = 0
-        for r in self._records():
-            # Not itself: a fragment compiled again keeps its index (its old record is there
-            # until the new one replaces it). Nor another compile of its frame: recompiles (new
-            # shapes) replace each other in a step. That skips the other pieces DDP's graph
-            # splitter cuts from one compile too: counted, their saved bytes (an upper bound)
-            # made the first step's pieces miss budgets the step fits once the step check
-            # re-plans them (zoo GPT small at 0.3x eager DDP's peak: two pieces warned).
-            # Recompiles of one code count as one frame too, also once a re-plan had Dynamo
-            # compile the frame anew (a new frame id).
-            same_code = bool(fragment.code) and r.code == fragment.code
-            if r.compile_id.split("/")[0] == frame or r.index == index or same_code:
-                continue
+        for r in self._others(fragment):
             # A plan on the host tier for the whole step: the others' parameters move too (the
             # step's check re-plans if they do not).
             gone = r.hostable if skip and self.host_step else frozenset()
@@ -272,6 +255,24 @@ class ResidentSet:
         known = sum(storages.values())
         device_other = self._device_other(fragment.device, known)
         return known + others + self._loop() + device_other + fragment.inner_excess
+
+    def _others(self, fragment: Planned) -> Iterator[FragmentRecord]:
+        """The records of the step's other fragments, as :meth:`resident_bytes` counts them.
+
+        Not ``fragment`` itself: a fragment compiled again keeps its index (its old record is
+        there until the new one replaces it). Nor another compile of its frame: recompiles (new
+        shapes) replace each other in a step. That skips the other pieces DDP's graph splitter
+        cuts from one compile too: counted, their saved bytes (an upper bound) made the first
+        step's pieces miss budgets the step fits once the step check re-plans them (zoo GPT
+        small at 0.3x eager DDP's peak: two pieces warned). Recompiles of one code count as one
+        frame too, also once a re-plan had Dynamo compile the frame anew (a new frame id)."""
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        frame = str(compile_id).split("/")[0] if compile_id is not None else None
+        for r in self._records():
+            same_code = bool(fragment.code) and r.code == fragment.code
+            if r.compile_id.split("/")[0] == frame or r.index == fragment.index or same_code:
+                continue
+            yield r
 
     def movable_bytes(self, fragment: Planned, *, host: Sequence[int] = ()) -> int:
         """Of :meth:`resident_bytes` (with the same ``host``), what the step's own re-planning
@@ -285,18 +286,12 @@ class ResidentSet:
         re-plan (its resident is the step's prediction)."""
         if fragment.replan_resident is not None:
             return 0
-        inputs, index = fragment.example_inputs, fragment.index
+        inputs = fragment.example_inputs
         own = set(storage_sizes(t for t in inputs if isinstance(t, torch.Tensor)))
         hostable = self._config.offload_params is not False
         movable: dict[int, int] = {}
-        compile_id = torch._guards.CompileContext.current_compile_id()
-        frame = str(compile_id).split("/")[0] if compile_id is not None else None
         saved = 0
-        for r in self._records():
-            # The same records resident_bytes counts (see there).
-            same_code = bool(fragment.code) and r.code == fragment.code
-            if r.compile_id.split("/")[0] == frame or r.index == index or same_code:
-                continue
+        for r in self._others(fragment):
             if hostable and not (host and self.host_step):  # (else not counted there)
                 movable.update((a, n) for a, n in self.static_storages(r) if a in r.hostable)
             if r.profile is not None and r.profile.training:
