@@ -8,7 +8,8 @@
 The GPU counterpart of ``anchors.py`` (same models, at size ``bench`` by default or the GPU
 check's ``large`` GPT: 6 layers, d 1024, T 1024, B 8; same configurations and budget rule:
 ``resident + f * eager step peak``), all in one process per model. ``mci_`` runs a ``mc_``
-configuration with ``inner="inductor"`` (``mci_none``: no budget); ``mci_amb50`` / ``mci_amb10``
+configuration with ``inner="inductor"`` (``mci_none``: no budget), ``mca_`` with ``inner="auto"``
+(Inductor on CUDA, eager kernels where no plan of Inductor's fits); ``mci_amb50`` / ``mci_amb10``
 take the measured peak of ``inductor_amb50`` / ``inductor_amb10`` as their budget (issue 42's
 comparison: memcompile given the memory Inductor's own budget ended at). For each configuration:
 
@@ -102,11 +103,13 @@ def _timed(fn: Any, net: torch.nn.Module, batch: tuple[Any, ...], device: torch.
 
 def _split(config: str) -> tuple[str, str, bool]:
     """``(base config, inner compiler, synchronous copies)``: ``mci_h25s`` is ``mc_h25`` with
-    ``inner="inductor"`` and a synchronous store."""
+    ``inner="inductor"`` and a synchronous store; ``mca_r25`` is ``mc_r25`` with
+    ``inner="auto"``."""
     sync = config.startswith("mc") and config.endswith("s")
     base = config[:-1] if sync else config
-    if base.startswith("mci_"):
-        return "mc_" + base[4:], "inductor", sync
+    for prefix, inner in (("mci_", "inductor"), ("mca_", "auto")):
+        if base.startswith(prefix):
+            return "mc_" + base[4:], inner, sync
     return base, "eager", sync
 
 
@@ -235,6 +238,9 @@ def run(
             out["predicted_overhead_s"] = sum(p.recompute_time + p.swap_time for p in plans)
             out["in_flight_after"] = find_compiler(fn)[0].store.in_flight()
             out["device_other"] = find_compiler(fn)[0].device_other_bytes
+            # Which inner compiler each fragment ran (inner="auto": eager kernels where no plan
+            # of Inductor's fit).
+            out["inner"] = sorted({f.inner for f in rep.fragments})
         ratios, times, eager_times = [], [], []
         for _ in range(reps):
             a = _timed(ref.model, ref.model, batch, dev)
@@ -263,7 +269,7 @@ def render(result: dict[str, Any]) -> str:
         "batch); vs eager = step peak / eager's; time = median paired wall-time ratio vs an "
         "eager copy (each step synchronized). bit-id = loss and every gradient equal to eager "
         "(else the largest gradient difference). pred. = predicted peak / measured − 1. "
-        '`mci_` = memcompile with inner="inductor".',
+        '`mci_` = memcompile with inner="inductor", `mca_` with inner="auto".',
         "",
         "| model | config | budget MiB | peak MiB | predicted MiB | pred. | step peak MiB "
         "| vs eager | reserved MiB | time × eager | step ms | bit-id | plan |",
@@ -283,6 +289,7 @@ def render(result: dict[str, Any]) -> str:
         plan = (
             f"R{r['recomputed']} S{r['swapped']} P{r['prefetched']} "
             f"stall {1e3 * r['predicted_stall_s']:.2f} ms"
+            + (f" ({'+'.join(r['inner'])})" if r.get("inner") and r["config"][:4] == "mca_" else "")
             if "recomputed" in r
             else ""
         )

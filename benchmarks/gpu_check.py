@@ -75,6 +75,7 @@ ANCHOR_CONFIGS = (
     "checkpoint",
     "mc_r50",
     "mci_r50",
+    "mca_r25",
 )
 #: The same without Inductor, for the dry run.
 DRY_ANCHOR_CONFIGS = ("eager", "mc_r25", "mc_h10", "checkpoint", "mc_r50")

@@ -98,3 +98,12 @@ def test_targets_fail_over_budget_or_off_prediction_and_compare_with_inductor() 
     assert "PASS mci_amb50 9.0 ms ≤ inductor_amb50 10.0 ms at its peak" in got
     assert "n/a mci_amb10 vs inductor_amb10: not both measured" in got
     assert got[-1] == "FAIL mci_none 1.10× plain torch.compile's time (≤ 1.05)"
+
+
+def test_the_anchors_name_each_inner_compiler_by_prefix() -> None:
+    import cuda_anchors
+
+    assert cuda_anchors._split("mc_r25") == ("mc_r25", "eager", False)
+    assert cuda_anchors._split("mci_h25s") == ("mc_h25", "inductor", True)
+    assert cuda_anchors._split("mca_r25") == ("mc_r25", "auto", False)
+    assert "mca_r25" in gpu_check.ANCHOR_CONFIGS  # a lent GPU shows auto's choice
