@@ -20,7 +20,8 @@ only itself and what it measured so far is kept:
    checkpointing, Inductor (plain and with ``activation_memory_budget`` 0.5 / 0.1), and memcompile
    with each inner compiler (``mc_`` eager kernels, ``mci_`` Inductor) at 0.5 / 0.25 of eager's
    step peak, with the host tier at 0.1, without a budget, and with Inductor's own measured peaks
-   as budgets (``mci_amb50``, ``mci_amb10``). Rows arrive one by one (JSON lines) and the most
+   as budgets (``mci_amb50``, ``mci_amb10``), and last ``inner="auto"`` at 0.25 (``mca_r25``:
+   eager kernels where no plan of Inductor's fits). Rows arrive one by one (JSON lines) and the most
    telling come first, so a deadline cuts the least telling.
 4. ``moe``: ``dynamic_prefetch.py --device cuda`` on the pilot's MoE (parameters on the host;
    fetching on demand against the pilot's prefetches).
