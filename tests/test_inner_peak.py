@@ -214,6 +214,21 @@ def test_under_a_profiler_the_code_is_not_measured_and_the_report_says_so(
 
 
 @pytest.mark.slow
+def test_inductors_code_draws_eagers_dropout_masks() -> None:
+    # Dropout whole in Inductor's graphs is a call of the aten op: eager's masks, so the loss
+    # is eager's within Inductor's rounding (decomposed, its draws gave other masks: the
+    # losses differed in the second decimal).
+    wl, ref = _workload(), _workload()
+    assert any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in wl.model.modules())
+    compiled = memcompile.compile(wl.model, budget=2**30, inner="inductor")
+    torch.manual_seed(7)
+    got = wl.loss(compiled, 0)
+    torch.manual_seed(7)
+    expected = ref.loss(ref.model, 0)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.6, 0.5])
 def test_inductor_plans_hold_the_budget_and_predict_the_measured_peak(fraction: float) -> None:
     # Without the measurement the prediction is the eager model of the graphs Inductor is
@@ -288,6 +303,37 @@ def test_auto_runs_eager_kernels_with_a_warning_where_inductor_fails(
     strict = memcompile.compile(wl.model, budget=budget, inner="inductor")
     with pytest.raises(Exception, match="no compiler here"):
         wl.loss(strict, 0).backward()
+
+
+def test_inductors_table_keeps_dropout_whole() -> None:
+    table = inner_mod.decompositions("inductor")
+    assert table is not None and torch.ops.aten.native_dropout.default not in table
+    # Its backward stays decomposed: Inductor refuses a fallback for an op its table has.
+    assert torch.ops.aten.native_dropout_backward.default in table
+
+
+@pytest.mark.usefixtures("eager_kernels")
+def test_inductor_plans_may_recompute_dropout_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Decomposed, a dropout was a random draw the plans had to save; whole, the dropout
+    # rewrite makes its output recomputable from its mask (rewrites/dropout.py).
+    from memcompile.pipeline import features
+    from memcompile.rewrites.dropout import SCALED_PREFIX
+
+    _synthetic(monkeypatch, 0)
+    monkeypatch.setattr(features, "FEATURES", features.FEATURES.replace(dropout_rewrite="always"))
+    wl = zoo.build("gpt", size="tiny", seed=0)
+    peak, resident = _eager_step_peak(wl)
+    compiled = memcompile.compile(
+        wl.model,
+        budget=int(resident + 0.5 * (peak - resident)),
+        inner="inductor",
+        swap=False,
+        offload_params=False,
+        on_infeasible="best_effort",
+    )
+    wl.loss(compiled, 0).backward()
+    (plan,) = memcompile.report(compiled).plan.fragments
+    assert any(n.startswith(SCALED_PREFIX) for n in plan.forward_order), plan.forward_order
 
 
 def _auto_is_inductor(monkeypatch: pytest.MonkeyPatch) -> list[str]:

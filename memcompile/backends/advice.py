@@ -106,7 +106,8 @@ def infeasible(
     if inner == "inductor" and inner_over is None:
         # Inductor's graphs are traced with its decompositions and get none of the rewrites
         # that rely on eager's kernels (hand-written-attention GPT at 0.3x eager's
-        # activations: Inductor's smallest plan 21.98 MiB, eager kernels' 21.18 MiB).
+        # activations, before dropout stayed whole: Inductor's smallest plan 21.98 MiB, eager
+        # kernels' 21.18 MiB).
         tips.append(
             "the plans were made for Inductor: inner='eager' plans for eager kernels (eager's "
             "decompositions, elementwise ops in place, row tiling), which can reach lower, and "
