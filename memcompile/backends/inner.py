@@ -49,9 +49,9 @@ def decompositions(inner: InnerName) -> dict[Any, Callable[..., Any]] | None:
     graphs with ops it has both a fallback and a decomposition for), but for dropout: traced
     whole, ``native_dropout`` is what memcompile's dropout rewrite makes recomputable
     (rewrites/dropout.py), where Inductor's decomposition leaves a random draw the plans must
-    save (hand-written-attention GPT, small, at 0.3x eager's activations, recompute only: the
-    smallest plan 23.18 MiB decomposed, 20.39 MiB whole, measured 20.39 MiB with Inductor's
-    code; budget 21.29 MiB). Inductor runs it as a call of the aten op (as it does every random
+    save (hand-written-attention GPT, small, at 0.3x eager's activations, recompute only, with
+    Inductor's code measured: the smallest plan 21.98 MiB decomposed, 20.39 MiB whole, and
+    measured at 20.39 MiB; budget 21.29 MiB). Inductor runs it as a call of the aten op (as it does every random
     op here: ``fallback_random``), which draws eager's masks.
     """
     if inner == "inductor":
