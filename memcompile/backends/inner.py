@@ -51,8 +51,8 @@ def decompositions(inner: InnerName) -> dict[Any, Callable[..., Any]] | None:
     (rewrites/dropout.py), where Inductor's decomposition leaves a random draw the plans must
     save (hand-written-attention GPT, small, at 0.3x eager's activations, recompute only, with
     Inductor's code measured: the smallest plan 21.98 MiB decomposed, 20.39 MiB whole, and
-    measured at 20.39 MiB; budget 21.29 MiB). Inductor runs it as a call of the aten op (as it does every random
-    op here: ``fallback_random``), which draws eager's masks.
+    measured at 20.39 MiB; budget 21.29 MiB). Inductor runs it as a call of the aten op (as it
+    does every random op here: ``fallback_random``), which draws eager's masks.
     """
     if inner == "inductor":
         from torch._inductor.decomposition import select_decomp_table
