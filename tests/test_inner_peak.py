@@ -35,6 +35,12 @@ def _eager_step_peak(wl: Any) -> tuple[int, int]:
     return m.peak, m.resident_bytes
 
 
+def _share_budget(wl: Any, share: float) -> int:
+    """The bytes resident at eager's step start plus ``share`` of eager's step activations."""
+    peak, resident = _eager_step_peak(wl)
+    return int(resident + share * (peak - resident))
+
+
 @pytest.fixture
 def eager_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """``inner="inductor"`` plans and measures as with Inductor, but runs eager kernels (no
@@ -322,10 +328,9 @@ def test_inductor_plans_may_recompute_dropout_outputs(monkeypatch: pytest.Monkey
     _synthetic(monkeypatch, 0)
     monkeypatch.setattr(features, "FEATURES", features.FEATURES.replace(dropout_rewrite="always"))
     wl = zoo.build("gpt", size="tiny", seed=0)
-    peak, resident = _eager_step_peak(wl)
     compiled = memcompile.compile(
         wl.model,
-        budget=int(resident + 0.5 * (peak - resident)),
+        budget=_share_budget(wl, 0.5),
         inner="inductor",
         swap=False,
         offload_params=False,
@@ -358,8 +363,7 @@ def test_auto_plans_for_eager_kernels_where_no_plan_of_inductors_fits(
 ) -> None:
     traced = _auto_is_inductor(monkeypatch)
     wl, ref = _workload(), _workload()
-    peak, resident = _eager_step_peak(wl)
-    budget = int(resident + 0.5 * (peak - resident))
+    budget = _share_budget(wl, 0.5)
     # Inductor's code is measured 64 MiB over every plan of its graphs.
     made = _synthetic(monkeypatch, 64 * 2**20)
     compiled = memcompile.compile(wl.model, budget=budget)
@@ -389,11 +393,8 @@ def test_inductor_asked_for_raises_where_its_plans_do_not_fit(
 ) -> None:
     traced = _auto_is_inductor(monkeypatch)
     wl = _workload()
-    peak, resident = _eager_step_peak(wl)
     _synthetic(monkeypatch, 64 * 2**20)
-    compiled = memcompile.compile(
-        wl.model, budget=int(resident + 0.5 * (peak - resident)), inner="inductor"
-    )
+    compiled = memcompile.compile(wl.model, budget=_share_budget(wl, 0.5), inner="inductor")
     with pytest.raises(memcompile.MemoryBudgetError, match="inductor's code, measured"):
         wl.loss(compiled, 0).backward()
     assert traced == ["inductor"]
@@ -404,11 +405,8 @@ def test_inductors_error_names_the_eager_kernels_plans_where_no_plan_of_its_grap
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     wl = _workload()
-    peak, resident = _eager_step_peak(wl)
     _synthetic(monkeypatch, 0)  # Inductor's code measured as the graphs' profile
-    compiled = memcompile.compile(
-        wl.model, budget=int(resident + 0.05 * (peak - resident)), inner="inductor"
-    )
+    compiled = memcompile.compile(wl.model, budget=_share_budget(wl, 0.05), inner="inductor")
     with pytest.raises(memcompile.MemoryBudgetError) as err:
         wl.loss(compiled, 0).backward()
     assert "the plans were made for Inductor: inner='eager' plans for eager kernels" in str(
@@ -423,10 +421,9 @@ def test_where_eager_kernels_do_not_fit_either_the_error_says_inductor_was_tried
 ) -> None:
     traced = _auto_is_inductor(monkeypatch)
     wl = _workload()
-    peak, resident = _eager_step_peak(wl)
     _synthetic(monkeypatch, 64 * 2**20)
     # Under every plan's floor, but not so far under that the search stops at its first plan.
-    compiled = memcompile.compile(wl.model, budget=int(resident + 0.05 * (peak - resident)))
+    compiled = memcompile.compile(wl.model, budget=_share_budget(wl, 0.05))
     with (
         pytest.warns(memcompile.InnerCompilerWarning, match="no plan of Inductor's fits"),
         pytest.raises(memcompile.MemoryBudgetError) as err,

@@ -216,8 +216,7 @@ class MemCompiler:
             self.records,
             self._model,
             self.fsdp.is_sharded,
-            loop=lambda: self.iteration.resident_bytes,
-            loop_parts=lambda: (self.iteration.state_bytes, self.iteration.grads_at_start),
+            loop=lambda: (self.iteration.state_bytes, self.iteration.grads_at_start),
         )
         self.step_monitor = StepMonitor(
             budgeted=config.budget is not None or self.fraction is not None,

@@ -72,6 +72,18 @@ class _EagerRetry(Exception):
         self.smallest = smallest
 
 
+def _first_plan_missed(budget: int | None, spec: FragmentSpec, decided: Decided) -> bool:
+    """A fragment's first plan (not a re-plan's) misses ``budget``, and the search ran to its
+    end (a quick "no" is far below every plan)."""
+    return (
+        budget is not None
+        and not decided.plan.feasible
+        and not decided.quick_no
+        and spec.replan_resident is None
+        and not spec.host_replan
+    )
+
+
 #: Profiles kept per fragment for the sizes its calls had (dynamic shapes).
 MAX_SIZE_PROFILES = 256
 #: Plans made again for what the inner compiler's code was measured to need (inner_peak.py).
@@ -452,14 +464,9 @@ class FragmentBuild:
         re-planned as a step it measured 11.81 MiB."""
         config = self.env.pipeline.config
         plan = decided.plan
-        if (
-            config.budget is None
-            or plan.feasible
-            or decided.quick_no
-            or spec.replan_resident is not None
-            or spec.host_replan
-        ):
+        if not _first_plan_missed(config.budget, spec, decided):
             return False
+        assert config.budget is not None
         movable = self.env.pipeline.resident.movable_bytes(spec, host=decided.hosted)
         if plan.predicted_peak - movable > config.budget:
             return False
@@ -629,11 +636,7 @@ class FragmentBuild:
         return (
             config.inner == "auto"
             and self.inner != "eager"
-            and config.budget is not None
-            and not decided.plan.feasible
-            and not decided.quick_no
-            and spec.replan_resident is None
-            and not spec.host_replan
+            and _first_plan_missed(config.budget, spec, decided)
         )
 
     def _eager_to_fit(self, smallest: int) -> None:

@@ -237,12 +237,6 @@ class IterationWatch:
         self.grads_at_start = max(self.grads_at_start, grads)
 
     @property
-    def resident_bytes(self) -> int:
-        """What the loop holds through a step of the model: the optimizers' state and the
-        gradients a micro-batch begins with."""
-        return self.state_bytes + self.grads_at_start
-
-    @property
     def state_bytes(self) -> int:
         """Device bytes of the state of every live optimizer of this model."""
         return sum(c.state_bytes for c in list(self.optimizers.values()))

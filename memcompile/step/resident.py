@@ -65,9 +65,8 @@ class ResidentSet:
         model: the compiled module, when known.
         is_sharded: whether FSDP2 manages a tensor (FSDP's parameters stay where FSDP keeps
             them).
-        loop: the training loop's share of every step (``step/iteration.py``): the optimizers'
-            state and the gradients a micro-batch may begin with.
-        loop_parts: that share as (the optimizers' state, the gradients), bytes.
+        loop: the training loop's share of every step (``step/iteration.py``): (the optimizers'
+            state, the gradients a micro-batch may begin with), bytes.
 
     Attributes:
         host_param_bytes: bytes of parameters this compiler moved to the host tier.
@@ -93,12 +92,10 @@ class ResidentSet:
         records: Callable[[], list[FragmentRecord]],
         model: Callable[[], torch.nn.Module | None],
         is_sharded: Callable[[torch.Tensor], bool],
-        loop: Callable[[], int] = int,
-        loop_parts: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        loop: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ) -> None:
         self._config = config
         self._loop = loop
-        self._loop_parts = loop_parts
         self._records = records
         self._model = model
         self._is_sharded = is_sharded
@@ -254,7 +251,7 @@ class ResidentSet:
                 others += r.profile.saved_bytes + r.profile.saved_input_bytes
         known = sum(storages.values())
         device_other = self._device_other(fragment.device, known)
-        return known + others + self._loop() + device_other + fragment.inner_excess
+        return known + others + sum(self._loop()) + device_other + fragment.inner_excess
 
     def _others(self, fragment: Planned) -> Iterator[FragmentRecord]:
         """The records of the step's other fragments, as :meth:`resident_bytes` counts them.
@@ -296,7 +293,7 @@ class ResidentSet:
                 movable.update((a, n) for a, n in self.static_storages(r) if a in r.hostable)
             if r.profile is not None and r.profile.training:
                 saved += r.profile.saved_bytes + r.profile.saved_input_bytes
-        state, grads = self._loop_parts()
+        state, grads = self._loop()
         loop = (state if self._config.offload_optimizer is not False else 0) + (
             grads if hostable else 0
         )
