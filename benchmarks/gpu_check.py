@@ -59,6 +59,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results" / "gpu"
+# The report imports cuda_anchors, which imports memcompile: on the device machine memcompile is
+# this checkout, not an installed package (the stages get it through PYTHONPATH).
+sys.path[:0] = [p for p in (str(ROOT), str(HERE)) if p not in sys.path]
 
 #: The anchors' configurations, most telling first (see the module docstring).
 ANCHOR_CONFIGS = (

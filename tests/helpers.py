@@ -42,10 +42,11 @@ def run_benchmark(script: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    """Parameters and buffers of ``a`` and ``b`` are bit-identical."""
+    """Parameters and buffers of ``a`` and ``b`` are bit-identical (wherever each lives: one
+    model's parameter may be on the host where the other's is on a CUDA device)."""
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
-    differ = [k for k in sa if not torch.equal(sa[k], sb[k])]
+    differ = [k for k in sa if not torch.equal(sa[k].cpu(), sb[k].cpu())]
     assert not differ, f"differ: {differ}"
 
 

@@ -4,6 +4,7 @@ the targets are checked; bad arguments are refused. (cuda_anchors.py runs inside
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -107,3 +108,22 @@ def test_the_anchors_name_each_inner_compiler_by_prefix() -> None:
     assert cuda_anchors._split("mci_h25s") == ("mc_h25", "inductor", True)
     assert cuda_anchors._split("mca_r25") == ("mc_r25", "auto", False)
     assert "mca_r25" in gpu_check.ANCHOR_CONFIGS  # a lent GPU shows auto's choice
+
+
+def test_the_report_finds_memcompile_where_it_is_not_installed(tmp_path: Path) -> None:
+    # On the device machine memcompile is this checkout, not a package: the report's import of
+    # cuda_anchors (which imports memcompile) must work from any directory, without PYTHONPATH.
+    code = (
+        "import runpy, sys; runpy.run_path(sys.argv[1], run_name='gpu_check'); "
+        "import cuda_anchors, memcompile; print(memcompile.__file__)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(SCRIPT)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()).is_relative_to(BENCH.parent), out.stdout

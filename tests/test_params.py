@@ -294,3 +294,21 @@ def test_trace_placeholders_while_dynamo_compiles_and_after_a_reset() -> None:
     assert seen == [("cpu", 0, True, None)]
     assert p.device.type == "cpu" and torch.equal(p, values) and p.grad is grad
     assert not pinned._tracing and not is_host_placed(p)
+
+
+def test_an_inference_graph_on_another_device_gets_copies_of_host_placed_parameters() -> None:
+    # A module called under no_grad compiles to an inference graph, which no plan fetches for:
+    # its host-placed parameters (here: the first input) reach it as device copies; other
+    # inputs, and inputs already on the device, pass unchanged. ("meta" stands in for CUDA.)
+    from memcompile.backends.call_wrapper import _fetching
+
+    w = nn.Parameter(torch.randn(4, 4))
+    place_on_host(w)
+    b = torch.randn(4)  # a static input that is not host-placed
+    seen: list[list[torch.Tensor]] = []
+    run = _fetching(lambda args: seen.append(list(args)), 0, (0, 1), torch.device("meta"))
+    run([w, b, torch.randn(2, 4)])
+    fetched, kept, x = seen[0]
+    assert fetched.device.type == "meta" and fetched.shape == w.shape
+    assert kept is b and x.device.type == "cpu"
+    assert is_host_placed(w)  # the parameter itself stays in the host tier

@@ -2,6 +2,7 @@
 
     run(args):                                    # args: the boxed list (cleared by the graph)
         count the call
+        an inference graph on CUDA: a device copy of each host-placed parameter it reads
         the direct mode (no budget, the step seen: backends/unplanned.py): graph(args), no more
         check what the device holds (CUDA, under a budget)
         block key = the first parameter's address: a new key is a new parameter set (an expert)
@@ -132,9 +133,36 @@ def _finisher(build: Wrapped, kind: str) -> Callable[[], None] | None:
     return functools.partial(build.env.store.finish_puts, device)
 
 
+def _fetching(
+    fn: Callable[[list[Any]], Any], index: int, static: Sequence[int], device: torch.device
+) -> Callable[[list[Any]], Any]:
+    """``fn`` (an inference graph on a CUDA ``device``) given a device copy of each host-placed
+    parameter among its ``static`` inputs. No plan fetches them: an inference graph (a module
+    called under ``no_grad``, as an early exit's confidence test calls its head) is not
+    partitioned, and the parameters it reads may be placed on the host after it was compiled
+    (by the plan of the same module's training graph). The copies live for the call: unplanned
+    device bytes, at most the module's parameters. (On the CPU device the graph reads the host
+    tier's memory directly.)"""
+    logged = [False]
+
+    def run(args: list[Any]) -> Any:
+        for i in static:
+            a = args[i]
+            if isinstance(a, torch.Tensor) and a.device != device and is_host_placed(a):
+                args[i] = a.to(device, non_blocking=True)  # ordered before the graph's kernels
+                if not logged[0]:
+                    logged[0] = True
+                    log.info("F%d: its inference graph fetches host-placed parameters", index)
+        return fn(args)
+
+    return run
+
+
 def wrap(build: Wrapped, fn: Callable[[list[Any]], Any], kind: str) -> BoxedCallable:
     """``fn`` (``build``'s compiled ``kind`` graph) as the boxed callable Dynamo runs."""
     env = build.env
+    if kind == "inference" and build.device is not None and build.device.type != "cpu":
+        fn = _fetching(fn, build.index, build.static_inputs, build.device)
     monitor, prefetcher, unplanned = env.monitor, env.prefetcher, env.unplanned
     stats, index = build.stats, build.index
     counter = f"{kind}_calls"

@@ -9,6 +9,7 @@ and the graphs fetch a device copy for each use (``rewrites/params.py``):
       p.data: cuda:0, 4 MiB               p.data: cpu (pinned), 4 MiB   registered here
       p.grad: cuda:0 (or None)            p.grad: cpu (pinned)          (and each later one)
       optimizer state: made on cuda       optimizer state: made on the host at its first step
+                                          (made on cuda before: moved at the next step)
 
 Two things make that work under ``torch.compile``:
 
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -62,6 +64,7 @@ __all__ = [
     "pinned_copy",
     "place_pinned",
     "side_stream",
+    "state_to_host",
 ]
 
 _lock = threading.Lock()
@@ -167,11 +170,44 @@ def _on_compile_end(args: Any = None) -> None:
     placement.moved()
 
 
-def _before_optimizer_step(*_: Any) -> None:
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
     # The forward's and backward's fetches copy from the pinned parameters asynchronously: an
     # optimizer must not update them in place before those copies are done.
     if _params and torch.cuda.is_available():
         torch.cuda.synchronize()
+        state_to_host(optimizer)
+
+
+# Optimizer -> the placement epoch its state was last walked at (a loop's steps walk it once).
+_walked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+
+
+def state_to_host(optimizer: torch.optim.Optimizer) -> int:
+    """Move the state ``optimizer`` holds on the device for host-placed parameters to the host,
+    where their step runs. A parameter placed after the optimizer's first step (an early exit's
+    head, placed when the exit is first taken) has state made on the device, and torch's step
+    refuses the mix ("Expected all tensors to be on the same device"). The values are copied
+    exactly. Returns the device bytes freed; walks the state only after a placement changed."""
+    now = placement.epoch()
+    if _walked.get(optimizer) == now:
+        return 0
+    freed = 0
+    for p, state in optimizer.state.items():
+        if not isinstance(p, torch.nn.Parameter) or p not in _params:
+            continue
+        for key, t in list(state.items()):
+            if isinstance(t, torch.Tensor) and t.device != p.device:
+                state[key] = t.to(p.device)
+                freed += t.untyped_storage().nbytes()
+    if freed:
+        log.info(
+            "memcompile: %s's state of host-placed parameters (%d bytes) moved to the host",
+            type(optimizer).__name__,
+            freed,
+        )
+        placement.moved()
+    _walked[optimizer] = placement.epoch()
+    return freed
 
 
 _optimizer_hooked = False
