@@ -250,8 +250,26 @@ class ResidentSet:
             if r.profile is not None and r.profile.training:
                 others += r.profile.saved_bytes + r.profile.saved_input_bytes
         known = sum(storages.values())
-        device_other = self._device_other(fragment.device, known)
+        device_other = self._device_other(
+            fragment.device, lambda: self._known_on_device(fragment, storages)
+        )
         return known + others + sum(self._loop()) + device_other + fragment.inner_excess
+
+    def _known_on_device(self, fragment: Planned, counted: dict[int, int]) -> int:
+        """What the model's tensors that memcompile knows of hold on the device now: the
+        storages ``counted`` as resident, and those a plan would move to the host but that are
+        still here (the fragment's inputs at the plan's host positions, the other fragments'
+        and the model's parameters). Counting only the resident ones made a first plan on the
+        host tier count the model's own parameters as someone else's memory, on top of
+        themselves (GPT, 6 layers, d 1024 on an H200: 373.6 MB predicted too much, and plans
+        that fit were refused)."""
+        now = dict(counted)
+        inputs = fragment.example_inputs
+        now.update(storage_sizes(t for t in inputs if isinstance(t, torch.Tensor)))
+        for r in self._others(fragment):
+            now.update(self.static_storages(r))
+        now.update(storage_sizes(self._untaken_resident(set(), False)))
+        return sum(now.values())
 
     def _others(self, fragment: Planned) -> Iterator[FragmentRecord]:
         """The records of the step's other fragments, as :meth:`resident_bytes` counts them.
@@ -299,7 +317,7 @@ class ResidentSet:
         )
         return sum(n for a, n in movable.items() if a not in own) + saved + loop
 
-    def _device_other(self, device: torch.device | None, known: int) -> int:
+    def _device_other(self, device: torch.device | None, known: Callable[[], int]) -> int:
         # The budget is what max_memory_allocated sees, so on CUDA it covers device memory that
         # memcompile does not own: other tensors, optimizer state, cuBLAS workspaces (32 MiB per
         # handle on Hopper; the workspace probes have just created the one for this stream).
@@ -308,7 +326,7 @@ class ResidentSet:
             return 0
         if self.device_other_bytes is None:
             _prime_backward_workspaces(device)
-            self.device_other_bytes = max(0, torch.cuda.memory_allocated(device) - known)
+            self.device_other_bytes = max(0, torch.cuda.memory_allocated(device) - known())
             if self.device_other_bytes:
                 log.info(
                     "memcompile: %s already allocated on %s besides the model's inputs; counted "
