@@ -3,6 +3,7 @@ saving measured by the allocator, "auto" only when needed, clean failure, the re
 
 from __future__ import annotations
 
+import copy
 import warnings
 from unittest import mock
 
@@ -312,3 +313,35 @@ def test_an_inference_graph_on_another_device_gets_copies_of_host_placed_paramet
     assert fetched.device.type == "meta" and fetched.shape == w.shape
     assert kept is b and x.device.type == "cpu"
     assert is_host_placed(w)  # the parameter itself stays in the host tier
+
+
+def test_an_inference_graph_fetches_the_host_tiers_parameters_before_each_reader(monkeypatch):
+    # Evaluation under no_grad compiles an inference graph, which no plan partitions: the
+    # parameters the training graph's plan put on the host are fetched before each reader there
+    # too, and the output is eager's.
+    from memcompile.backends import fragment_build
+
+    seen = []
+    real = fragment_build.param_fetch_pass
+
+    def spy(gm, ctx, **kw):
+        out = real(gm, ctx, **kw)
+        seen.append((ctx.graph, kw["primals"], out))
+        return out
+
+    monkeypatch.setattr(fragment_build, "param_fetch_pass", spy)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    ref = copy.deepcopy(model)
+    compiled = memcompile.compile(model, offload_params=True)
+    x = torch.randn(8, 16)
+    compiled(x).sum().backward()  # the training graph's plan: the parameters to the host
+    assert all(is_host_placed(p) for p in model.parameters())
+    assert seen == []
+    with torch.no_grad():
+        assert torch.equal(compiled(x), ref(x))
+    ((graph, primals, gm),) = seen
+    assert graph == "inference" and len(primals) == 4
+    fetches = gm.graph.find_nodes(op="call_function", target=torch.ops.memcompile.reload.default)
+    assert len(fetches) == 4  # one per reader: each weight and bias

@@ -137,12 +137,12 @@ def _fetching(
     fn: Callable[[list[Any]], Any], index: int, static: Sequence[int], device: torch.device
 ) -> Callable[[list[Any]], Any]:
     """``fn`` (an inference graph on a CUDA ``device``) given a device copy of each host-placed
-    parameter among its ``static`` inputs. No plan fetches them: an inference graph (a module
-    called under ``no_grad``, as an early exit's confidence test calls its head) is not
-    partitioned, and the parameters it reads may be placed on the host after it was compiled
-    (by the plan of the same module's training graph). The copies live for the call: unplanned
-    device bytes, at most the module's parameters. (On the CPU device the graph reads the host
-    tier's memory directly.)"""
+    parameter among its ``static`` inputs: those placed on the host after the graph was
+    compiled (by the plan of the same module's training graph: an early exit's head, whose
+    confidence test calls it under ``no_grad``), which the graph does not fetch itself
+    (``rewrites/params.find_inference_fetches``). The copies live for the call: unplanned device
+    bytes, at most the module's parameters. (On the CPU device the graph reads the host tier's
+    memory directly.)"""
     logged = [False]
 
     def run(args: list[Any]) -> Any:
@@ -162,7 +162,10 @@ def wrap(build: Wrapped, fn: Callable[[list[Any]], Any], kind: str) -> BoxedCall
     """``fn`` (``build``'s compiled ``kind`` graph) as the boxed callable Dynamo runs."""
     env = build.env
     if kind == "inference" and build.device is not None and build.device.type != "cpu":
-        fn = _fetching(fn, build.index, build.static_inputs, build.device)
+        # Parameters placed on the host after the graph was compiled (the graph fetches those
+        # that were there then: its hosted_inputs).
+        later = tuple(i for i in build.static_inputs if i not in build.hosted_inputs)
+        fn = _fetching(fn, build.index, later, build.device)
     monitor, prefetcher, unplanned = env.monitor, env.prefetcher, env.unplanned
     stats, index = build.stats, build.index
     counter = f"{kind}_calls"

@@ -54,6 +54,8 @@ from memcompile.pipeline.finish import early_reloads, pilot_op
 from memcompile.pipeline.fragment import BelowBound, Decided, plan_partition
 from memcompile.planning.plan import FragmentPlan
 from memcompile.records import FragmentIdentity, FragmentRecord, FragmentStats, SizeKey
+from memcompile.rewrites.context import PassContext
+from memcompile.rewrites.params import find_inference_fetches, param_fetch_pass
 from memcompile.runtime.measure import storage_sizes
 from memcompile.runtime.store import is_host_placed
 
@@ -594,6 +596,26 @@ class FragmentBuild:
     def inference_compiler(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any]
     ) -> BoxedCallable:
+        # No partition, so no plan: the parameters in the host tier now are fetched before
+        # each reader, as the training graphs fetch them (rewrites/params.py).
+        ctx = torch._guards.TracingContext.try_get()
+        meta = ctx.fw_metadata if ctx is not None else None
+        static = tuple(meta.static_input_indices) if meta is not None else ()
+        fetched = find_inference_fetches(self.example_inputs, static)
+        if fetched:
+            outputs = gm.graph.output_node().args[0]
+            gm = param_fetch_pass(
+                gm,
+                PassContext(fragment=f"F{self.index}", graph="inference"),
+                primals=fetched,
+                num_fwd_outputs=len(outputs) if isinstance(outputs, (list, tuple)) else 1,
+                device=self.device or torch.device("cpu"),
+                store=self.env.pipeline.store_key,
+            )
+            self.hosted_inputs = fetched
+            log.info(
+                "F%d: its inference graph fetches %d host-placed inputs", self.index, len(fetched)
+            )
         self._profile(gm, None)
         fn = self._compile(gm, example_inputs, "inference", self.static_inputs)
         return wrap(self, fn, "inference")

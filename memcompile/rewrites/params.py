@@ -36,7 +36,8 @@ the store's side stream, finished before the backward returns it to autograd.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from typing import Any
 
 import torch
 from torch import fx
@@ -48,10 +49,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from memcompile.rewrites.context import PassContext
 from memcompile.rewrites.rebuild import copy_node
 from memcompile.runtime.ops import TIERS
+from memcompile.runtime.store import is_host_placed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FETCH_PREFIX", "param_fetch_pass"]
+__all__ = ["FETCH_PREFIX", "find_inference_fetches", "param_fetch_pass"]
 
 #: Names of the fetch nodes this pass inserts.
 FETCH_PREFIX = "fetch_param"
@@ -64,6 +66,22 @@ def _aliases(val: object, storages: Collection[StorageWeakRef]) -> bool:
     return any(
         isinstance(v, torch.Tensor) and StorageWeakRef(v.untyped_storage()) in storages
         for v in vals
+    )
+
+
+def find_inference_fetches(inputs: Sequence[Any], static: Sequence[int]) -> tuple[int, ...]:
+    """The positions among ``static`` (an inference graph's parameters and buffers) whose real
+    input ``inputs[i]`` is in the host tier now: the graph fetches those before each reader.
+
+    An inference graph (a module called under ``no_grad``: an evaluation loop, an early exit's
+    confidence test) is not partitioned, so no plan decides its fetches; the parameters the
+    training graphs' plans put on the host are fetched per reader here as they are there. A
+    parameter placed after the graph was compiled is fetched whole for each call on CUDA
+    (``backends/call_wrapper.py``); on the CPU device the graph reads it in the host tier."""
+    return tuple(
+        i
+        for i in static
+        if i < len(inputs) and isinstance(inputs[i], torch.Tensor) and is_host_placed(inputs[i])
     )
 
 
