@@ -184,10 +184,11 @@ def test_auto_puts_the_whole_steps_parameters_on_the_host_when_saved_sets_cannot
 
 
 def test_a_warning_for_a_step_with_its_parameters_on_the_host_does_not_ask_to_move_them() -> None:
-    # TreeLSTM at 0.6x: every parameter is on the host ("auto") and a 128-call step is still
+    # TreeLSTM at 0.4x: every parameter is on the host ("auto") and a 128-call step is still
     # over. The warning said "set offload_params=True" (done already) and "allow recompute
     # and swap" (allowed): it now says the parameters are on the host and what is left.
-    budget = int(_unplanned_peak("treelstm") * 0.60)
+    # (Since the backward makes views again instead of taking them as inputs, 0.6x fits.)
+    budget = int(_unplanned_peak("treelstm") * 0.40)
     torch._dynamo.reset()
     wl = zoo.build("treelstm", size="tiny")
     compiled = memcompile.compile(wl.model, budget=budget)
@@ -225,17 +226,18 @@ def test_a_fragment_that_does_not_fit_runs_its_smallest_plan_without_the_pilots_
 
 
 def test_a_step_is_replanned_though_a_fragments_own_plan_did_not_fit(monkeypatch) -> None:
-    # The MoE at 0.4x: the router and two expert graphs, planned one at a time while the other
-    # experts' parameters were still on the device, did not fit (warned). The step was then
-    # left as it was, 366,472 B measured; re-planned with the whole step known (what moved to
-    # the host since), it fits. Plans now count the parameters later fragments will move to
+    # The MoE at 0.35x (0.4x before the backward made views again instead of taking them as
+    # inputs: that fits now): the router and two expert graphs, planned one at a time while the
+    # other experts' parameters were still on the device, did not fit (warned). The step was
+    # then left as it was, 366,472 B measured; re-planned with the whole step known (what moved
+    # to the host since), it fits. Plans now count the parameters later fragments will move to
     # the host as moved, and these fit: counted on the device as they were, the fragments'
     # plans miss again, which is the case this test is about.
     untaken = ResidentSet._untaken_resident
     monkeypatch.setattr(
         ResidentSet, "_untaken_resident", lambda self, hosted, _: untaken(self, hosted, False)
     )
-    budget = int(_unplanned_peak("moe") * 0.40)
+    budget = int(_unplanned_peak("moe") * 0.35)
     torch._dynamo.reset()
     wl = zoo.build("moe", size="tiny")
     compiled = memcompile.compile(wl.model, budget=budget, on_infeasible="best_effort")

@@ -141,7 +141,7 @@ def gpt() -> mv.Inspection:
     """The tiny zoo GPT under a budget that recomputes and swaps: 452 nodes in all."""
     from memcompile import zoo
 
-    return mv.collect(zoo.build("gpt", size="tiny"), budget="60%", measure=False)
+    return mv.collect(zoo.build("gpt", size="tiny"), budget="50%", measure=False)
 
 
 def _drawn_nodes(source: str) -> list[str]:

@@ -121,6 +121,11 @@ class JointEval:
         return not self.infeasible
 
 
+def _is_view(target: object) -> bool:
+    """An aten op whose outputs alias its first input (``detach``, ``split``, ``permute``)."""
+    return isinstance(target, torch._ops.OpOverload) and target.is_view
+
+
 class JointModel:
     """Analysis of one joint graph; :meth:`evaluate` prices a saved set.
 
@@ -137,6 +142,10 @@ class JointModel:
         released_tangents: names of incoming gradients (``tangents_k``) no one else holds
             through the backward (a step showed it: AOTAutograd's zeros for an output that got
             no gradient): freed after their last reader, the others held to the end.
+        remake_views: the backward makes the forward's views again from the values that cover
+            their storages instead of taking them as inputs (:attr:`free_views`). Off for
+            Inductor's graphs: on the hand-written-attention GPT at 0.6x and 0.5x (CPU), the
+            plans it allowed fitted as modelled but Inductor's code peaked 6-25 KiB over them.
     """
 
     def __init__(
@@ -150,8 +159,10 @@ class JointModel:
         clone_bytes: int = 0,
         dropped_outputs: Collection[int] = (),
         released_tangents: Collection[str] = (),
+        remake_views: bool = True,
     ) -> None:
         self.joint = joint
+        self.remake_views = remake_views
         self.num_fwd_outputs = num_fwd_outputs
         self.static_input_indices = list(static_input_indices)
         nodes = [n for n in joint.graph.nodes if n.op != "output"]
@@ -381,6 +392,42 @@ class JointModel:
                 out.append(None)
         return out
 
+    @functools.cached_property
+    def free_views(self) -> frozenset[int]:
+        """Forward views the backward makes again from their source rather than take as
+        inputs (see ``_view_base``); making one runs no kernel, so a plan's recompute time
+        does not count them."""
+        return frozenset(i for i, j in enumerate(self._view_base) if j >= 0)
+
+    @functools.cached_property
+    def _view_base(self) -> list[int]:
+        """Per node, when it is a forward view (an aten view op, or an element of a view op's
+        tuple: ``split``'s, ``chunk``'s) of a forward value or primal whose storages hold all of
+        its own, that value's index; else -1. The backward makes such a view again rather than
+        take it as an input: autograd saves a ``sigmoid``'s output through a ``detach`` of it,
+        and a GRU's gates as ``split`` pieces of one matmul, and with the view as a second
+        input (or as the only one, a piece of the storage) no swap could copy the storage
+        (``swappable``: 384 of the GRU small's 582 saved storages were not)."""
+        out = [-1] * len(self.nodes)
+        if not self.remake_views:
+            return out
+        for i, n in enumerate(self.nodes):
+            if self.kind[i] != _FW or n.op != "call_function" or self.is_sym[i]:
+                continue
+            source = n.args[0] if n.args else None
+            if n.target is operator.getitem:
+                view = isinstance(source, fx.Node) and _is_view(source.target)
+            else:
+                view = _is_view(n.target)
+            if not view or not isinstance(source, fx.Node) or not self.storages[i]:
+                continue
+            j = self.index.get(source)
+            if j is None or self.kind[j] not in (_FW, _PRIMAL):
+                continue
+            if set(self.storages[i]) <= set(self.storages[j]) and self._recomputable(n):
+                out[i] = j
+        return out
+
     def _available(self, i: int, saved: Collection[int]) -> bool:
         known = self._availability[i]
         if known is not None:
@@ -391,7 +438,8 @@ class JointModel:
 
     # -- evaluation -----------------------------------------------------------------------------
     def backward_nodes(self, saved: Collection[int]) -> tuple[set[int], list[int], set[int]]:
-        """(nodes the backward runs, forward nodes among them it recomputes, its inputs).
+        """(nodes the backward runs, forward nodes among them it recomputes but views, which
+        run no kernel (:attr:`free_views`), its inputs).
 
         As torch's extraction: what the gradients need, walking back to available values, plus
         side-effect nodes (shape asserts) computable from those inputs."""
@@ -402,6 +450,8 @@ class JointModel:
         # _available, inlined (the planner walks the backward for every saved set it prices).
         by_kind, storages = self._availability, self.storages
         persistent, must_save = self.persistent, self._must_save
+        view_base = self._view_base
+        views: set[int] = set()
 
         def walk(roots: Iterable[int]) -> None:
             stack = list(roots)
@@ -410,13 +460,21 @@ class JointModel:
                 if i in needed or i in inputs:
                     continue
                 a = by_kind[i]
+                # A view of another forward value (view_base) is made again, whether its
+                # storage is saved or not: the backward takes the value that covers the
+                # storage, one per storage, which a swap can copy whole. (A view runs no
+                # kernel: not priced as a recomputation.)
+                view = view_base[i] >= 0
                 if a is True or (
                     a is None
+                    and not view
                     and all(s in saved or s in persistent or s in must_save for s in storages[i])
                 ):
                     inputs.add(i)
                     continue
                 needed.add(i)
+                if view:
+                    views.add(i)
                 stack.extend(node_inputs[i])
 
         walk(self.bw_outputs)
@@ -443,7 +501,7 @@ class JointModel:
                             state[i] = all(state[j] for j in node_inputs[i])
                             stack.pop()
             walk([i for i in roots if state[i]])
-        recompute = sorted(i for i in needed if self.kind[i] == _FW)
+        recompute = sorted(i for i in needed if self.kind[i] == _FW and i not in views)
         return needed, recompute, inputs
 
     def backward_groups(self, needed: set[int]) -> list[list[int]]:

@@ -289,6 +289,7 @@ class FragmentSearch:
             clone_bytes=accumulate_clone_bytes(grads, primals, set(self.static), clone_workspace),
             dropped_outputs=self.spec.dropped_outputs,
             released_tangents=self.spec.released_tangents,
+            remake_views=self.eager_kernels,
         )
         self._models[id(joint)] = (joint, model)
         return model

@@ -214,6 +214,9 @@ class _Formulation:
         }
         # Groups a forward node could be recomputed in: those of the B nodes it reaches through
         # forward nodes that could be recomputed (consumers come later in joint order).
+        # Views (``JointModel.free_views``) are never the backward's inputs: it makes them
+        # again from their source whenever it needs them, available or not, at no cost.
+        views = m.free_views
         cand: dict[int, list[int]] = {}
         rcap: set[int] = set()
         for i in reversed(fw):
@@ -224,7 +227,7 @@ class _Formulation:
                 elif c in rcap:
                     reach.update(cand[c])
             cand[i] = sorted(reach)
-            if avail[i] is not True and allowed[i] and reach:
+            if (avail[i] is not True or i in views) and allowed[i] and reach:
                 rcap.add(i)
         self.rcap = rcap
         for i in fw:
@@ -237,7 +240,9 @@ class _Formulation:
         for i in fw:
             if isinstance(avail[i], tuple):
                 self.a[i] = self._var(f"a{i}")
-        self.r = {i: self._var(f"r{i}", obj=m.cost[i] * _NS) for i in sorted(rcap)}
+        self.r = {
+            i: self._var(f"r{i}", obj=0.0 if i in views else m.cost[i] * _NS) for i in sorted(rcap)
+        }
 
         def a_expr(i: int) -> Lin:
             v = avail[i]
@@ -268,6 +273,13 @@ class _Formulation:
                 # Never recomputed: no consumer may need it unless it is available.
                 for n in needs:
                     self._row(_lin((n, 1.0), (a_expr(i), -1.0)), hi=0.0)
+            if i in views and i in rcap:  # r_i = OR need_c
+                ri = {self.r[i]: 1.0}
+                if not any(_ONE in n for n in needs):
+                    self._row(_lin((ri, 1.0), *((n, -1.0) for n in needs)), hi=0.0)
+                for n in needs:
+                    self._row(_lin((ri, 1.0), (n, -1.0)), lo=0.0)
+                continue
             if i in rcap:  # r_i = (1 - a_i) AND OR need_c
                 ri = {self.r[i]: 1.0}
                 self._row(_lin((ri, 1.0), (a_expr(i), 1.0)), hi=1.0)

@@ -244,14 +244,22 @@ def _source(leaf: fx.Node, *, batched: bool = False) -> fx.Node:
     return _reloaded_by(leaf, batched=batched)[1].args[0]  # type: ignore[return-value]
 
 
-def _reloaded(rowed: set[fx.Node], readers: set[fx.Node], *, batched: bool = False) -> set[fx.Node]:
+def _reloaded(
+    rowed: set[fx.Node],
+    readers: set[fx.Node],
+    leaves: Collection[fx.Node],
+    *,
+    batched: bool = False,
+) -> set[fx.Node]:
     """The leaves of ``rowed`` (read only by rows; ``batched``: only by ranges of batches) whose
     reload can go: they and what makes them from the host copy (:func:`_reload_path`) are read
-    by ``readers`` (the nodes the rewrite removes) only."""
+    by ``readers`` (the nodes the rewrite removes) only, and none of those is itself one of the
+    chain's ``leaves`` (a softmax's output read whole, and by rows through the ``detach`` views
+    its backward makes of it)."""
     found = set()
     for leaf in rowed:
         made = _reload_path(leaf, batched=batched)
-        if made is None:
+        if made is None or any(m in leaves for m in made[0] if m is not leaf):
             continue
         inside = readers | set(made[0])
         if all(u in inside for m in made[0] for u in m.users):
@@ -647,9 +655,9 @@ def _tiling(
     # A swapped operand read by rows only is reloaded a block at a time from its host copy; one
     # read only by batched matmuls, a range of batches at a time.
     readers = (search.chain - kept) | {n} | set(absorbed)
-    reloaded = _reloaded(search.rowed - search.whole - search.batched, readers)
+    reloaded = _reloaded(search.rowed - search.whole - search.batched, readers, search.leaves)
     others = search.rowed | search.whole | search.periodic
-    batches = _reloaded(search.batched - others, readers, batched=True)
+    batches = _reloaded(search.batched - others, readers, search.leaves, batched=True)
     if not search.chain and not reloaded:
         return None
     chain = sorted(search.chain, key=order.__getitem__)
