@@ -1,4 +1,4 @@
-"""The prepared GPU check: one command for a session lent a GPU, ≤ 8 minutes, results in one folder.
+"""The prepared GPU check: one command for a session lent a GPU, about 8 minutes, results in one folder.
 
     python benchmarks/gpu_check.py --out "$OUT"                      # on the lent GPU
     OMP_NUM_THREADS=1 python benchmarks/gpu_check.py --dry-run --out /tmp/gpu_check   # CPU, ~1 min
@@ -7,6 +7,12 @@ Run it through the device tool first thing in a session that is lent a GPU (``ti
 leaves room to rerun), then copy what comes back into ``benchmarks/results/gpu/`` and commit it:
 
     run(command="PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out $OUT", timeout_s=540)
+
+With LightGBM's wheel in ``.whl`` (see the end of this docstring), name ``.whl`` in ``carry`` and
+start the command with ``python3 -m pip install -q --no-index --no-deps --no-compile
+--no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site;``. The first run
+(H200, 2026-11-30: ``benchmarks/results/gpu/``) took 138 s for the tests, 12 s for the block
+copies, 251 s for the anchors and 58 s for the MoE.
 
 Four stages, in order of priority, each in its own process group under a deadline (its own
 limit, and never past the whole check's ``--budget-s``), so one that hangs or runs long loses
@@ -84,7 +90,7 @@ ANCHOR_CONFIGS = (
 #: The same without Inductor, for the dry run.
 DRY_ANCHOR_CONFIGS = ("eager", "mc_r25", "mc_h10", "checkpoint", "mc_r50")
 #: Per-stage limits in seconds (the whole check's budget caps each further).
-LIMITS = {"tests": 150.0, "blocks": 45.0, "anchors": 300.0, "moe": 90.0}
+LIMITS = {"tests": 200.0, "blocks": 45.0, "anchors": 300.0, "moe": 90.0}
 
 
 def _stage_commands(args: argparse.Namespace, tmp: Path) -> dict[str, list[str]]:
@@ -311,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--dry-run", action="store_true", help="the CPU, tiny sizes, no Inductor")
-    p.add_argument("--budget-s", type=float, default=460.0, help="the whole check's deadline")
+    p.add_argument("--budget-s", type=float, default=500.0, help="the whole check's deadline")
     p.add_argument("--stages", default="tests,blocks,anchors,moe")
     p.add_argument("--configs", default=None, help="the anchors' configurations (comma-separated)")
     p.add_argument("--reps", type=int, default=3, help="timed steps per anchors configuration")
