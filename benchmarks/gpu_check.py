@@ -1,4 +1,4 @@
-"""The prepared GPU check: one command for a session lent a GPU, about 8 minutes, results in one folder.
+"""The prepared GPU check: one command for a lent GPU, about 8 minutes, results in one folder.
 
     python benchmarks/gpu_check.py --out "$OUT"                      # on the lent GPU
     OMP_NUM_THREADS=1 python benchmarks/gpu_check.py --dry-run --out /tmp/gpu_check   # CPU, ~1 min
