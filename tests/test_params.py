@@ -345,3 +345,27 @@ def test_an_inference_graph_fetches_the_host_tiers_parameters_before_each_reader
     assert graph == "inference" and len(primals) == 4
     fetches = gm.graph.find_nodes(op="call_function", target=torch.ops.memcompile.reload.default)
     assert len(fetches) == 4  # one per reader: each weight and bias
+
+
+def test_optimizer_state_made_on_the_device_before_a_parameter_went_to_the_host_follows_it():
+    # A parameter placed on the host after the optimizer's first step (an early exit's head,
+    # placed when first taken) has state on the device, and torch's step refuses the mix: the
+    # pre-step hook moves it where the parameter is, once per placement change. ("meta" stands
+    # in for where the parameter now is, the CPU for the device the state was made on.)
+    from memcompile.runtime import pinned, placement
+
+    p = nn.Parameter(torch.empty(4, device="meta"))
+    other = nn.Parameter(torch.zeros(4))  # on the device, not host-placed: left alone
+    opt = torch.optim.SGD([p, other], lr=0.1, momentum=0.9)
+    opt.state[p]["momentum_buffer"] = torch.ones(4)
+    opt.state[other]["momentum_buffer"] = torch.ones(4)
+    pinned._params[p] = torch.device("cpu")
+    try:
+        placement.moved()
+        assert pinned.state_to_host(opt) == 16
+        assert opt.state[p]["momentum_buffer"].device.type == "meta"
+        assert opt.state[other]["momentum_buffer"].device.type == "cpu"
+        opt.state[p]["momentum_buffer"] = torch.ones(4)  # (not walked again: nothing moved)
+        assert pinned.state_to_host(opt) == 0
+    finally:
+        del pinned._params[p]
