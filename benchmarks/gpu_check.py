@@ -235,7 +235,6 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
 
 def render(result: dict[str, Any]) -> str:
     """``gpu_check.md``."""
-    sys.path.insert(0, str(HERE))
     from cuda_anchors import render as anchors_table
 
     lines = [

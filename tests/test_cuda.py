@@ -167,6 +167,18 @@ def test_cuda_plan_is_bit_identical_and_measured_within_3_percent(
         assert plan.recomputed and not plan.swapped
 
 
+def _five_iterations(run: Any) -> tuple[list[list[torch.Tensor]], int]:
+    """Five iterations of the loop ``run`` from the same seed: their losses, and the allocator's
+    peak over the last (the loop's state made, plans settled)."""
+    torch.manual_seed(7)
+    losses = [run(k) for k in range(4)]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    losses.append(run(4))
+    torch.cuda.synchronize()
+    return losses, torch.cuda.max_memory_allocated()
+
+
 @pytest.mark.parametrize("micro", [1, 4])
 def test_cuda_the_whole_iteration_with_adamw_holds_a_budget_under_eagers(micro: int) -> None:
     # AdamW's state appears at the first optimizer step, after the first plan was made: the loop
@@ -178,13 +190,7 @@ def test_cuda_the_whole_iteration_with_adamw_holds_a_budget_under_eagers(micro: 
     eager = zoo.build("gpt", size="tiny").to("cuda")
     eager_opt = torch.optim.AdamW(eager.model.parameters(), lr=1e-3)
     run = training_loop(eager, eager.model, eager_opt, micro=micro)
-    torch.manual_seed(7)
-    eager_losses = [run(k) for k in range(4)]
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    eager_losses.append(run(4))
-    torch.cuda.synchronize()
-    eager_peak = torch.cuda.max_memory_allocated()
+    eager_losses, eager_peak = _five_iterations(run)
     eager_params = [p.detach().cpu() for p in eager.model.parameters()]
     del eager, eager_opt, run
     gc.collect()
@@ -201,15 +207,9 @@ def test_cuda_the_whole_iteration_with_adamw_holds_a_budget_under_eagers(micro: 
         comp.model, budget=budget, on_infeasible="best_effort", inner="eager"
     )
     run = training_loop(comp, compiled, opt, micro=micro)
-    torch.manual_seed(7)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always", memcompile.MemoryBudgetWarning)
-        losses = [run(k) for k in range(4)]
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        losses.append(run(4))
-        torch.cuda.synchronize()
-    measured = torch.cuda.max_memory_allocated()
+        losses, measured = _five_iterations(run)
     over = [str(w.message) for w in seen if issubclass(w.category, memcompile.MemoryBudgetWarning)]
     rep = memcompile.report(compiled)
     print(

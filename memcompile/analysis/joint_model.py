@@ -451,7 +451,6 @@ class JointModel:
         by_kind, storages = self._availability, self.storages
         persistent, must_save = self.persistent, self._must_save
         view_base = self._view_base
-        views: set[int] = set()
 
         def walk(roots: Iterable[int]) -> None:
             stack = list(roots)
@@ -473,8 +472,6 @@ class JointModel:
                     inputs.add(i)
                     continue
                 needed.add(i)
-                if view:
-                    views.add(i)
                 stack.extend(node_inputs[i])
 
         walk(self.bw_outputs)
@@ -501,7 +498,8 @@ class JointModel:
                             state[i] = all(state[j] for j in node_inputs[i])
                             stack.pop()
             walk([i for i in roots if state[i]])
-        recompute = sorted(i for i in needed if self.kind[i] == _FW and i not in views)
+        free = self.free_views
+        recompute = sorted(i for i in needed if self.kind[i] == _FW and i not in free)
         return needed, recompute, inputs
 
     def backward_groups(self, needed: set[int]) -> list[list[int]]:

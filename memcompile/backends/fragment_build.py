@@ -48,7 +48,7 @@ from memcompile.backends.inner_peak import InnerPeaks, measure_inner, unmeasurab
 from memcompile.config import resolve_inner
 from memcompile.errors import InnerCompilerWarning, format_bytes
 from memcompile.pipeline import features
-from memcompile.pipeline.built import Split, joint_split, profile_args
+from memcompile.pipeline.built import Split, aot_metadata, joint_split, profile_args
 from memcompile.pipeline.env import FragmentSpec
 from memcompile.pipeline.finish import early_reloads, pilot_op
 from memcompile.pipeline.fragment import BelowBound, Decided, plan_partition
@@ -598,8 +598,7 @@ class FragmentBuild:
     ) -> BoxedCallable:
         # No partition, so no plan: the parameters in the host tier now are fetched before
         # each reader, as the training graphs fetch them (rewrites/params.py).
-        ctx = torch._guards.TracingContext.try_get()
-        meta = ctx.fw_metadata if ctx is not None else None
+        meta = aot_metadata()
         static = tuple(meta.static_input_indices) if meta is not None else ()
         fetched = find_inference_fetches(self.example_inputs, static)
         if fetched:

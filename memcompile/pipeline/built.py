@@ -65,6 +65,13 @@ Split = tuple[tuple[int, ...], int, int]
 Rewrite = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 
+def aot_metadata() -> Any:
+    """AOTAutograd's metadata of the graph being compiled (its input and output split), or
+    ``None`` outside a compile."""
+    ctx = torch._guards.TracingContext.try_get()
+    return ctx.fw_metadata if ctx is not None else None
+
+
 def profile_args(
     spec: FragmentSpec,
     gm: fx.GraphModule,
@@ -74,8 +81,7 @@ def profile_args(
 ) -> dict[str, Any]:
     """``profile_fragment``'s arguments for these graphs: AOT's input and output split (from its
     metadata, or ``split``) and the measured kernel workspaces."""
-    ctx = torch._guards.TracingContext.try_get()
-    meta = ctx.fw_metadata if ctx is not None else None
+    meta = aot_metadata()
     static: tuple[int, ...]
     if split is not None:
         static, mutated, user = split

@@ -250,25 +250,20 @@ class ResidentSet:
             if r.profile is not None and r.profile.training:
                 others += r.profile.saved_bytes + r.profile.saved_input_bytes
         known = sum(storages.values())
-        device_other = self._device_other(
-            fragment.device, lambda: self._known_on_device(fragment, storages)
-        )
+        device_other = self._device_other(fragment.device, lambda: self._known_on_device(fragment))
         return known + others + sum(self._loop()) + device_other + fragment.inner_excess
 
-    def _known_on_device(self, fragment: Planned, counted: dict[int, int]) -> int:
-        """What the model's tensors that memcompile knows of hold on the device now: the
-        storages ``counted`` as resident, and those a plan would move to the host but that are
-        still here (the fragment's inputs at the plan's host positions, the other fragments'
-        and the model's parameters). Counting only the resident ones made a first plan on the
-        host tier count the model's own parameters as someone else's memory, on top of
-        themselves (GPT, 6 layers, d 1024 on an H200: 373.6 MB predicted too much, and plans
-        that fit were refused)."""
-        now = dict(counted)
-        inputs = fragment.example_inputs
-        now.update(storage_sizes(t for t in inputs if isinstance(t, torch.Tensor)))
+    def _known_on_device(self, fragment: Planned) -> int:
+        """What the tensors memcompile knows of hold on the device now, whatever a plan will
+        move to the host: the fragment's inputs, the other fragments' parameters, the model's
+        parameters and buffers (those in the host tier hold nothing here). Counting only what
+        a plan leaves resident made a first plan on the host tier count the model's own
+        parameters as someone else's memory, on top of themselves (GPT, 6 layers, d 1024 on an
+        H200: 373.6 MB predicted too much, and plans that fit were refused)."""
+        now = storage_sizes(t for t in fragment.example_inputs if isinstance(t, torch.Tensor))
         for r in self._others(fragment):
             now.update(self.static_storages(r))
-        now.update(storage_sizes(self._untaken_resident(set(), False)))
+        now.update(storage_sizes(self.model_tensors()))
         return sum(now.values())
 
     def _others(self, fragment: Planned) -> Iterator[FragmentRecord]:
