@@ -770,3 +770,60 @@ def test_hand_written_attention_trains_bit_identically_with_its_value_gradient_b
     assert fragment.profile.backward is not None
     targets = [n.target for n in fragment.profile.backward.nodes]
     assert targets.count("aten.bmm.out") == 4 * tiling_find.BLOCKS  # 4 layers' value gradients
+
+
+def test_the_window_spans_each_tiling_from_its_first_node_to_its_op():
+    # The branch backward: the chain (the scaled gradient, the recomputed pre-activation) to the
+    # GELU's gradient is inside; the inputs before it and the weight gradient after it are not.
+    gm = _trace(_branch_backward)
+    (found,) = find_row_tilings(gm, blocks=4)
+    window = tiling_build.tiling_window(gm, (found,))
+    names = [n.name for n in gm.graph.nodes]
+    first = min(names.index(c) for c in found.chain)
+    assert window == set(names[first : names.index(found.node) + 1])
+    assert not {n.name for n in gm.graph.find_nodes(op="placeholder")} & window
+    assert (
+        not {n.name for n in gm.graph.find_nodes(op="call_function", target=aten.mm.default)}
+        & window
+    )
+    assert tiling_build.tiling_window(gm, ()) == frozenset()
+
+
+def _profile_at(gm: fx.GraphModule, peak_at: str, *, accumulate: bool = False):
+    """A stand-in for the built graphs' FragmentProfile: ``gm`` as the backward, at its peak
+    (100 bytes) at node ``peak_at`` only; the accumulation at the peak too with ``accumulate``."""
+    from types import SimpleNamespace
+
+    nodes = tuple(
+        SimpleNamespace(name=n.name, live_bytes=100 if n.name == peak_at else 10)
+        for n in gm.graph.nodes
+    )
+    backward = SimpleNamespace(nodes=nodes, peak_bytes=100)
+    peaks = {"forward": 50, "backward": 100, "accumulate": 100 if accumulate else 20}
+    return SimpleNamespace(forward=None, backward=backward, phase_peaks=lambda: peaks)
+
+
+def test_tiling_is_skipped_only_where_no_tiling_can_lower_the_peak():
+    gm = _trace(_branch_backward)
+    (found,) = find_row_tilings(gm, blocks=4)
+    search = built.TilingSearch()
+    after = next(n.name for n in gm.graph.find_nodes(op="call_function", target=aten.mm.default))
+    # Held after the op, outside the window: the blocks cannot lower it.
+    assert built._peak_outside(_profile_at(gm, after), gm, gm, 0, search)
+    # Held at the op: they may.
+    assert not built._peak_outside(_profile_at(gm, found.node), gm, gm, 0, search)
+    # The accumulation (outputs and what the graph holds at its end) is at the peak as well.
+    assert built._peak_outside(_profile_at(gm, found.node, accumulate=True), gm, gm, 0, search)
+
+
+def test_a_peak_at_a_node_the_in_place_pass_may_rewrite_is_not_a_reason_to_skip():
+    # After the blocks tile_rows runs the in-place pass, which lowers the nodes it rewrites
+    # (here the forward's GELU, writing into its dying input) wherever they are.
+    gm = _trace(_branch_forward)
+    gelu = next(iter(gm.graph.find_nodes(op="call_function", target=aten.gelu.default)))
+    search = built.TilingSearch()
+    search._found[(gm, 0)] = ()  # no tiling at all: every node is outside a window
+    assert not built._peak_outside(_profile_at(gm, gelu.name), gm, gm, 0, search)
+    # The mean after it is not one the pass rewrites.
+    (mean,) = gm.graph.find_nodes(op="call_function", target=aten.mean.dim)
+    assert built._peak_outside(_profile_at(gm, mean.name), gm, gm, 0, search)

@@ -56,7 +56,7 @@ from memcompile.rewrites.tiling.probe import code_key, tiles_exactly
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PREFIX", "InlineMemo", "row_tile_pass"]
+__all__ = ["PREFIX", "InlineMemo", "row_tile_pass", "tiling_window"]
 
 aten = torch.ops.aten
 
@@ -409,6 +409,27 @@ def _removed(t: RowTiling, nodes: dict[str, fx.Node]) -> set[str]:
         m.name for name in t.reloaded_batches for m in _reloaded_by(nodes[name], batched=True)[0]
     )
     return gone
+
+
+def tiling_window(gm: fx.GraphModule, tilings: Sequence[RowTiling]) -> frozenset[str]:
+    """Names of the nodes of ``gm`` at which :func:`row_tile_pass` with ``tilings`` (any of
+    them) may change what is live: from the first node each touches (its chain, what it removes:
+    reloads, absorbed matmuls and their views) to its op, where the blocks run. Outside it the
+    copy holds exactly what ``gm`` holds, node for node: a chain value removed or kept lived
+    inside it (``_Chain.shared``: no reader after the op), a leaf is read there at the latest,
+    and the views that move go after the op. ``built.tiled`` skips a rewrite that cannot lower
+    a peak held outside it."""
+    if not tilings:
+        return frozenset()
+    nodes = {n.name: n for n in gm.graph.nodes}
+    names = list(nodes)
+    order = {name: i for i, name in enumerate(names)}
+    inside = [False] * len(names)
+    for t in tilings:
+        touched = [order[x] for x in (*t.chain, t.node, *_removed(t, nodes))]
+        for i in range(min(touched), max(touched) + 1):
+            inside[i] = True
+    return frozenset(name for name, hit in zip(names, inside, strict=True) if hit)
 
 
 @functools.cache
