@@ -772,33 +772,50 @@ def test_hand_written_attention_trains_bit_identically_with_its_value_gradient_b
     assert targets.count("aten.bmm.out") == 4 * tiling_find.BLOCKS  # 4 layers' value gradients
 
 
-def test_the_window_spans_each_tiling_from_its_first_node_to_its_op():
-    # The branch backward: the chain (the scaled gradient, the recomputed pre-activation) to the
-    # GELU's gradient is inside; the inputs before it and the weight gradient after it are not.
+def test_tiling_changes_name_what_the_blocks_replace_and_what_they_hold_for_less_time():
+    # GPT's MLP backward: the recomputed pre-activation stays for the GELU (kept: held for less
+    # time, not replaced); the rest of the chain and the GELU's gradient are replaced.
+    gm = _trace(_mlp_backward)
+    tilings = find_row_tilings(gm, blocks=4, max_kept_matmuls=1)
+    (found,) = [t for t in tilings if t.op == "aten.gelu_backward.default"]
+    assert found.kept
+    replaced, until = tiling_build.tiling_changes(gm, (found,))
+    assert replaced == (set(found.chain) - set(found.kept)) | {found.node}
+    # Held for less time, up to the op: the chain (its kept values too), not the op's result.
+    assert until == dict.fromkeys(set(found.chain), found.node)
+    assert tiling_build.tiling_changes(gm, ()) == (frozenset(), {})
+
+
+def test_the_bound_on_the_tiled_peak_is_never_above_the_tiled_graphs_peak():
+    from memcompile.analysis.graph import profile_graph
+
     gm = _trace(_branch_backward)
-    (found,) = find_row_tilings(gm, blocks=4)
-    window = tiling_build.tiling_window(gm, (found,))
-    names = [n.name for n in gm.graph.nodes]
-    first = min(names.index(c) for c in found.chain)
-    assert window == set(names[first : names.index(found.node) + 1])
-    assert not {n.name for n in gm.graph.find_nodes(op="placeholder")} & window
-    assert (
-        not {n.name for n in gm.graph.find_nodes(op="call_function", target=aten.mm.default)}
-        & window
-    )
-    assert tiling_build.tiling_window(gm, ()) == frozenset()
+    tilings = find_row_tilings(gm, blocks=4)
+    tiled = row_tile_pass(gm, CTX, blocks=4)
+    before = profile_graph(gm, kind="backward")
+    after = profile_graph(tiled, kind="backward")
+    least = built._least_tiled_peak(gm, before, tilings)
+    assert after.peak_bytes < before.peak_bytes  # the blocks lower it here
+    assert least <= after.peak_bytes
 
 
-def _profile_at(gm: fx.GraphModule, peak_at: str, *, accumulate: bool = False):
+def _profile_at(gm: fx.GraphModule, peak_at: str, *, accumulate: bool = False, new: int = 0):
     """A stand-in for the built graphs' FragmentProfile: ``gm`` as the backward, at its peak
-    (100 bytes) at node ``peak_at`` only; the accumulation at the peak too with ``accumulate``."""
+    (100 bytes) at node ``peak_at`` only, which allocates ``new`` bytes there; the
+    accumulation at the peak too with ``accumulate``."""
     from types import SimpleNamespace
 
     nodes = tuple(
-        SimpleNamespace(name=n.name, live_bytes=100 if n.name == peak_at else 10)
+        SimpleNamespace(
+            name=n.name,
+            live_bytes=100 if n.name == peak_at else 10,
+            storages=(),
+            new_bytes=new if n.name == peak_at else 0,
+            workspace_bytes=0,
+        )
         for n in gm.graph.nodes
     )
-    backward = SimpleNamespace(nodes=nodes, peak_bytes=100)
+    backward = SimpleNamespace(nodes=nodes, peak_bytes=100, storages=())
     peaks = {"forward": 50, "backward": 100, "accumulate": 100 if accumulate else 20}
     return SimpleNamespace(forward=None, backward=backward, phase_peaks=lambda: peaks)
 
@@ -808,22 +825,25 @@ def test_tiling_is_skipped_only_where_no_tiling_can_lower_the_peak():
     (found,) = find_row_tilings(gm, blocks=4)
     search = built.TilingSearch()
     after = next(n.name for n in gm.graph.find_nodes(op="call_function", target=aten.mm.default))
-    # Held after the op, outside the window: the blocks cannot lower it.
-    assert built._peak_outside(_profile_at(gm, after), gm, gm, 0, search)
-    # Held at the op: they may.
-    assert not built._peak_outside(_profile_at(gm, found.node), gm, gm, 0, search)
+    # Held after the op by a node the blocks keep, by values they do not touch: not lowered.
+    assert built._tiling_cannot_lower(_profile_at(gm, after), gm, gm, 0, search)
+    # Held at the op, which the blocks replace: it may be.
+    assert not built._tiling_cannot_lower(_profile_at(gm, found.node), gm, gm, 0, search)
     # The accumulation (outputs and what the graph holds at its end) is at the peak as well.
-    assert built._peak_outside(_profile_at(gm, found.node, accumulate=True), gm, gm, 0, search)
+    assert built._tiling_cannot_lower(
+        _profile_at(gm, found.node, accumulate=True), gm, gm, 0, search
+    )
 
 
-def test_a_peak_at_a_node_the_in_place_pass_may_rewrite_is_not_a_reason_to_skip():
+def test_a_peak_at_a_node_the_in_place_pass_may_rewrite_counts_without_its_new_bytes():
     # After the blocks tile_rows runs the in-place pass, which lowers the nodes it rewrites
-    # (here the forward's GELU, writing into its dying input) wherever they are.
+    # (here the forward's GELU, writing into its dying input) by their new bytes.
     gm = _trace(_branch_forward)
-    gelu = next(iter(gm.graph.find_nodes(op="call_function", target=aten.gelu.default)))
-    search = built.TilingSearch()
-    search._found[(gm, 0)] = ()  # no tiling at all: every node is outside a window
-    assert not built._peak_outside(_profile_at(gm, gelu.name), gm, gm, 0, search)
-    # The mean after it is not one the pass rewrites.
+    (gelu,) = gm.graph.find_nodes(op="call_function", target=aten.gelu.default)
     (mean,) = gm.graph.find_nodes(op="call_function", target=aten.mean.dim)
-    assert built._peak_outside(_profile_at(gm, mean.name), gm, gm, 0, search)
+    search = built.TilingSearch()
+    search._found[(gm, 0)] = ()  # no tiling at all
+    assert not built._tiling_cannot_lower(_profile_at(gm, gelu.name, new=95), gm, gm, 0, search)
+    assert built._tiling_cannot_lower(_profile_at(gm, gelu.name, new=0), gm, gm, 0, search)
+    # The mean is not one the pass rewrites.
+    assert built._tiling_cannot_lower(_profile_at(gm, mean.name, new=95), gm, gm, 0, search)

@@ -56,7 +56,7 @@ from memcompile.rewrites.tiling.probe import code_key, tiles_exactly
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PREFIX", "InlineMemo", "row_tile_pass", "tiling_window"]
+__all__ = ["PREFIX", "InlineMemo", "row_tile_pass", "tiling_changes"]
 
 aten = torch.ops.aten
 
@@ -411,25 +411,30 @@ def _removed(t: RowTiling, nodes: dict[str, fx.Node]) -> set[str]:
     return gone
 
 
-def tiling_window(gm: fx.GraphModule, tilings: Sequence[RowTiling]) -> frozenset[str]:
-    """Names of the nodes of ``gm`` at which :func:`row_tile_pass` with ``tilings`` (any of
-    them) may change what is live: from the first node each touches (its chain, what it removes:
-    reloads, absorbed matmuls and their views) to its op, where the blocks run. Outside it the
-    copy holds exactly what ``gm`` holds, node for node: a chain value removed or kept lived
-    inside it (``_Chain.shared``: no reader after the op), a leaf is read there at the latest,
-    and the views that move go after the op. ``built.tiled`` skips a rewrite that cannot lower
-    a peak held outside it."""
-    if not tilings:
-        return frozenset()
+def tiling_changes(
+    gm: fx.GraphModule, tilings: Sequence[RowTiling]
+) -> tuple[frozenset[str], dict[str, str]]:
+    """What :func:`row_tile_pass` with ``tilings`` (any of them) changes in ``gm``: the nodes it
+    replaces (each op, which its blocks make, and :func:`_removed`'s), and the nodes whose values
+    may be held for less time, each with the op up to which (the latest of the tilings that
+    touch it): the removed ones and the chain values kept for their earlier readers. Every other
+    value of ``gm`` is made by the same node and held at least as long (a leaf is read by the
+    blocks at the op at the latest; a removed or kept value has no reader after the op,
+    ``_Chain.shared``, and an absorbed matmul's product is whole again from the op on), so a
+    node the copy keeps holds at least what it held, less those values' bytes while they were
+    held before their op. ``built.tiled`` bounds the copy's peak so before building the
+    blocks."""
     nodes = {n.name: n for n in gm.graph.nodes}
-    names = list(nodes)
-    order = {name: i for i, name in enumerate(names)}
-    inside = [False] * len(names)
+    order = {name: i for i, name in enumerate(nodes)}
+    replaced: set[str] = set()
+    until: dict[str, str] = {}
     for t in tilings:
-        touched = [order[x] for x in (*t.chain, t.node, *_removed(t, nodes))]
-        for i in range(min(touched), max(touched) + 1):
-            inside[i] = True
-    return frozenset(name for name, hit in zip(names, inside, strict=True) if hit)
+        gone = _removed(t, nodes)
+        replaced |= gone | {t.node}
+        for name in gone | set(t.kept):
+            if name not in until or order[until[name]] < order[t.node]:
+                until[name] = t.node
+    return frozenset(replaced), until
 
 
 @functools.cache
