@@ -665,22 +665,38 @@ def test_row_tiling_lowers_branchys_smallest_plan_and_trains_bit_identically(mon
         train_under_budget("branchy", "adam", budget, **recompute)
 
 
-def test_each_built_graph_is_searched_for_tilings_once_per_matmul_allowance(monkeypatch):
-    # _same_tilings and the rewrite with 0 and with MAX_KEPT_MATMULS matmuls made again ask for
-    # the same decisions: each graph is searched once per allowance (4 searches, not 8).
-    searched: list[tuple[fx.GraphModule, int]] = []
-    real = tiling_find.find_row_tilings
+def test_each_built_graph_is_searched_for_tilings_once_for_both_matmul_allowances(monkeypatch):
+    # _same_tilings, the skip's bound and the rewrite with 0 and with MAX_KEPT_MATMULS matmuls
+    # made again ask for the same decisions: each graph is searched once, for both allowances.
+    searched: list[tuple[fx.GraphModule, tuple[int, ...]]] = []
+    real = tiling_find.find_row_tilings_each
 
-    def counting(gm, *, blocks=tiling_find.BLOCKS, max_kept_matmuls=tiling_find.MAX_KEPT_MATMULS):
-        searched.append((gm, max_kept_matmuls))  # keeps gm alive: ids are not reused
-        return real(gm, blocks=blocks, max_kept_matmuls=max_kept_matmuls)
+    def counting(gm, allowances, *, blocks=tiling_find.BLOCKS):
+        searched.append((gm, tuple(allowances)))  # keeps gm alive: ids are not reused
+        return real(gm, allowances, blocks=blocks)
 
-    monkeypatch.setattr(tiling_build, "find_row_tilings", counting)
-    monkeypatch.setattr(built, "find_row_tilings", counting)
+    def alone(gm, **kwargs):
+        raise AssertionError("row_tile_pass searched a graph itself")
+
+    monkeypatch.setattr(tiling_build, "find_row_tilings", alone)
+    monkeypatch.setattr(built, "find_row_tilings_each", counting)
     _floor(monkeypatch, True, swap=False, offload_params=False, pilot="off")
-    assert {k for _, k in searched} == {0, tiling_find.MAX_KEPT_MATMULS}  # both allowances tried
-    pairs = [(id(gm), k) for gm, k in searched]
-    assert len(pairs) == len(set(pairs)), "a graph was searched twice for the same allowance"
+    assert searched
+    assert {k for _, ks in searched for k in ks} == {0, tiling_find.MAX_KEPT_MATMULS}
+    graphs = [id(gm) for gm, _ in searched]
+    assert len(graphs) == len(set(graphs)), "a graph was searched twice"
+
+
+def test_one_search_for_both_allowances_finds_what_each_finds_alone():
+    for fn in (_mlp_backward, _branch_backward, _forward_read_early):
+        gm = _trace(fn)
+        both = tiling_find.find_row_tilings_each(gm, (0, 1), blocks=4)
+        assert both[0] == find_row_tilings(gm, blocks=4, max_kept_matmuls=0)
+        assert both[1] == find_row_tilings(gm, blocks=4, max_kept_matmuls=1)
+    # (Tilings that make a matmul again differ between the two: the MLP's kept pre-activation.)
+    gm = _trace(_mlp_backward)
+    both = tiling_find.find_row_tilings_each(gm, (0, 1), blocks=4)
+    assert both[0] != both[1]
 
 
 def test_a_swapping_plan_over_its_target_falls_back_to_recomputing(monkeypatch):

@@ -44,7 +44,11 @@ from memcompile.rewrites.rematerialize import (
     rematerialize_pass,
 )
 from memcompile.rewrites.tiling.build import InlineMemo, row_tile_pass, tiling_changes
-from memcompile.rewrites.tiling.find import MAX_KEPT_MATMULS, RowTiling, find_row_tilings
+from memcompile.rewrites.tiling.find import (
+    MAX_KEPT_MATMULS,
+    RowTiling,
+    find_row_tilings_each,
+)
 
 __all__ = [
     "ProfileMemo",
@@ -266,7 +270,11 @@ class TilingSearch:
     def __call__(self, gm: fx.GraphModule, kept: int) -> tuple[RowTiling, ...]:
         found = self._found.get((gm, kept))
         if found is None:
-            found = self._found[(gm, kept)] = find_row_tilings(gm, max_kept_matmuls=kept)
+            # Both allowances the builds ask for, in one search (find_row_tilings_each).
+            allowances = sorted({0, MAX_KEPT_MATMULS, kept})
+            for k, tilings in find_row_tilings_each(gm, allowances).items():
+                self._found[(gm, k)] = tilings
+            found = self._found[(gm, kept)]
         return found
 
 
@@ -394,8 +402,7 @@ def tiled(
     best_kept: int | None = None
     search = TilingSearch() if search is None else search
     for kept in sorted({0, MAX_KEPT_MATMULS}):
-        if kept and _same_tilings(fw, bw, kept, search):
-            break  # no op's blocks would make a matmul again: the same rewrite
+        # (Asked first: it searches the graph at the peak only, _same_tilings both.)
         if _may_rewrite(plan) and _tiling_cannot_lower(
             memo(spec, fw, bw, split), fw, bw, kept, search
         ):
@@ -404,6 +411,8 @@ def tiled(
                 "F%d: row tiling (%d matmuls made again) cannot lower the peak", spec.index, kept
             )
             found = (fw, bw, plan)
+        elif kept and _same_tilings(fw, bw, kept, search):
+            break  # no op's blocks would make a matmul again: the same rewrite
         else:
             found = built_rewrite(
                 spec,

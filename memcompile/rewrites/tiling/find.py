@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from memcompile.rewrites.inplace import FORWARD_OPS, OPS, owned_nodes
 from memcompile.rewrites.rematerialize import written_between
 
-__all__ = ["BLOCKS", "MAX_KEPT_MATMULS", "RowTiling", "find_row_tilings"]
+__all__ = ["BLOCKS", "MAX_KEPT_MATMULS", "RowTiling", "find_row_tilings", "find_row_tilings_each"]
 
 aten = torch.ops.aten
 
@@ -485,10 +485,20 @@ def find_row_tilings(
     bit-identity probe has not run (:func:`row_tile_pass` runs it). ``max_kept_matmuls``:
     matmuls an op's blocks may make again; a chain that would make more reads them whole
     instead, as leaves (no time, but held whole up to the op)."""
+    return find_row_tilings_each(gm, (max_kept_matmuls,), blocks=blocks)[max_kept_matmuls]
+
+
+def find_row_tilings_each(
+    gm: fx.GraphModule, allowances: Sequence[int], *, blocks: int = BLOCKS
+) -> dict[int, tuple[RowTiling, ...]]:
+    """:func:`find_row_tilings` of ``gm`` with each of ``allowances`` as ``max_kept_matmuls``,
+    in one search: each op's chain is searched once with no leaf given (the same search for
+    every allowance), and once more with the matmuls it would make again read whole, where
+    some allowance is below their count."""
     owned = owned_nodes(gm)
     nodes = list(gm.graph.nodes)
     order = {m: i for i, m in enumerate(nodes)}
-    found = []
+    found: dict[int, list[RowTiling]] = {k: [] for k in allowances}
     for n in gm.graph.nodes:
         form = _functional(n) or _reduction(n) or _row_op(n)
         v = _val(n)
@@ -502,13 +512,20 @@ def find_row_tilings(
             continue
         if any(u.op == "output" for u in n.users):
             continue
-        found_one = _tiling(n, form[0], rowed, owned, nodes, order, blocks, frozenset())
-        if found_one is not None and len(found_one.kept_matmuls) > max_kept_matmuls:
-            as_leaves = found_one.kept_matmuls
-            found_one = _tiling(n, form[0], rowed, owned, nodes, order, blocks, as_leaves)
-        if found_one is not None and len(found_one.kept_matmuls) <= max_kept_matmuls:
-            found.append(found_one.tiling)
-    return tuple(found)
+        first = _tiling(n, form[0], rowed, owned, nodes, order, blocks, frozenset())
+        again: _Found | None = None
+        searched_again = False
+        for k in allowances:
+            found_one = first
+            if found_one is not None and len(found_one.kept_matmuls) > k:
+                if not searched_again:
+                    as_leaves = found_one.kept_matmuls
+                    again = _tiling(n, form[0], rowed, owned, nodes, order, blocks, as_leaves)
+                    searched_again = True
+                found_one = again
+            if found_one is not None and len(found_one.kept_matmuls) <= k:
+                found[k].append(found_one.tiling)
+    return {k: tuple(v) for k, v in found.items()}
 
 
 @dataclass(frozen=True)
