@@ -6,7 +6,8 @@ them on the built graphs and keeps each only when a phase's exact peak drops::
 
     fw, bw = built(plan)                       exact peak P (profile_fragment, measured scratch)
     in place     (rewrites/inplace.py, built=True)    P' < P ? keep : drop
-    row tiling   (rewrites/tiling/), 0 matmuls made again, then up to MAX_KEPT_MATMULS
+    row tiling   (rewrites/tiling/), 0 matmuls made again, then up to MAX_KEPT_MATMULS;
+                 not built where a lower bound on the tiled peak is not below P
     rematerialize (rewrites/rematerialize.py), the backward only
 
 Every profile here is exact: a rewritten node's kernel scratch is its original's (the same op on
