@@ -328,6 +328,7 @@ class JointModel:
         self._low_inputs: list[tuple[int, ...]] = [
             tuple(j for j in ins if j < self.first_tangent_user) for ins in self.inputs
         ]
+        self._has_low_inputs: list[bool] = [bool(ins) for ins in self._low_inputs]
 
     def _op_time(self, n: fx.Node, profile: DeviceProfile) -> float:
         if n.op != "call_function":
@@ -537,15 +538,27 @@ class JointModel:
 
     def backward_groups(self, needed: set[int]) -> list[list[int]]:
         """torch's reordering_to_mimic_autograd_engine over the needed nodes (joint indices), as
-        its groups: each insert of a root emits the not-yet-placed nodes it needs, sorted.
+        its groups: each insert of a root emits the not-yet-placed nodes it needs, sorted."""
+        order, starts = self._backward_walk(needed, groups=True)
+        return [order[a:b] for a, b in itertools.pairwise([*starts, len(order)])]
+
+    def backward_order(self, needed: set[int]) -> list[int]:
+        """:meth:`backward_groups`, flattened: the backward's execution order."""
+        return self._backward_walk(needed, groups=False)[0]
+
+    def _backward_walk(self, needed: set[int], *, groups: bool) -> tuple[list[int], list[int]]:
+        """(:meth:`backward_order`, where each of :meth:`backward_groups` starts in it; with
+        ``groups=False`` those starts are not kept).
 
         The roots from the first tangent user on are taken in index order, and a node's inputs
         come before it: when one is taken, every needed node after that user and before it is
-        placed already, so only its inputs before that user (``_low_inputs``, mostly none: a
-        singleton group) are looked at, and it is never reached from a later root. Half the
-        planner's evaluation on a recurrent net was this method, node by node."""
+        placed already, so only its inputs before that user (``_low_inputs``) are looked at,
+        and it is never reached from a later root. Most have none, or none left to place: each
+        is a group of its own, and runs of them are copied as slices of the sorted nodes. (Half
+        the planner's evaluation on a recurrent net was this walk, node by node.)"""
         done: set[int] = set()
-        groups: list[list[int]] = []
+        out: list[int] = []
+        starts: list[int] = []
         node_inputs = self.inputs
         tangent_user = self.first_tangent_user
 
@@ -559,7 +572,9 @@ class JointModel:
                 done.add(i)
                 seen.append(i)
                 todo.extend(node_inputs[i])
-            groups.append(sorted(seen) if len(seen) > 1 else seen)
+            if groups:
+                starts.append(len(out))
+            out.extend(sorted(seen) if len(seen) > 1 else seen)
 
         def insert(root: int) -> None:  # a root before the first tangent user
             if root in done or root not in needed:
@@ -567,20 +582,27 @@ class JointModel:
             done.add(root)
             place(root, [j for j in node_inputs[root] if j not in done and j in needed])
 
+        def singletons(run: list[int]) -> None:
+            if groups:
+                starts.extend(range(len(out), len(out) + len(run)))
+            out.extend(run)
+
         ordered = sorted(needed)
         for i in self._early_copies:  # copy_ nodes ahead of the first backward node run first
             if i in needed and i not in done:  # (as torch's)
                 insert(i)
         first = bisect.bisect_left(ordered, tangent_user)
-        low = self._low_inputs
-        for i in ordered[first:]:
-            lows = low[i]
-            if lows:
-                todo = [j for j in lows if j not in done and j in needed]
-                if todo:
-                    place(i, todo)
-                    continue
-            groups.append([i])
+        main = ordered[first:]
+        low, has_low = self._low_inputs, self._has_low_inputs
+        run = 0  # main[run:] not emitted yet
+        for k in itertools.compress(range(len(main)), map(has_low.__getitem__, main)):
+            i = main[k]
+            todo = [j for j in low[i] if j not in done and j in needed]
+            if todo:
+                singletons(main[run:k])
+                place(i, todo)
+                run = k + 1
+        singletons(main[run:])
         # The rest: roots before the first tangent user (those after it are placed).
         for i in self.bw_outputs:  # outputs that do not depend on the tangents at all
             if i < tangent_user and i not in done:
@@ -588,11 +610,7 @@ class JointModel:
         for i in ordered[:first]:  # side-effect nodes before the first backward node
             if i not in done:
                 insert(i)
-        return groups
-
-    def backward_order(self, needed: set[int]) -> list[int]:
-        """:meth:`backward_groups`, flattened: the backward's execution order."""
-        return list(itertools.chain.from_iterable(self.backward_groups(needed)))
+        return out, starts
 
     def _replay(
         self,
