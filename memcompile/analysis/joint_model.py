@@ -324,11 +324,10 @@ class JointModel:
             for i, n in enumerate(nodes)
             if i < self.first_tangent_user and n.target is torch.ops.aten.copy_.default
         ]
-        # Each node's inputs before the first tangent user (``backward_groups``).
+        # Each node's inputs before the first tangent user (``_backward_walk``).
         self._low_inputs: list[tuple[int, ...]] = [
             tuple(j for j in ins if j < self.first_tangent_user) for ins in self.inputs
         ]
-        self._has_low_inputs: list[bool] = [bool(ins) for ins in self._low_inputs]
 
     def _op_time(self, n: fx.Node, profile: DeviceProfile) -> float:
         if n.op != "call_function":
@@ -593,9 +592,10 @@ class JointModel:
                 insert(i)
         first = bisect.bisect_left(ordered, tangent_user)
         main = ordered[first:]
-        low, has_low = self._low_inputs, self._has_low_inputs
+        low = self._low_inputs
         run = 0  # main[run:] not emitted yet
-        for k in itertools.compress(range(len(main)), map(has_low.__getitem__, main)):
+        # (The nodes with any input before that user: an empty tuple selects none.)
+        for k in itertools.compress(range(len(main)), map(low.__getitem__, main)):
             i = main[k]
             todo = [j for j in low[i] if j not in done and j in needed]
             if todo:

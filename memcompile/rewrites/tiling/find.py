@@ -513,16 +513,12 @@ def find_row_tilings_each(
         if any(u.op == "output" for u in n.users):
             continue
         first = _tiling(n, form[0], rowed, owned, nodes, order, blocks, frozenset())
-        again: _Found | None = None
-        searched_again = False
+        again = None  # with the matmuls it would make again read whole, where one asks for it
+        if first is not None and len(first.kept_matmuls) > min(allowances):
+            as_leaves = first.kept_matmuls
+            again = _tiling(n, form[0], rowed, owned, nodes, order, blocks, as_leaves)
         for k in allowances:
-            found_one = first
-            if found_one is not None and len(found_one.kept_matmuls) > k:
-                if not searched_again:
-                    as_leaves = found_one.kept_matmuls
-                    again = _tiling(n, form[0], rowed, owned, nodes, order, blocks, as_leaves)
-                    searched_again = True
-                found_one = again
+            found_one = first if first is None or len(first.kept_matmuls) <= k else again
             if found_one is not None and len(found_one.kept_matmuls) <= k:
                 found[k].append(found_one.tiling)
     return {k: tuple(v) for k, v in found.items()}
