@@ -668,12 +668,13 @@ def test_row_tiling_lowers_branchys_smallest_plan_and_trains_bit_identically(mon
 def test_each_built_graph_is_searched_for_tilings_once_for_both_matmul_allowances(monkeypatch):
     # _same_tilings, the skip's bound and the rewrite with 0 and with MAX_KEPT_MATMULS matmuls
     # made again ask for the same decisions: each graph is searched once, for both allowances.
-    searched: list[tuple[fx.GraphModule, tuple[int, ...]]] = []
+    searched: list[tuple[fx.GraphModule, tuple[int, ...], int, int]] = []
     real = tiling_find.find_row_tilings_each
 
-    def counting(gm, allowances, *, blocks=tiling_find.BLOCKS):
-        searched.append((gm, tuple(allowances)))  # keeps gm alive: ids are not reused
-        return real(gm, allowances, blocks=blocks)
+    def counting(gm, allowances, *, blocks=tiling_find.BLOCKS, start=0, stop=None):
+        stop = len(gm.graph.nodes) if stop is None else stop
+        searched.append((gm, tuple(allowances), start, stop))  # keeps gm alive: ids not reused
+        return real(gm, allowances, blocks=blocks, start=start, stop=stop)
 
     def alone(gm, **kwargs):
         raise AssertionError("row_tile_pass searched a graph itself")
@@ -682,9 +683,9 @@ def test_each_built_graph_is_searched_for_tilings_once_for_both_matmul_allowance
     monkeypatch.setattr(built, "find_row_tilings_each", counting)
     _floor(monkeypatch, True, swap=False, offload_params=False, pilot="off")
     assert searched
-    assert {k for _, ks in searched for k in ks} == {0, tiling_find.MAX_KEPT_MATMULS}
-    graphs = [id(gm) for gm, _ in searched]
-    assert len(graphs) == len(set(graphs)), "a graph was searched twice"
+    assert {k for _, ks, _, _ in searched for k in ks} == {0, tiling_find.MAX_KEPT_MATMULS}
+    ops = [(id(gm), i) for gm, _, start, stop in searched for i in range(start, stop)]
+    assert len(ops) == len(set(ops)), "an op was searched twice"
 
 
 def test_one_search_for_both_allowances_finds_what_each_finds_alone():
@@ -858,8 +859,39 @@ def test_a_peak_at_a_node_the_in_place_pass_may_rewrite_counts_without_its_new_b
     (gelu,) = gm.graph.find_nodes(op="call_function", target=aten.gelu.default)
     (mean,) = gm.graph.find_nodes(op="call_function", target=aten.mean.dim)
     search = built.TilingSearch()
-    search._found[(gm, 0)] = ()  # no tiling at all
+    allowances = (0, tiling_find.MAX_KEPT_MATMULS)
+    search._found[(gm, allowances)] = (0, dict.fromkeys(allowances, ()))  # no tiling at all
     assert not built._tiling_cannot_lower(_profile_at(gm, gelu.name, new=95), gm, gm, 0, search)
     assert built._tiling_cannot_lower(_profile_at(gm, gelu.name, new=0), gm, gm, 0, search)
     # The mean is not one the pass rewrites.
     assert built._tiling_cannot_lower(_profile_at(gm, mean.name, new=95), gm, gm, 0, search)
+
+
+def test_the_search_of_a_range_of_ops_finds_what_the_whole_search_finds_there():
+    # Each op's tiling is its own: the search split anywhere finds the same tilings.
+    for fn in (_mlp_backward, _branch_backward, _forward_read_early):
+        gm = _trace(fn)
+        whole = tiling_find.find_row_tilings_each(gm, (0, 1), blocks=4)
+        n = len(gm.graph.nodes)
+        for cut in range(n + 1):
+            head = tiling_find.find_row_tilings_each(gm, (0, 1), blocks=4, stop=cut)
+            tail = tiling_find.find_row_tilings_each(gm, (0, 1), blocks=4, start=cut)
+            assert {k: head[k] + tail[k] for k in (0, 1)} == whole
+        # The fragment's search asked for the ops from a peak first, then for all of them.
+        search = built.TilingSearch()
+        search(gm, 0, start=n // 2)
+        assert search(gm, 0) == find_row_tilings(gm, max_kept_matmuls=0)
+        assert search(gm, 1) == find_row_tilings(gm, max_kept_matmuls=1)
+
+
+def test_the_skip_searched_from_the_peak_decides_as_the_bound_over_every_tiling():
+    # Only the tilings of ops from the first node at the peak on can lower that node's count:
+    # the skip, which searches those only, decides as the bound with all of them would.
+    for fn in (_mlp_backward, _branch_backward, _forward_read_early):
+        gm = _trace(fn)
+        every = find_row_tilings(gm, max_kept_matmuls=0)
+        for n in gm.graph.nodes:
+            profile = _profile_at(gm, n.name)
+            whole = built._least_tiled_peak(gm, profile.backward, every) >= 100
+            search = built.TilingSearch()
+            assert built._tiling_cannot_lower(profile, gm, gm, 0, search) == whole

@@ -258,25 +258,35 @@ def built_rewrite(
 
 
 class TilingSearch:
-    """:func:`find_row_tilings` of the built graphs one fragment's search rewrites, each graph
-    and ``max_kept_matmuls`` searched once: the search only decides, and the graphs do not
-    change meanwhile (the rewrites make copies). Keyed by the graph object (by identity).
-    ``inlined``: the fake values of the blocks the rewrites made (``tiling/build.InlineMemo``),
-    for the next build that tiles the same op on the same values."""
+    """:func:`find_row_tilings` of the built graphs one fragment's search rewrites, each op of
+    each graph searched once for both ``max_kept_matmuls`` the builds ask for: the search only
+    decides, and the graphs do not change meanwhile (the rewrites make copies). Keyed by the
+    graph object (by identity). ``inlined``: the fake values of the blocks the rewrites made
+    (``tiling/build.InlineMemo``), for the next build that tiles the same op on the same
+    values."""
 
     def __init__(self) -> None:
-        self._found: dict[tuple[fx.GraphModule, int], tuple[RowTiling, ...]] = {}
+        # (graph, allowances) -> (the position of the first op searched, tilings by allowance)
+        self._found: dict[
+            tuple[fx.GraphModule, tuple[int, ...]], tuple[int, dict[int, tuple[RowTiling, ...]]]
+        ] = {}
         self.inlined: InlineMemo = {}
 
-    def __call__(self, gm: fx.GraphModule, kept: int) -> tuple[RowTiling, ...]:
-        found = self._found.get((gm, kept))
-        if found is None:
-            # Both allowances the builds ask for, in one search (find_row_tilings_each).
-            allowances = sorted({0, MAX_KEPT_MATMULS, kept})
-            for k, tilings in find_row_tilings_each(gm, allowances).items():
-                self._found[(gm, k)] = tilings
-            found = self._found[(gm, kept)]
-        return found
+    def __call__(self, gm: fx.GraphModule, kept: int, *, start: int = 0) -> tuple[RowTiling, ...]:
+        """The tilings of ``gm``'s ops from position ``start`` on (and of earlier ones where
+        they were searched already), with ``kept`` matmuls made again."""
+        # Both allowances the builds ask for, in one search (find_row_tilings_each).
+        allowances = tuple(sorted({0, MAX_KEPT_MATMULS, kept}))
+        key = (gm, allowances)
+        known = self._found.get(key)
+        if known is None or known[0] > start:
+            stop = None if known is None else known[0]
+            found = find_row_tilings_each(gm, allowances, start=start, stop=stop)
+            if known is not None:  # the ops searched before come after these
+                found = {k: found[k] + known[1][k] for k in allowances}
+            known = (start, found)
+            self._found[key] = known
+        return known[1][kept]
 
 
 def _same_tilings(fw: fx.GraphModule, bw: fx.GraphModule, kept: int, search: TilingSearch) -> bool:
@@ -352,6 +362,15 @@ def _least_tiled_peak(gm: fx.GraphModule, graph: GraphProfile, tilings: Sequence
     return least
 
 
+def _first_at_peak(gm: fx.GraphModule, graph: GraphProfile) -> int:
+    """The position in ``gm`` of the first node that holds ``graph``'s peak (0: not known).
+    Only tilings of ops from there on can lower such a node's count in
+    :func:`_least_tiled_peak`: a tiling replaces nodes up to its op and shortens values up to
+    its op (``tiling_changes``), and nodes below the peak stay below it."""
+    at = next((n.name for n in graph.nodes if n.live_bytes >= graph.peak_bytes), None)
+    return next((i for i, n in enumerate(gm.graph.nodes) if n.name == at), 0)
+
+
 def _tiling_cannot_lower(
     profile: FragmentProfile,
     fw: fx.GraphModule,
@@ -375,7 +394,7 @@ def _tiling_cannot_lower(
         gm, graph = (fw, profile.forward) if phase == "forward" else (bw, profile.backward)
         assert graph is not None
         try:
-            tilings = search(gm, kept)
+            tilings = search(gm, kept, start=_first_at_peak(gm, graph))
         except Exception:  # the rewrite that follows reports it
             continue
         if _least_tiled_peak(gm, graph, tilings) >= graph.peak_bytes:
@@ -403,7 +422,8 @@ def tiled(
     best_kept: int | None = None
     search = TilingSearch() if search is None else search
     for kept in sorted({0, MAX_KEPT_MATMULS}):
-        # (Asked first: it searches the graph at the peak only, _same_tilings both.)
+        # (Asked first: it searches the graph at the peak, from its first node there;
+        # _same_tilings both graphs whole.)
         if _may_rewrite(plan) and _tiling_cannot_lower(
             memo(spec, fw, bw, split), fw, bw, kept, search
         ):

@@ -130,9 +130,8 @@ def partition_pass(
     fw = P.raise_getitems(fw)
     if plan.forward_order:
         fw = reorder_pass(fw, ctx, order=_complete_order(fw, plan.forward_order))
-    bw = reorder_pass(
-        bw, ctx, order=[n for n in plan.backward_order if n in {x.name for x in bw.graph.nodes}]
-    )
+    in_bw = {x.name for x in bw.graph.nodes}
+    bw = reorder_pass(bw, ctx, order=[n for n in plan.backward_order if n in in_bw])
     for gm in (fw, bw):
         gm.graph.lint()
         gm.recompile()

@@ -489,17 +489,24 @@ def find_row_tilings(
 
 
 def find_row_tilings_each(
-    gm: fx.GraphModule, allowances: Sequence[int], *, blocks: int = BLOCKS
+    gm: fx.GraphModule,
+    allowances: Sequence[int],
+    *,
+    blocks: int = BLOCKS,
+    start: int = 0,
+    stop: int | None = None,
 ) -> dict[int, tuple[RowTiling, ...]]:
     """:func:`find_row_tilings` of ``gm`` with each of ``allowances`` as ``max_kept_matmuls``,
     in one search: each op's chain is searched once with no leaf given (the same search for
     every allowance), and once more with the matmuls it would make again read whole, where
-    some allowance is below their count."""
+    some allowance is below their count. ``start``, ``stop``: only the ops at those positions
+    of ``gm``'s nodes (each op's tiling is its own: the tilings of a range of ops are those
+    the whole search finds there)."""
     owned = owned_nodes(gm)
     nodes = list(gm.graph.nodes)
     order = {m: i for i, m in enumerate(nodes)}
     found: dict[int, list[RowTiling]] = {k: [] for k in allowances}
-    for n in gm.graph.nodes:
+    for n in nodes[start:stop]:
         form = _functional(n) or _reduction(n) or _row_op(n)
         v = _val(n)
         if form is None or v is None or n not in owned:
