@@ -15,7 +15,7 @@ import torch
 
 import memcompile
 from memcompile import MemoryBudgetError, zoo
-from memcompile.analysis.schedule import schedule, sink
+from memcompile.analysis.schedule import SinkMemo, schedule, sink
 
 MiB = 2**20
 
@@ -40,6 +40,7 @@ def _model(spec: dict[int, tuple[list[int], int]]) -> Any:
         nbytes={i: spec.get(i, ([], 0))[1] for i in range(n)},
         persistent=frozenset(),
         has_effect=[False] * n,
+        sink_memo=SinkMemo(),
     )
 
 

@@ -46,6 +46,7 @@ from memcompile.analysis.graph import (
     tensor_vals,
 )
 from memcompile.analysis.liveness import Liveness, Replayed
+from memcompile.analysis.schedule import SinkMemo
 from memcompile.analysis.schedule import schedule as schedule_nodes
 from memcompile.analysis.schedule import sink as sink_order
 
@@ -298,6 +299,7 @@ class JointModel:
         ]
         self.has_effect: list[bool] = [has_effect(n) for n in nodes]
         self.effect_nodes = tuple(i for i, e in enumerate(self.has_effect) if e)
+        self.sink_memo = SinkMemo()
         self.liveness = Liveness(
             self.storages,
             self.inputs,
@@ -531,9 +533,14 @@ class JointModel:
                             state[i] = all(state[j] for j in node_inputs[i])
                             stack.pop()
             walk([i for i in roots if state[i]])
-        free = self.free_views
-        recompute = sorted(i for i in needed if self.kind[i] == _FW and i not in free)
+        recompute = sorted(needed.intersection(self._recomputations))
         return needed, recompute, inputs
+
+    @functools.cached_property
+    def _recomputations(self) -> frozenset[int]:
+        """Forward nodes that run a kernel when the backward needs them (not :attr:`free_views`)."""
+        free = self.free_views
+        return frozenset(i for i, k in enumerate(self.kind) if k == _FW and i not in free)
 
     def backward_groups(self, needed: set[int]) -> list[list[int]]:
         """torch's reordering_to_mimic_autograd_engine over the needed nodes (joint indices), as

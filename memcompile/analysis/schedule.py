@@ -49,9 +49,11 @@ import heapq
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Protocol
 
+import numpy as np
+
 from memcompile.analysis.liveness import Replayed
 
-__all__ = ["JointFacts", "schedule", "sink"]
+__all__ = ["JointFacts", "SinkMemo", "schedule", "sink"]
 
 
 class JointFacts(Protocol):
@@ -66,6 +68,8 @@ class JointFacts(Protocol):
     input_storages: list[frozenset[int]]
     has_effect: list[bool]
     effect_nodes: tuple[int, ...]
+    #: What :func:`sink` finds once per model (:class:`SinkMemo`).
+    sink_memo: SinkMemo
 
     def nodes_holding(self, storage: int) -> tuple[int, ...]: ...
 
@@ -351,26 +355,19 @@ def sink(
     order = list(order)
     result = replayed if replayed is not None else replay(order)
     replays = 1
+    memo = model.sink_memo
     while replays < max_replays:
         peak, _, at, live = result
+        candidates = memo.candidates(model, order, live, at)
+        if not candidates:
+            break
         position = dict(zip(order, range(len(order)), strict=True))
         # Positions of the nodes with effects, in order: a move checks only those it passes
         # (found from the few nodes with effects, not by a pass over the order).
         effects = sorted(position[j] for j in model.effect_nodes if j in position)
-        # Where each storage live at the peak is first made (the first node in the order
-        # holding it): looked up for those only, not built for the whole order.
-        producer: dict[int, int] = {}
-        for s in live:
-            made = [position[j] for j in model.nodes_holding(s) if j in position]
-            if made:
-                producer[s] = min(made)
-        candidates = sorted(
-            (s for s in live if s in producer and producer[s] < at),
-            key=lambda s: (-model.nbytes[s], producer[s]),
-        )[:_SINK_TRIES]
         improved = False
-        for s in candidates:
-            moved = _sink_move(model, order, position, producer[s], at, effects)
+        for made in candidates:
+            moved = _sink_move(model, order, position, made, at, effects)
             if moved is None:
                 continue
             new = replay(moved)
@@ -386,6 +383,96 @@ def sink(
     return order, result
 
 
+class SinkMemo:
+    """What :func:`sink` finds once per joint model and reuses in every call: the nodes holding
+    each storage (as arrays), and the views of each node that move with it."""
+
+    def __init__(self) -> None:
+        self.views: dict[int, tuple[int, ...]] = {}
+        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def _holding(self, model: JointFacts) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(the nodes holding each storage, concatenated; where each storage's start in it,
+        for those held by any; those storages; each storage's bytes)."""
+        if self._arrays is None:
+            n_storages = len(model.nbytes)
+            held = [(s, model.nodes_holding(s)) for s in range(n_storages)]
+            held = [(s, nodes) for s, nodes in held if nodes]
+            flat = np.fromiter((i for _, nodes in held for i in nodes), dtype=np.int64)
+            lengths = np.fromiter((len(nodes) for _, nodes in held), dtype=np.int64)
+            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+            storages = np.fromiter((s for s, _ in held), dtype=np.int64, count=len(held))
+            nbytes = np.fromiter(
+                (model.nbytes[s] for s in range(n_storages)), dtype=np.int64, count=n_storages
+            )
+            self._arrays = (flat, starts, storages, nbytes)
+        return self._arrays
+
+    def candidates(
+        self, model: JointFacts, order: Sequence[int], live: Collection[int], at: int
+    ) -> list[int]:
+        """Where :func:`sink`'s candidates at peak position ``at`` of ``order`` are first made
+        (the first node in the order holding each): the storages ``live`` there made before it,
+        largest first, then the earliest made, then as ``live`` gives them; at most
+        ``_SINK_TRIES``. In array operations: each evaluation of the GRU small's search
+        looked up the ~540 storages live at its peak one by one."""
+        if not live:
+            return []
+        flat, starts, storages, nbytes = self._holding(model)
+        never = len(order)
+        pos = np.full(len(model.storages), never, dtype=np.int64)
+        pos[np.fromiter(order, dtype=np.int64, count=len(order))] = np.arange(never, dtype=np.int64)
+        first = np.full(len(nbytes), never, dtype=np.int64)
+        if len(flat):
+            first[storages] = np.minimum.reduceat(pos[flat], starts)
+        ids = np.fromiter(live, dtype=np.int64, count=len(live))
+        made = first[ids]
+        before = made < at
+        ids, made = ids[before], made[before]
+        picked = np.lexsort((made, -nbytes[ids]))[:_SINK_TRIES]  # stable: ties as given
+        return made[picked].tolist()
+
+
+def _views_moving(
+    model: JointFacts, head: int, own: frozenset[int], position: dict[int, int]
+) -> set[int]:
+    """``head`` and its views in ``position``'s order that move with it: nodes making no storage
+    of their own (theirs within ``own``, ``head``'s) and no effect, reading ``head`` or another
+    of them, transitively. The views of each node in the whole graph are found once
+    (:class:`SinkMemo`); where one of them is not in this order, only those reached
+    through nodes that are."""
+    views = model.sink_memo.views
+    known = views.get(head)
+    if known is None:
+        members = {head}
+        stack = [head]
+        while stack:
+            j = stack.pop()
+            for u in model.users[j]:
+                if (
+                    u not in members
+                    and own.issuperset(model.storages[u])
+                    and not model.has_effect[u]
+                ):
+                    members.add(u)
+                    stack.append(u)
+        known = tuple(sorted(members - {head}))
+        views[head] = known
+    if all(u in position for u in known):
+        return {head, *known}
+    # (A user comes after what it reads in any order: each is after ``head``.)
+    members = {head}
+    stack = [head]
+    while stack:
+        j = stack.pop()
+        for u in model.users[j]:
+            if u in position and u not in members and own.issuperset(model.storages[u]):
+                if not model.has_effect[u]:
+                    members.add(u)
+                    stack.append(u)
+    return members
+
+
 def _sink_move(
     model: JointFacts,
     order: list[int],
@@ -398,23 +485,10 @@ def _sink_move(
     other reader, if that reader runs after position ``at`` and the move is legal; else None.
     ``effects``: the positions of ``order``'s nodes with effects, ascending."""
     head = order[start]
-    own = set(model.storages[head])
+    own = frozenset(model.storages[head])
     if model.has_effect[head] or own & model.input_storages[head]:
         return None  # an effect keeps its place; a view of an older value frees nothing
-    members = {head}
-    stack = [head]
-    while stack:  # views (nodes making no storage of their own) of the head, transitively
-        j = stack.pop()
-        for u in model.users[j]:
-            if (
-                u in position
-                and u not in members
-                and position[u] > start
-                and set(model.storages[u]) <= own
-                and not model.has_effect[u]
-            ):
-                members.add(u)
-                stack.append(u)
+    members = _views_moving(model, head, own, position)
     readers = [
         position[u] for j in members for u in model.users[j] if u in position and u not in members
     ]
@@ -432,8 +506,12 @@ def _sink_move(
         if touched & (model.input_storages[j] | set(model.storages[j])):
             return None
     # A view placed after the reader keeps its place: it reads the head, which still runs first.
-    moving_set = set(moving)
-    out = [i for p, i in enumerate(order[:first]) if p not in moving_set]
+    out: list[int] = []
+    last = 0
+    for p in moving:  # the order up to the reader without them (slices between them)
+        out += order[last:p]
+        last = p + 1
+    out += order[last:first]
     out += [order[p] for p in moving]
     out += order[first:]
     return out
