@@ -42,10 +42,11 @@ an infeasible target still yields the smallest plan found (``feasible=False``), 
 caller turns into ``MemoryBudgetError`` or, with ``on_infeasible="best_effort"``, a warning.
 
 A search is deterministic given its model, target, cap, techniques, pricing and start, so each
-greedy run and each evaluation in the memory-aware orders is done once per joint model and
-remembered while the model lives (the compiler plans one graph several times: for its target,
-recomputing or swapping only, then for its smallest peak, whose greedy runs the search for the
-target has already made when it ended above it).
+greedy run, each evaluation in the memory-aware orders and each trial's price (its phase peaks,
+time and held bytes) is made once per joint model and remembered while the model lives (the
+compiler plans one graph several times: for its target, recomputing or swapping only, then for
+its smallest peak, whose greedy runs the search for the target has already made when it ended
+above it, and whose trials retrace the target search's until their rankings part).
 
 The cap is for fragments of a multi-fragment step whose saved sets are held while *other*
 fragments run (an MoE expert called eight times, a tree cell called per node): their own graph
@@ -55,11 +56,15 @@ peak does not show those bytes, so a target alone never makes them give any up
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import weakref
 from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import numpy as np
 
 from memcompile.analysis.joint_model import JointEval, JointModel
 from memcompile.errors import format_bytes
@@ -107,6 +112,22 @@ class _Move:
     @property
     def ratio(self) -> float:
         return (self.nbytes + self.held) / max(self.cost, 1e-12)
+
+
+@dataclass(frozen=True)
+class _Priced:
+    """What a step compares of a trial's evaluation (:meth:`_Search.priced`): its phase peaks,
+    feasibility, time and held bytes; ``full``, the evaluation itself where it was made for
+    this trial (``None``: remembered from an earlier one)."""
+
+    forward_peak: int
+    backward_peak: int
+    accumulate_peak: int
+    peak: int
+    feasible: bool
+    time: float
+    held: int
+    full: JointEval | None = None
 
 
 #: Single moves priced exactly per step (the rest only when none of those helps).
@@ -174,20 +195,21 @@ class _Search:
         self.evaluations = 0
         self.rejected: set[tuple[str, tuple[int, ...]]] = set()
 
-    def saved_excess(self, e: JointEval) -> int:
+    def saved_excess(self, e: JointEval | _Priced) -> int:
         """Bytes by which ``e``'s held saved set exceeds the cap (0: within it, or no cap)."""
         if self.saved_cap is None:
             return 0
-        return max(0, self.model.held_bytes(e) - self.saved_cap)
+        held = e.held if isinstance(e, _Priced) else self.model.held_bytes(e)
+        return max(0, held - self.saved_cap)
 
-    def excess(self, e: JointEval) -> int:
+    def excess(self, e: JointEval | _Priced) -> int:
         """Bytes over the limits: the peak over the target, plus the saved set over its cap."""
         return max(0, e.peak - self.target) + self.saved_excess(e)
 
     def fits(self, e: JointEval) -> bool:
         return e.feasible and e.peak <= self.target and not self.saved_excess(e)
 
-    def rank(self, e: JointEval) -> tuple[int, ...]:
+    def rank(self, e: JointEval | _Priced) -> tuple[int, ...]:
         """Phase peaks over the target and the saved set over its cap, largest first: a phase
         that fits is not what binds, so lowering it is no progress (and raising it up to the
         target costs nothing); a move trading a phase's excess for less saved-set excess is
@@ -299,19 +321,19 @@ class _Search:
                 if freed >= over_peak and taken >= over_cap:
                     break
         if len(batch) > 1:
-            trial = self.trial(current, batch)
-            if trial.feasible and self.rank(trial) < rank:
-                return trial, batch
+            priced = self.priced(current, batch)
+            if priced.feasible and self.rank(priced) < rank:
+                return self.made(priced, current, batch), batch
         # One move at a time: the first few priced exactly (the estimate misses copies of
         # multi-output ops, moments the storage is not live at, views), the best kept: most
         # bytes of excess (peak over the target, saved set over its cap) removed per second
         # added.
-        best: tuple[float, JointEval, _Move] | None = None
+        best: tuple[float, _Priced, _Move] | None = None
         excess = self.excess(current)
         for n, m in enumerate(moves):
             if n >= _EXACT and best is not None:
                 break
-            trial = self.trial(current, [m])
+            trial = self.priced(current, [m])
             if not trial.feasible or self.rank(trial) >= rank:
                 self.rejected.add(m.key)
                 continue
@@ -321,9 +343,41 @@ class _Search:
                 best = (score, trial, m)
             if n >= _EXACT:  # past the exactly priced ones: the first that helps
                 break
-        return None if best is None else (best[1], [best[2]])
+        return None if best is None else (self.made(best[1], current, [best[2]]), [best[2]])
 
-    def trial(self, current: JointEval, moves: list[_Move]) -> JointEval:
+    def priced(self, current: JointEval, moves: list[_Move]) -> _Priced:
+        """What a step compares of ``current`` with ``moves`` applied, evaluated once per model
+        and pricing: a later search that passes the same saved sets (the search for the
+        smallest peak retraces the search for the target until their rankings part: the GRU
+        small's recompute-only plan priced 42 % of its trials twice) finds it remembered."""
+        saved, swapped = self.apply(current.saved, dict(current.swapped), moves)
+        ids = np.fromiter(saved, dtype=np.int64, count=len(saved))
+        ids.sort()
+        # (A digest of the saved set: the sets themselves, ~30 KB each, would hold ~50 MB.)
+        digest = hashlib.blake2b(ids.tobytes(), digest_size=16).digest()
+        key = ("priced", digest, len(ids), tuple(sorted(swapped.items())), self.sink)
+        memo = _MEMO.setdefault(self.model, {})
+        known: _Priced | None = memo.get(key)
+        if known is not None:
+            return known
+        e = self.evaluate(saved, swapped)
+        found = _Priced(
+            e.forward_peak,
+            e.backward_peak,
+            e.accumulate_peak,
+            e.peak,
+            e.feasible,
+            e.time,
+            self.model.held_bytes(e),
+        )
+        memo[key] = found
+        return dataclasses.replace(found, full=e)
+
+    def made(self, priced: _Priced, current: JointEval, moves: list[_Move]) -> JointEval:
+        """The evaluation ``priced`` summarizes (``current`` with ``moves`` applied): made
+        again where it was remembered."""
+        if priced.full is not None:
+            return priced.full
         saved, swapped = self.apply(current.saved, dict(current.swapped), moves)
         return self.evaluate(saved, swapped)
 
