@@ -353,9 +353,11 @@ class _Search:
         saved, swapped = self.apply(current.saved, dict(current.swapped), moves)
         ids = np.fromiter(saved, dtype=np.int64, count=len(saved))
         ids.sort()
-        # (A digest of the saved set: the sets themselves, ~30 KB each, would hold ~50 MB.)
-        digest = hashlib.blake2b(ids.tobytes(), digest_size=16).digest()
-        key = ("priced", digest, len(ids), tuple(sorted(swapped.items())), self.sink)
+        # A digest of the saved set and the swaps: the sets themselves, ~30 KB each, would
+        # hold ~50 MB on the GRU small.
+        digest = hashlib.blake2b(ids.tobytes(), digest_size=16)
+        digest.update(repr(sorted(swapped.items())).encode())
+        key = ("priced", digest.digest(), len(ids), len(swapped), self.sink)
         memo = _MEMO.setdefault(self.model, {})
         known: _Priced | None = memo.get(key)
         if known is not None:
