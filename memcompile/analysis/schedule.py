@@ -392,8 +392,9 @@ class SinkMemo:
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def _holding(self, model: JointFacts) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(the nodes holding each storage, concatenated; where each storage's start in it,
-        for those held by any; those storages; each storage's bytes)."""
+        """(the nodes holding each storage, concatenated, for the storages any node holds;
+        where each of those storages' nodes start in it; those storages; every storage's
+        bytes)."""
         if self._arrays is None:
             n_storages = len(model.nbytes)
             held = [(s, model.nodes_holding(s)) for s in range(n_storages)]
@@ -466,10 +467,14 @@ def _views_moving(
     while stack:
         j = stack.pop()
         for u in model.users[j]:
-            if u in position and u not in members and own.issuperset(model.storages[u]):
-                if not model.has_effect[u]:
-                    members.add(u)
-                    stack.append(u)
+            if (
+                u in position
+                and u not in members
+                and own.issuperset(model.storages[u])
+                and not model.has_effect[u]
+            ):
+                members.add(u)
+                stack.append(u)
     return members
 
 
