@@ -15,17 +15,7 @@ from helpers import capture_joint
 def _priced_anew(self, current, moves):
     """The reference: every trial evaluated, nothing remembered."""
     saved, swapped = self.apply(current.saved, dict(current.swapped), moves)
-    e = self.evaluate(saved, swapped)
-    return planner._Priced(
-        e.forward_peak,
-        e.backward_peak,
-        e.accumulate_peak,
-        e.peak,
-        e.feasible,
-        e.time,
-        self.model.held_bytes(e),
-        full=e,
-    )
+    return planner._Priced.of(self.evaluate(saved, swapped), self.model)
 
 
 def _search(name: str, fraction: float, swap_tier: str | None) -> planner.SearchResult:

@@ -445,30 +445,26 @@ def _views_moving(
     views = model.sink_memo.views
     known = views.get(head)
     if known is None:
-        members = {head}
-        stack = [head]
-        while stack:
-            j = stack.pop()
-            for u in model.users[j]:
-                if (
-                    u not in members
-                    and own.issuperset(model.storages[u])
-                    and not model.has_effect[u]
-                ):
-                    members.add(u)
-                    stack.append(u)
-        known = tuple(sorted(members - {head}))
+        known = tuple(sorted(_view_walk(model, head, own, None) - {head}))
         views[head] = known
     if all(u in position for u in known):
         return {head, *known}
     # (A user comes after what it reads in any order: each is after ``head``.)
+    return _view_walk(model, head, own, position)
+
+
+def _view_walk(
+    model: JointFacts, head: int, own: frozenset[int], position: dict[int, int] | None
+) -> set[int]:
+    """``head`` and the nodes reading it or another of them, transitively, that make no
+    storage outside ``own`` and no effect (and are in ``position``'s order, when given)."""
     members = {head}
     stack = [head]
     while stack:
         j = stack.pop()
         for u in model.users[j]:
             if (
-                u in position
+                (position is None or u in position)
                 and u not in members
                 and own.issuperset(model.storages[u])
                 and not model.has_effect[u]

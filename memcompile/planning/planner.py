@@ -129,6 +129,14 @@ class _Priced:
     held: int
     full: JointEval | None = None
 
+    @staticmethod
+    def of(e: JointEval, model: JointModel) -> _Priced:
+        """``e``'s price, with ``e`` as its evaluation."""
+        held = model.held_bytes(e)
+        return _Priced(
+            e.forward_peak, e.backward_peak, e.accumulate_peak, e.peak, e.feasible, e.time, held, e
+        )
+
 
 #: Single moves priced exactly per step (the rest only when none of those helps).
 _EXACT = 16
@@ -362,18 +370,9 @@ class _Search:
         known: _Priced | None = memo.get(key)
         if known is not None:
             return known
-        e = self.evaluate(saved, swapped)
-        found = _Priced(
-            e.forward_peak,
-            e.backward_peak,
-            e.accumulate_peak,
-            e.peak,
-            e.feasible,
-            e.time,
-            self.model.held_bytes(e),
-        )
-        memo[key] = found
-        return dataclasses.replace(found, full=e)
+        found = _Priced.of(self.evaluate(saved, swapped), self.model)
+        memo[key] = dataclasses.replace(found, full=None)  # (the evaluation is not kept)
+        return found
 
     def made(self, priced: _Priced, current: JointEval, moves: list[_Move]) -> JointEval:
         """The evaluation ``priced`` summarizes (``current`` with ``moves`` applied): made
