@@ -6,6 +6,7 @@ stays bit-identical with the predicted peak equal to the allocator's."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -811,29 +812,105 @@ def test_the_bound_on_the_tiled_peak_is_never_above_the_tiled_graphs_peak():
     tiled = row_tile_pass(gm, CTX, blocks=4)
     before = profile_graph(gm, kind="backward")
     after = profile_graph(tiled, kind="backward")
-    least = built._least_tiled_peak(gm, before, tilings)
+    bound = built._least_tiled_peak(gm, before, tilings)
     assert after.peak_bytes < before.peak_bytes  # the blocks lower it here
-    assert least <= after.peak_bytes
+    assert bound.least <= after.peak_bytes
+    assert all(b <= after.peak_bytes for b in bound.blocks.values())
+
+
+def _summed_gradients(g0, g1, g2, x):
+    # An unrolled recurrent net's backward: an input's gradient summed over the time steps
+    # that read it, each step's gradient made whole by select_backward as it comes (the
+    # LSTM's, issue 41); the in-place pass then writes the sums into the dying gradients.
+    shape = [B, T, H]
+    acc = aten.add.Tensor(
+        aten.select_backward.default(g0, shape, 1, 0),
+        aten.select_backward.default(g1, shape, 1, 1),
+    )
+    acc = aten.add.Tensor(acc, aten.select_backward.default(g2, shape, 1, 2))
+    return aten.mm.default(aten.t.default(aten.view.default(acc, [N, H])), x)
+
+
+def _summed_gradients_built():
+    from memcompile.rewrites.inplace import in_place_pass
+
+    inputs = [torch.randn(B, H) for _ in range(3)] + [torch.randn(N, K)]
+    gm = make_fx(_summed_gradients, tracing_mode="fake")(*inputs)
+    return in_place_pass(gm, CTX, built=True)
+
+
+def test_blocks_that_would_hold_more_than_the_peak_are_not_built():
+    # The second sum's blocks read all three gradients whole and write a new buffer, where the
+    # sums were written into the gradients as they died: the blocks cannot lower the peak.
+    from types import SimpleNamespace
+
+    from memcompile.analysis.graph import profile_graph
+    from memcompile.rewrites.inplace import in_place_pass
+
+    gm = _summed_gradients_built()
+    (found,) = find_row_tilings(gm, max_kept_matmuls=0)
+    assert len(found.leaves) == 3
+    before = profile_graph(gm, kind="backward")
+    tiled = in_place_pass(row_tile_pass(gm, CTX, decided=(found,)), CTX, built=True)
+    after = profile_graph(tiled, kind="backward")
+    assert after.peak_bytes > before.peak_bytes  # built, it is rejected
+    bound = built._least_tiled_peak(gm, before, (found,))
+    # Whatever the pass makes of the tiling, the bound is under the peak; with the blocks, over.
+    assert bound.least < before.peak_bytes <= bound.blocks[found.node] <= after.peak_bytes
+    assert tiling_build.made_by_own_blocks(gm, (found,), found.node)
+    phases = {"forward": 0, "backward": before.peak_bytes, "accumulate": 0}
+    profile = SimpleNamespace(forward=None, backward=before, phase_peaks=lambda: phases)
+    assert built._tiling_cannot_lower(profile, gm, gm, 0, built.TilingSearch())
+
+
+def test_blocks_the_probe_would_leave_whole_do_not_count(monkeypatch):
+    from types import SimpleNamespace
+
+    from memcompile.analysis.graph import profile_graph
+
+    gm = _summed_gradients_built()
+    before = profile_graph(gm, kind="backward")
+    monkeypatch.setattr(tiling_build, "tiles_exactly", lambda *a: False)
+    (found,) = find_row_tilings(gm, max_kept_matmuls=0)
+    assert not tiling_build.made_by_own_blocks(gm, (found,), found.node)
+    phases = {"forward": 0, "backward": before.peak_bytes, "accumulate": 0}
+    profile = SimpleNamespace(forward=None, backward=before, phase_peaks=lambda: phases)
+    assert not built._tiling_cannot_lower(profile, gm, gm, 0, built.TilingSearch())
+
+
+def test_an_op_another_chain_makes_is_not_made_by_its_own_blocks():
+    # The GELU's gradient's chain makes the scaled gradient and the pre-activation: were one of
+    # them an op of its own, the pass would make it with that chain.
+    gm = _trace(_branch_backward)
+    (found,) = find_row_tilings(gm, blocks=4)
+    inner = dataclasses.replace(found, node=found.chain[-1], chain=found.chain[:-1])
+    assert tiling_build.made_by_own_blocks(gm, (found,), found.node)
+    assert not tiling_build.made_by_own_blocks(gm, (inner, found), inner.node)
+
+
+#: The stand-in profile's peak: above any value of the traced graphs (a tiled op's result
+#: buffer alone does not reach it).
+PEAK = 1 << 30
 
 
 def _profile_at(gm: fx.GraphModule, peak_at: str, *, accumulate: bool = False, new: int = 0):
     """A stand-in for the built graphs' FragmentProfile: ``gm`` as the backward, at its peak
-    (100 bytes) at node ``peak_at`` only, which allocates ``new`` bytes there; the
+    (:data:`PEAK` bytes) at node ``peak_at`` only, which allocates ``new`` bytes there; the
     accumulation at the peak too with ``accumulate``."""
     from types import SimpleNamespace
 
     nodes = tuple(
         SimpleNamespace(
             name=n.name,
-            live_bytes=100 if n.name == peak_at else 10,
+            live_bytes=PEAK if n.name == peak_at else 10,
             storages=(),
             new_bytes=new if n.name == peak_at else 0,
             workspace_bytes=0,
         )
         for n in gm.graph.nodes
     )
-    backward = SimpleNamespace(nodes=nodes, peak_bytes=100, storages=())
-    peaks = {"forward": 50, "backward": 100, "accumulate": 100 if accumulate else 20}
+    backward = SimpleNamespace(nodes=nodes, peak_bytes=PEAK, storages=())
+    peaks = {"forward": 50, "backward": PEAK, "accumulate": PEAK if accumulate else 20}
     return SimpleNamespace(forward=None, backward=backward, phase_peaks=lambda: peaks)
 
 
@@ -861,10 +938,11 @@ def test_a_peak_at_a_node_the_in_place_pass_may_rewrite_counts_without_its_new_b
     search = built.TilingSearch()
     allowances = (0, tiling_find.MAX_KEPT_MATMULS)
     search._found[(gm, allowances)] = (0, dict.fromkeys(allowances, ()))  # no tiling at all
-    assert not built._tiling_cannot_lower(_profile_at(gm, gelu.name, new=95), gm, gm, 0, search)
+    new = PEAK - 5
+    assert not built._tiling_cannot_lower(_profile_at(gm, gelu.name, new=new), gm, gm, 0, search)
     assert built._tiling_cannot_lower(_profile_at(gm, gelu.name, new=0), gm, gm, 0, search)
     # The mean is not one the pass rewrites.
-    assert built._tiling_cannot_lower(_profile_at(gm, mean.name, new=95), gm, gm, 0, search)
+    assert built._tiling_cannot_lower(_profile_at(gm, mean.name, new=new), gm, gm, 0, search)
 
 
 def test_the_search_of_a_range_of_ops_finds_what_the_whole_search_finds_there():
@@ -892,6 +970,6 @@ def test_the_skip_searched_from_the_peak_decides_as_the_bound_over_every_tiling(
         every = find_row_tilings(gm, max_kept_matmuls=0)
         for n in gm.graph.nodes:
             profile = _profile_at(gm, n.name)
-            whole = built._least_tiled_peak(gm, profile.backward, every) >= 100
+            whole = built._least_tiled_peak(gm, profile.backward, every).least >= PEAK
             search = built.TilingSearch()
             assert built._tiling_cannot_lower(profile, gm, gm, 0, search) == whole

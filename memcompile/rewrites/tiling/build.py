@@ -56,7 +56,14 @@ from memcompile.rewrites.tiling.probe import code_key, tiles_exactly
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PREFIX", "InlineMemo", "row_tile_pass", "tiling_changes"]
+__all__ = [
+    "PREFIX",
+    "InlineMemo",
+    "blocks_held",
+    "made_by_own_blocks",
+    "row_tile_pass",
+    "tiling_changes",
+]
 
 aten = torch.ops.aten
 
@@ -437,6 +444,32 @@ def tiling_changes(
     return frozenset(replaced), until
 
 
+def blocks_held(
+    gm: fx.GraphModule, tilings: Sequence[RowTiling]
+) -> dict[str, tuple[tuple[str, ...], int]]:
+    """What the blocks of each of ``tilings`` hold as the first starts, where
+    :func:`row_tile_pass` with ``tilings`` (any of them) would make that op by its own blocks
+    (no other tiling's chain makes it): op name -> (the leaves the blocks read whole, every one
+    but the reloaded, which each block reloads by rows; the bytes of the result's buffer, 0
+    where the blocks write into a leaf). The blocks read every leaf at the op, and the result's
+    buffer is allocated whole before the first block (:meth:`_Blocks.build`)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    gone: set[str] = set()
+    for t in tilings:
+        gone |= _removed(t, nodes)
+    held: dict[str, tuple[tuple[str, ...], int]] = {}
+    for t in tilings:
+        if t.node in gone:
+            continue
+        reloaded = set(t.reloaded) | set(t.reloaded_batches)
+        form = _functional(nodes[t.node])
+        dest = form[1] if form is not None else None
+        v = nodes[t.node].meta["val"]
+        result = 0 if dest is not None and dest.name in t.leaves else v.numel() * v.element_size()
+        held[t.node] = (tuple(n for n in t.leaves if n not in reloaded), int(result))
+    return held
+
+
 @functools.cache
 def _out_argument(target: Any) -> str | None:
     """The name of ``target``'s one ``out=`` argument where it returns just that argument
@@ -510,6 +543,38 @@ def _inline(
     return result
 
 
+def _chosen(decided: Sequence[RowTiling], nodes: dict[str, fx.Node]) -> tuple[RowTiling, ...]:
+    """The tilings of ``decided`` that :func:`row_tile_pass` makes by their own blocks, if the
+    probe finds them bit-identical. An op that another's chain makes by blocks goes with that
+    chain (its own blocks would read values the other removes); one the other keeps whole for
+    earlier readers (the probabilities the value gradient reads first) is made by its own
+    blocks too, where neither removes what the other reads."""
+    inside = {c for t in decided for c in t.chain if c not in t.kept}
+    chosen: list[RowTiling] = []
+    for t in (t for t in decided if t.node not in inside):
+        if all(
+            not _removed(t, nodes) & set(o.leaves) and not _removed(o, nodes) & set(t.leaves)
+            for o in chosen
+        ):
+            chosen.append(t)
+    return tuple(chosen)
+
+
+def _exact(gm: fx.GraphModule, t: RowTiling, nodes: dict[str, fx.Node]) -> bool:
+    """Whether ``t``'s blocks give bitwise the op's result (:func:`tiles_exactly`; probed with
+    the reloaded leaves sliced: a reload copies their bits)."""
+    whole, probe = _whole_graph(gm, t), _Blocks(gm, t, reload=False).build()
+    return tiles_exactly(whole, probe, [nodes[name].meta["val"] for name in t.leaves])
+
+
+def made_by_own_blocks(gm: fx.GraphModule, decided: Sequence[RowTiling], op: str) -> bool:
+    """Whether :func:`row_tile_pass` with ``decided`` makes ``op`` by its own blocks: it is
+    chosen (:func:`_chosen`) and probed bit-identical (cached per code)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    t = next((t for t in _chosen(decided, nodes) if t.node == op), None)
+    return t is not None and _exact(gm, t, nodes)
+
+
 def row_tile_pass(
     gm: fx.GraphModule,
     ctx: PassContext,
@@ -533,28 +598,13 @@ def row_tile_pass(
     calls (:data:`InlineMemo`), shared by the caller's calls."""
     if decided is None:
         decided = find_row_tilings(gm, blocks=blocks, max_kept_matmuls=max_kept_matmuls)
-    # An op that another's chain makes by blocks goes with that chain (its own blocks would
-    # read values the other removes); one the other keeps whole for earlier readers (the
-    # probabilities the value gradient reads first) is made by its own blocks too, where
-    # neither removes what the other reads.
     nodes = {n.name: n for n in gm.graph.nodes}
-    inside = {c for t in decided for c in t.chain if c not in t.kept}
-    chosen: list[RowTiling] = []
-    for t in (t for t in decided if t.node not in inside):
-        if all(
-            not _removed(t, nodes) & set(o.leaves) and not _removed(o, nodes) & set(t.leaves)
-            for o in chosen
-        ):
-            chosen.append(t)
-    decided = tuple(chosen)
+    decided = _chosen(decided, nodes)
     if not decided:
         return gm
     graphs = {}
     for t in decided:
-        # Probed with the reloaded leaves sliced (a reload copies their bits).
-        whole, probe = _whole_graph(gm, t), _Blocks(gm, t, reload=False).build()
-        leaves = [nodes[name].meta["val"] for name in t.leaves]
-        if tiles_exactly(whole, probe, leaves):
+        if _exact(gm, t, nodes):
             device = nodes[t.node].meta["val"].device
             maker = _Blocks(gm, t, ahead=device.type == "cuda" if ahead is None else ahead)
             graphs[t.node] = (t, maker.build(), maker.inputs)
