@@ -407,6 +407,8 @@ def _backward_side(
     bw_gm: fx.GraphModule,
     released_tangents: Collection[str],
     backward_workspace: Mapping[str, int] | None,
+    *,
+    costs: bool = True,
 ) -> _BackwardSide:
     fw = front.fw
     bw_placeholders = bw_gm.graph.find_nodes(op="placeholder")
@@ -426,6 +428,7 @@ def _backward_side(
         persistent_storages=fw.persistent,
         ids=ids,
         workspace=backward_workspace,
+        costs=costs,
     )
     return _BackwardSide(bw, bw_placeholders, tangents, bw_tangent_ids, held_tangents)
 
@@ -438,12 +441,15 @@ def backward_profiler(
     num_user_outputs: int,
     forward_workspace: Mapping[str, int] | None = None,
     released_tangents: Collection[str] = (),
+    costs: bool = True,
 ) -> Callable[[fx.GraphModule, Mapping[str, int] | None], GraphProfile]:
     """``profile_fragment(fw_gm, bw_gm, ...).backward`` for many backward graphs of one forward
     (a pass's trial rewrites of the backward), given each its workspace: the forward is
     profiled once, and each backward numbered from a copy of the storage ids as
     :func:`profile_fragment` has them then, so the profiles are the same (the GRU small's
-    forward, as long as its backward, was profiled again by every trial)."""
+    forward, as long as its backward, was profiled again by every trial). ``costs``: as
+    :func:`~memcompile.analysis.graph.profile_graph`'s, for the backwards (``False``: their
+    memory only)."""
     front = _forward_side(
         fw_gm,
         training=True,
@@ -454,7 +460,10 @@ def backward_profiler(
     )
 
     def profile(bw_gm: fx.GraphModule, workspace: Mapping[str, int] | None) -> GraphProfile:
-        return _backward_side(front, front.ids.copy(), bw_gm, released_tangents, workspace).bw
+        side = _backward_side(
+            front, front.ids.copy(), bw_gm, released_tangents, workspace, costs=costs
+        )
+        return side.bw
 
     return profile
 

@@ -534,6 +534,7 @@ def profile_graph(
     persistent_storages: Collection[int] = (),
     ids: StorageIds | None = None,
     workspace: Mapping[str, int] | None = None,
+    costs: bool = True,
 ) -> GraphProfile:
     """Profile ``gm`` as the eager inner compiler would run it.
 
@@ -551,6 +552,9 @@ def profile_graph(
         ids: a shared :class:`StorageIds` to keep ids consistent across graphs.
         workspace: scratch bytes per node name (``analysis.workspace.probe_workspaces``), live
             only while that node runs; ``None``: not measured (the profile says so).
+        costs: count each node's FLOPs and bytes moved; ``False``: memory only (every
+            ``flops`` and ``bytes_moved`` 0), for a search that compares peaks (a third of
+            a profile's time).
     """
     workspace_measured = workspace is not None
     workspace = workspace or {}
@@ -583,7 +587,7 @@ def profile_graph(
         if live + scratch > peak:
             peak, peak_index = live + scratch, i
         freed = sum(ids.nbytes(s) for s in life.free_by_node.get(i, []))
-        flops, moved, cost_approx = node_cost(n, ids)
+        flops, moved, cost_approx = node_cost(n, ids) if costs else (0, 0, False)
         approx |= cost_approx
         total_flops += flops
         total_moved += moved

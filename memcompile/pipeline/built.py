@@ -176,25 +176,40 @@ class ProfileMemo:
     def __init__(self) -> None:
         # (Modules hash by identity.)
         self._found: dict[tuple[fx.GraphModule, fx.GraphModule], FragmentProfile] = {}
+        self._workspaces: dict[tuple[fx.GraphModule, fx.GraphModule], _Workspaces] = {}
 
     def __call__(
         self, spec: FragmentSpec, fw: fx.GraphModule, bw: fx.GraphModule, split: Split
     ) -> FragmentProfile:
         found = self._found.get((fw, bw))
         if found is None:
-            found = self._found[(fw, bw)] = _profiler(_workspaces(spec, fw, bw, split))(fw, bw)
+            workspaces = self.workspaces(spec, fw, bw, split)
+            found = self._found[(fw, bw)] = _profiler(workspaces)(fw, bw)
+        return found
+
+    def workspaces(
+        self, spec: FragmentSpec, fw: fx.GraphModule, bw: fx.GraphModule, split: Split
+    ) -> _Workspaces:
+        """:func:`_workspaces` of the pair, found once (it keys every node's kernel by its
+        metadata: ~0.1 s a pair on the GRU small; rematerializing asked again for the pair
+        the profile had)."""
+        found = self._workspaces.get((fw, bw))
+        if found is None:
+            found = self._workspaces[(fw, bw)] = _workspaces(spec, fw, bw, split)
         return found
 
     def forget(self, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
         self._found.pop((fw, bw), None)
+        self._workspaces.pop((fw, bw), None)
 
 
 def built_backward_profiler(
     fw: fx.GraphModule, workspaces: _Workspaces
 ) -> Callable[[fx.GraphModule], GraphProfile]:
-    """The backward profile of rewrites of the built backward alone (``fw`` as built;
+    """The backward's memory profile of rewrites of the built backward alone (``fw`` as built;
     ``workspaces``: :func:`_workspaces` of both): the forward profiled once
-    (``fragment_profile.backward_profiler``)."""
+    (``fragment_profile.backward_profiler``), no node's FLOPs or bytes moved counted
+    (rematerialization's trials compare peaks only)."""
     args, ws = workspaces
     profile = backward_profiler(
         fw,
@@ -203,6 +218,7 @@ def built_backward_profiler(
         num_user_outputs=args["num_user_outputs"],
         forward_workspace=ws("forward", fw),
         released_tangents=args["released_tangents"],
+        costs=False,
     )
     return lambda b: profile(b, ws("backward", b))
 
@@ -545,14 +561,14 @@ def rematerialized(
     target = plan.target
     if target is None or not _may_rewrite(plan):
         return plan, ()
+    memo = ProfileMemo() if memo is None else memo
     # The kernel scratch is probed once (it runs every kernel) for both profilers.
-    workspaces = _workspaces(spec, fw, bw, split)
+    workspaces = memo.workspaces(spec, fw, bw, split)
     built = _profiler(workspaces)
 
     def profile(g: fx.GraphModule) -> FragmentProfile:
         return built(fw, g)
 
-    memo = ProfileMemo() if memo is None else memo
     before = memo(spec, fw, bw, split)
     if before.backward is None or before.phase_peaks()["backward"] <= target:
         return plan, ()

@@ -342,21 +342,28 @@ def _apply(gm: fx.GraphModule, ctx: PassContext, split: Rematerialize, ordinal: 
 
 
 def rematerialize_pass(
-    gm: fx.GraphModule, ctx: PassContext, *, splits: Sequence[Rematerialize], first: int = 0
+    gm: fx.GraphModule,
+    ctx: PassContext,
+    *,
+    splits: Sequence[Rematerialize],
+    first: int = 0,
+    lint: bool = True,
 ) -> fx.GraphModule:
     """Apply ``splits`` to ``gm`` in place (and return it), in order: each node, and those of
     its views a reader from ``before`` on reads, is copied right before ``before``; readers
     from there on read the copies. A reload's copy gets its own ``wait``. The copies of the
     ``k``-th split are named ``<node>_r<first + k>`` (``<node>`` without an earlier split's
     ``_r<j>``): a trial of a split that follows ``first`` kept ones names its copies as the
-    whole sequence will.
+    whole sequence will. ``lint``: check the graph after (a trial, only profiled, is not:
+    its splits are checked when applied to the graph itself).
 
     Raises:
         ValueError: a split names a node ``gm`` does not have (at its turn).
     """
     for k, split in enumerate(splits):
         _apply(gm, ctx, split, first + k)
-    gm.graph.lint()
+    if lint:
+        gm.graph.lint()
     gm.recompile()
     if splits:
         log.debug(
@@ -391,15 +398,19 @@ def plan_rematerialize(
     candidate helps, or after ``max_trials`` profiles. ``gm`` itself is not changed; ``start``
     is ``evaluate(gm)`` where the caller has it."""
     profile = start if start is not None else evaluate(gm)
-    current = gm
+    # Each trial is applied to ``working`` in place; ``settled`` has the splits kept so far
+    # (each kept one applied to it too, as to ``working``: the same nodes and names), and a
+    # copy of it replaces ``working`` after a trial that is not kept. Most trials are kept (83
+    # of 121 on the LSTM, T=48, 0.25x), and a copy per trial was 15 % of its first step.
+    working, settled = _trial_copy(gm), _trial_copy(gm)
     kept: list[Rematerialize] = []
     trials = 0
     while trials < max_trials and (target is None or profile.peak_bytes > target):
         at = profile.nodes[profile.peak_index].name
         improved = False
-        for split in _candidates(current, profile):
-            trial = rematerialize_pass(_trial_copy(current), ctx, splits=(split,), first=len(kept))
-            new = evaluate(trial)
+        for split in _candidates(working, profile):
+            rematerialize_pass(working, ctx, splits=(split,), first=len(kept), lint=False)
+            new = evaluate(working)
             log.debug(
                 "trial %s: peak %d at %s", split, new.peak_bytes, new.nodes[new.peak_index].name
             )
@@ -411,9 +422,11 @@ def plan_rematerialize(
             if new.peak_bytes < profile.peak_bytes or (
                 new.peak_bytes == profile.peak_bytes and there < profile.peak_bytes
             ):
-                current, profile, improved = trial, new, True
+                rematerialize_pass(settled, ctx, splits=(split,), first=len(kept), lint=False)
+                profile, improved = new, True
                 kept.append(split)
                 break
+            working = _trial_copy(settled)
             if trials >= max_trials:
                 break
         if not improved:
