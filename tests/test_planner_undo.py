@@ -125,4 +125,3 @@ def test_searches_whose_undo_schedules_end_as_with_every_trial_scheduled(
     ):
         assert getattr(shortcut.final, field) == getattr(every.final, field), field
     assert shortcut.moves == every.moves
-    # The undo pass took some trials on torch's orders: fewer memory-aware schedules.
