@@ -142,6 +142,16 @@ def capture_joint(name: str) -> dict[str, Any]:
     return capture_module(wl.model, *wl.batch(0))
 
 
+def search_under(name: str, fraction: float, swap_tier: str | None) -> Any:
+    """The planner's search (``search_saved_set``) of zoo workload ``name`` (tiny, a fresh
+    joint model) for ``fraction`` of its no-budget plan's peak."""
+    from memcompile.planning.planner import search_saved_set
+
+    model = capture_joint(name)["model"]
+    base = search_saved_set(model, None)
+    return search_saved_set(model, int(fraction * base.final.peak), swap_tier=swap_tier)
+
+
 def built_phase_peaks(
     found: dict[str, Any], fw: fx.GraphModule, bw: fx.GraphModule
 ) -> dict[str, int]:

@@ -9,20 +9,13 @@ import pytest
 from memcompile.planning import planner
 from memcompile.planning.planner import search_saved_set
 
-from helpers import capture_joint
+from helpers import capture_joint, search_under
 
 
 def _priced_anew(self, current, moves):
     """The reference: every trial evaluated, nothing remembered."""
     saved, swapped = self.apply(current.saved, dict(current.swapped), moves)
     return planner._Priced.of(self.evaluate(saved, swapped), self.model)
-
-
-def _search(name: str, fraction: float, swap_tier: str | None) -> planner.SearchResult:
-    model = capture_joint(name)["model"]
-    base = search_saved_set(model, None)
-    # Under the smallest peak: the target search ends above it, then the least-peak searches.
-    return search_saved_set(model, int(fraction * base.final.peak), swap_tier=swap_tier)
 
 
 @pytest.mark.parametrize(
@@ -32,9 +25,10 @@ def _search(name: str, fraction: float, swap_tier: str | None) -> planner.Search
 def test_trials_priced_once_decide_as_trials_priced_every_time(
     monkeypatch, name, swap_tier, retraced
 ):
-    remembered = _search(name, 0.05, swap_tier)
+    # Under the smallest peak: the target search ends above it, then the least-peak searches.
+    remembered = search_under(name, 0.05, swap_tier)
     monkeypatch.setattr(planner._Search, "priced", _priced_anew)
-    anew = _search(name, 0.05, swap_tier)
+    anew = search_under(name, 0.05, swap_tier)
     for field in ("saved", "swapped", "peak", "recompute", "backward_order", "forward_order"):
         assert getattr(remembered.final, field) == getattr(anew.final, field), field
     assert remembered.moves == anew.moves

@@ -5,50 +5,50 @@ with the plan it ended with when every trial was scheduled."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 
 from memcompile.analysis.joint_model import JointModel
 from memcompile.planning import planner
 from memcompile.planning.planner import search_saved_set
 
-from helpers import capture_joint
+from helpers import capture_joint, search_under
+
+#: What a plan decides and predicts: equal for the pass and its reference.
+_SAME = (
+    "saved",
+    "swapped",
+    "peak",
+    "forward_peak",
+    "backward_peak",
+    "recompute",
+    "backward_order",
+    "forward_order",
+)
+
+
+#: The pass itself (the tests patch ``_Search.undo`` with the reference).
+_UNDO = planner._Search.undo
 
 
 def _undo_scheduling_every_trial(self, current, applied, schedule):
-    """The reference: the undo pass as it was, every trial evaluated in the given mode."""
-    model = self.model
-    tries = []
-    for m in sorted(applied, key=lambda m: (-m.cost, m.kind, m.storages)):
-        tries.append(m)
-        if len(m.storages) > 1:
-            tries += [
-                planner._Move(m.kind, (s,), model.nbytes[s], m.cost, m.tier)
-                for s in sorted(m.storages, key=lambda s: (-model.nbytes[s], s))
-            ]
-    misses = 0
-    for m in tries:
-        if misses >= planner._UNDO_MISSES:
-            break
-        swapped = dict(current.swapped)
-        if m.kind == "recompute":
-            if not current.saved.isdisjoint(m.storages):
-                continue
-            saved = current.saved | set(m.storages)
-        else:
-            if not set(m.storages) <= swapped.keys():
-                continue
-            saved = current.saved
-            for s in m.storages:
-                del swapped[s]
-        kept = sum(model.nbytes[s] for s in saved if s not in swapped)
-        if kept > self.target or (self.saved_cap is not None and kept > self.saved_cap):
-            continue
-        trial = self.evaluate(saved, swapped, schedule=schedule)
-        if self.fits(trial) and trial.time < current.time:
-            current, misses = trial, 0
-        else:
-            misses += 1
-    return current
+    """The reference: the undo pass with no trial taken on torch's orders (their plans' time
+    made infinite there), so that with ``schedule`` every trial is scheduled whole."""
+    if not schedule:
+        return _UNDO(self, current, applied, schedule)
+    evaluate = JointModel.evaluate
+
+    def never_taken(model, saved, swapped=None, *, schedule=False, sink=False):
+        e = evaluate(model, saved, swapped, schedule=schedule, sink=sink)
+        return e if schedule or sink else dataclasses.replace(e, recompute_time=math.inf)
+
+    JointModel.evaluate = never_taken
+    try:
+        return _UNDO(self, current, applied, schedule)
+    finally:
+        JointModel.evaluate = evaluate
 
 
 def _undone(undo, name: str):
@@ -79,28 +79,13 @@ def _undone(undo, name: str):
 @pytest.mark.parametrize("name", ["gpt", "branchy"])
 def test_an_undo_takes_trials_that_fit_in_torchs_orders_without_scheduling_them(name):
     (got, with_shortcut), (want, every) = (
-        _undone(undo, name) for undo in (planner._Search.undo, _undo_scheduling_every_trial)
+        _undone(undo, name) for undo in (_UNDO, _undo_scheduling_every_trial)
     )
-    for field in (
-        "saved",
-        "swapped",
-        "peak",
-        "forward_peak",
-        "backward_peak",
-        "recompute",
-        "backward_order",
-        "forward_order",
-    ):
+    for field in _SAME:
         assert getattr(got, field) == getattr(want, field), field
     # Every trial fitted in torch's orders: at most the plan kept is scheduled (or found
     # scheduled already: the search's first plan, where every move is taken back).
     assert with_shortcut <= 1 < every
-
-
-def _search(name: str, fraction: float, swap_tier: str | None) -> planner.SearchResult:
-    model = capture_joint(name)["model"]
-    base = search_saved_set(model, None)
-    return search_saved_set(model, int(fraction * base.final.peak), swap_tier=swap_tier)
 
 
 @pytest.mark.parametrize(
@@ -110,18 +95,9 @@ def _search(name: str, fraction: float, swap_tier: str | None) -> planner.Search
 def test_searches_whose_undo_schedules_end_as_with_every_trial_scheduled(
     monkeypatch, name, fraction, swap_tier
 ):
-    shortcut = _search(name, fraction, swap_tier)
+    shortcut = search_under(name, fraction, swap_tier)
     monkeypatch.setattr(planner._Search, "undo", _undo_scheduling_every_trial)
-    every = _search(name, fraction, swap_tier)
-    for field in (
-        "saved",
-        "swapped",
-        "peak",
-        "forward_peak",
-        "backward_peak",
-        "recompute",
-        "backward_order",
-        "forward_order",
-    ):
+    every = search_under(name, fraction, swap_tier)
+    for field in _SAME:
         assert getattr(shortcut.final, field) == getattr(every.final, field), field
     assert shortcut.moves == every.moves
