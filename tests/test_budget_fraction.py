@@ -80,6 +80,43 @@ def test_a_percentage_budget_resolves_in_a_loop_without_an_optimizer():
     assert measured <= rep.budget * 1.02, (measured, rep.budget)
 
 
+def test_a_loop_that_measures_every_iteration_still_gets_its_budget_and_its_checks(monkeypatch):
+    # The user wraps each iteration in memcompile.measure_peak (as the README shows): the
+    # iteration to measure, and later the samples against the budget, run inside that
+    # profiler session. Before, none began while it ran, and the budget never resolved.
+    from memcompile.step import checks
+
+    monkeypatch.setattr(checks, "SAMPLED_ITERATIONS", 1)  # (conftest: 0 outside test_iteration)
+    torch._dynamo.reset()
+    wl = zoo.build("gpt", size="tiny")
+    opt = torch.optim.AdamW(wl.model.parameters(), lr=1e-3)
+    compiled = memcompile.compile(wl.model, budget="60%", on_infeasible="best_effort")
+    run = training_loop(wl, compiled, opt, micro=2)
+    peaks = [quiet_peak(lambda k=k: run(k), wl.model, opt) for k in range(5)]
+    rep = memcompile.report(compiled)
+    mb = rep.measured_budget
+    assert mb is not None and rep.budget == mb.budget == math.floor(0.6 * mb.unplanned_peak)
+    # The iteration measured is the user's second, whose own figure it is.
+    assert abs(mb.unplanned_peak - peaks[1]) <= 0.02 * peaks[1], (mb.unplanned_peak, peaks)
+    assert rep.measured_peak is not None, peaks  # a sample of the plan's iteration was read
+    assert peaks[4] <= rep.budget * 1.02, (peaks, rep.budget)
+
+
+def test_a_loop_always_under_the_users_profiler_is_told_it_has_no_budget():
+    from memcompile.step import fraction
+
+    torch._dynamo.reset()
+    wl = zoo.build("gpt", size="tiny")
+    opt = torch.optim.AdamW(wl.model.parameters(), lr=1e-3)
+    compiled = memcompile.compile(wl.model, budget="60%")
+    run = training_loop(wl, compiled, opt, micro=1)
+    with pytest.warns(memcompile.MemoryBudgetWarning, match="began under one"):
+        for k in range(fraction.PROFILED_ITERATIONS + 1):
+            with torch.profiler.profile():
+                run(k)
+    assert memcompile.report(compiled).budget is None
+
+
 def test_a_loop_that_never_ends_an_iteration_is_told_and_left_unprofiled(monkeypatch):
     # No optimizer and gradients never zeroed: no iteration ends, so the budget cannot be
     # measured; after MAX_MEASURED_STEPS steps the user is told and the profiler stops.

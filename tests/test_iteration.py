@@ -245,10 +245,10 @@ def test_memory_the_loop_holds_across_micro_batches_is_measured_and_warned_about
     assert rep.over_budget and rep.measured_peak is not None and rep.measured_peak > budget
 
 
-def test_a_users_profiler_is_left_alone_and_the_next_iteration_is_sampled():
-    # The user's measure_peak around an iteration: no sample starts inside it (one profiler at
-    # a time), the user's figure is as without memcompile's sampling, and a later iteration is
-    # sampled instead.
+def test_an_iteration_the_user_measures_is_sampled_inside_it_and_read_when_it_ends():
+    # The user's measure_peak around an iteration: the sample runs inside its profiler
+    # session (one session: a second would stop the first) and is read when the user's
+    # measurement ends; the user's figure is complete, and the sample's is the same.
     torch._dynamo.reset()
     wl = zoo.build("gpt", size="tiny")
     opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3)
@@ -258,11 +258,25 @@ def test_a_users_profiler_is_left_alone_and_the_next_iteration_is_sampled():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         m = memcompile.runtime.measure.measure(lambda: run(1), resident=[wl.model, opt])
-    assert m.complete and _sampled(compiled) == 0
-    run(2)
-    assert _sampled(compiled) == 1
+    assert m.complete and _sampled(compiled) == 1
     sampled = memcompile.report(compiled).measured_peak
     assert sampled is not None and abs(sampled - m.peak) <= 0.01 * m.peak, (sampled, m.peak)
+
+
+def test_a_users_profiler_is_left_alone_and_the_next_iteration_is_sampled():
+    # The user's own torch.profiler around an iteration: no sample starts inside it (it would
+    # stop the user's session), and the next iteration is sampled instead.
+    torch._dynamo.reset()
+    wl = zoo.build("gpt", size="tiny")
+    opt = torch.optim.Adam(wl.model.parameters(), lr=1e-3)
+    compiled = memcompile.compile(wl.model, budget="1GiB")
+    run = training_loop(wl, compiled, opt, micro=1)
+    run(0)
+    with torch.profiler.profile(profile_memory=True) as prof:
+        run(1)
+    assert _sampled(compiled) == 0 and prof.key_averages()  # the user's session has its events
+    run(2)
+    assert _sampled(compiled) == 1
 
 
 def test_a_sample_the_loop_leaves_without_an_optimizer_step_is_dropped():

@@ -180,13 +180,71 @@ def test_tiny_allocations_are_measured_exactly_despite_the_canary() -> None:
 def test_lost_profiler_events_are_reported(monkeypatch) -> None:
     from memcompile.runtime import measure as measure_module
 
-    real = measure_module.allocation_events
+    real = measure_module._allocations
 
     def lossy(prof, prefix="memcompile:"):  # the canary's events vanish
         events, ranges = real(prof, prefix)
         return [e for e in events if abs(e[1]) != measure_module._CANARY_BYTES], ranges
 
-    monkeypatch.setattr(measure_module, "allocation_events", lossy)
+    monkeypatch.setattr(measure_module, "_allocations", lossy)
     with pytest.warns(measure_module.MeasurementWarning, match="lost allocation events"):
         m = measure(lambda: _alloc(MB))
     assert not m.complete
+
+
+def test_an_interval_begun_inside_a_measurement_is_read_when_it_ends() -> None:
+    # memcompile's sample of an iteration inside the user's measure_peak: it reads the same
+    # session (no second one, which would stop the first), and gets its figure when that one
+    # is read. The sample ends inside a record_function range (as in the optimizer step's
+    # hooks), which a session stopped and begun again there corrupts.
+    from memcompile.runtime.measure import CpuInterval
+
+    got = []
+
+    def fn() -> None:
+        a = _alloc(MB)
+        with torch.profiler.record_function("Optimizer.step#AdamW.step"):
+            inner = CpuInterval.start(a)  # (a: resident, reachable from its roots)
+            assert inner is not None
+            b = _alloc(2 * MB)
+            assert inner.end() is None  # read with the session
+            inner.then(got.append)
+        del a, b
+        _alloc(MB // 2)
+        assert not got
+
+    m = measure(fn)
+    assert m.complete and m.peak == 3 * MB  # the markers counted nowhere
+    assert len(got) == 1 and got[0].complete and got[0].peak == 2 * MB + MB, got
+    assert not torch._C._autograd._profiler_enabled()
+
+
+def test_an_interval_still_open_when_the_session_ends_is_incomplete() -> None:
+    from memcompile.runtime.measure import CpuInterval
+
+    inner = []
+    m = measure(lambda: inner.append(CpuInterval.start()))
+    assert m.complete
+    late = inner[0].end()
+    assert late is not None and not late.complete
+
+
+def test_a_measurement_inside_a_sample_stops_the_sample_not_itself() -> None:
+    # The user measures inside an iteration memcompile samples: the measurement has its own
+    # session (the sample's reads as incomplete, and is taken another time).
+    from memcompile.runtime.measure import CpuInterval
+
+    sample = CpuInterval.start()
+    assert sample is not None
+    m = measure(lambda: _alloc(MB))
+    assert m.complete and m.peak == MB
+    late = sample.end()
+    assert late is not None and not late.complete
+    assert not torch._C._autograd._profiler_enabled()
+
+
+def test_no_interval_begins_under_another_profiler() -> None:
+    from memcompile.runtime.measure import CpuInterval
+
+    with torch.profiler.profile(profile_memory=True):
+        assert CpuInterval.start() is None

@@ -237,6 +237,25 @@ def allocation_events(
     it: such blocks were never part of the measured function's memory, and the profiler's own
     running total would otherwise drift with whatever Python frees in between.
     """
+    raw, ranges = _allocations(prof, range_prefix)
+    live: dict[int, int] = {}
+    level = 0
+    events: list[tuple[int, int, int]] = []
+    for t, size, ptr in raw:
+        if size > 0:
+            live[ptr] = live.get(ptr, 0) + size
+            level += size
+        elif ptr in live:
+            level -= live.pop(ptr)
+        events.append((t, size, level))
+    return events, ranges
+
+
+def _allocations(
+    prof: torch.profiler.profile, range_prefix: str = _RANGE_PREFIX
+) -> tuple[list[tuple[int, int, int]], list[tuple[str, int, int]]]:
+    """A finished session's CPU allocation events ``(time_ns, bytes, address)`` in time order
+    (negative bytes: a free), and its ranges whose names start with ``range_prefix``."""
     from torch._C._profiler import _EventType, _ExtraFields_Allocation
 
     allocs: list[tuple[int, int, int, int]] = []
@@ -255,17 +274,7 @@ def allocation_events(
             ranges.append((e.name, e.start_time_ns, e.end_time_ns))
         stack.extend(e.children)
     allocs.sort()
-    live: dict[int, int] = {}
-    level = 0
-    events: list[tuple[int, int, int]] = []
-    for t, _, size, ptr in allocs:
-        if size > 0:
-            live[ptr] = live.get(ptr, 0) + size
-            level += size
-        elif ptr in live:
-            level -= live.pop(ptr)
-        events.append((t, size, level))
-    return events, ranges
+    return [(t, size, ptr) for t, _, size, ptr in allocs], ranges
 
 
 def range_levels(levels: Sequence[tuple[int, int]], t0: int, t1: int) -> tuple[int, int]:
@@ -286,63 +295,215 @@ class CpuInterval:
     Args:
         roots: what the resident bytes at the start are reachable from (see the module
             docstring).
+        inside: may begin inside a session of memcompile's that runs (else it opens its own,
+            and the intervals in that one read as incomplete, as when any other profiler
+            begins; :meth:`start` passes True).
 
-    Another profiling session stops every other one: an interval stopped that way is not
-    stopped again, and reads as incomplete.
+    Intervals nest. The first opens a profiler session; one begun while it runs (memcompile's
+    sample of an iteration inside the user's ``measure_peak``) reads the same session, between
+    two marker allocations of a size of its own, and its measurement comes when the session is
+    read (:meth:`end` returns ``None``; :meth:`then` gets it)::
+
+        measure_peak(an iteration)  |-------------------------------------|  the session
+        the budget's sample             |+m .......................+m|        read at its end
+
+    A session is never stopped and begun again inside: a ``record_function`` range open across
+    the two (the optimizer step's, whose hooks end the sample) corrupts the profiler's state.
+    An interval still open when the session ends, or when another profiler stops it, reads as
+    incomplete; none begins while another profiler (the user's own) runs.
     """
 
     @classmethod
     def start(cls, *roots: Any) -> CpuInterval | None:
         """An interval from now, or ``None`` while another profiler runs (the user's own
         profiling is never disturbed: memcompile samples another time)."""
-        if torch._C._autograd._profiler_enabled():
+        if torch._C._autograd._profiler_enabled() and not _SESSION.alive():
             return None
-        return cls(*roots)
+        return cls(*roots, inside=True)
 
-    def __init__(self, *roots: Any) -> None:
-        from torch.profiler import ProfilerActivity, profile
-
+    def __init__(self, *roots: Any, inside: bool = False) -> None:
         self._roots = roots
         # Keep storage addresses only: holding the tensors would keep e.g. old gradients alive.
         self._before = storage_sizes(reachable_tensors(*roots), "cpu")
         self.resident = sum(self._before.values())
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._prof.__enter__()
-        # A canary of a size nothing else allocates: if its event is missing, the profiler lost
-        # events and the peak cannot be trusted.
-        canary = torch.empty(_CANARY_BYTES, dtype=torch.uint8)
-        del canary
+        self._vanished = 0
+        self._result: PeakMeasurement | None = None
+        self._then: list[Callable[[PeakMeasurement], object]] = []
+        _SESSION.open(self, inside=inside)
+
+    def _read(self, events: Sequence[tuple[int, int, int]], ranges: Sequence[RangeSpan]) -> None:
+        """The measurement from its piece of the session: the ``(time_ns, bytes, address)``
+        allocation events in time order from its start to its end, and the ranges."""
+        live: dict[int, int] = {}  # blocks allocated since the start: address -> bytes
+        level = highest = 0
+        levels = []
+        for t, size, ptr in events:
+            if size > 0:
+                live[ptr] = live.get(ptr, 0) + size
+                level += size
+            elif ptr in live:
+                level -= live.pop(ptr)
+            levels.append((t, level))
+            highest = max(highest, level)
+        resident, per_range = self.resident, dict[str, int]()
+        for name, t0, t1 in ranges:
+            _, top = range_levels(levels, t0, t1)
+            per_range[name] = max(per_range.get(name, 0), resident + top)
+        self._done(PeakMeasurement(resident + highest, resident, "cpu", per_range, self._vanished))
+
+    def _lost(self) -> None:
+        self._done(PeakMeasurement(self.resident, self.resident, "cpu", complete=False))
+
+    def _done(self, m: PeakMeasurement) -> None:
+        self._result = m
+        then, self._then = self._then, []
+        for fn in then:
+            fn(m)
+
+    def then(self, fn: Callable[[PeakMeasurement], object]) -> None:
+        """Call ``fn`` with the measurement once there is one (now, if there is)."""
+        if self._result is not None:
+            fn(self._result)
+        else:
+            self._then.append(fn)
 
     def cancel(self) -> None:
-        """Stop without reading (the session is dropped)."""
-        if torch._C._autograd._profiler_enabled():
-            self._prof.__exit__(None, None, None)
+        """Stop without reading (a session it opened ends: those inside it read as
+        incomplete)."""
+        self._then.clear()
+        _SESSION.close(self, read=False)
 
-    def end(self) -> PeakMeasurement:
+    def end(self) -> PeakMeasurement | None:
         """Stop and read: the absolute peak since the start, per ``memcompile:*`` range too
-        (``complete`` False: the profiler lost events, e.g. another session stopped this one)."""
-        if not torch._C._autograd._profiler_enabled():  # stopped by another session: lost
-            return PeakMeasurement(self.resident, self.resident, "cpu", complete=False)
-        self._prof.__exit__(None, None, None)
-        events, ranges = allocation_events(self._prof)
-        # Drop the canary's two events (they cancel out); a missing canary means lost events.
-        sizes = [size for _, size, _ in events]
-        complete = _CANARY_BYTES in sizes and -_CANARY_BYTES in sizes
-        if complete:
-            events.pop(sizes.index(_CANARY_BYTES))
-        levels = [(t, level) for t, _, level in events]
-        above = max(0, max((level for _, level in levels), default=0))
-        resident = self.resident
-        per_range: dict[str, int] = {}
-        for name, t0, t1 in ranges:
-            _, level = range_levels(levels, t0, t1)
-            per_range[name] = max(per_range.get(name, 0), resident + level)
+        (``complete`` False: the profiler lost events, e.g. another session stopped this one).
+        ``None`` for an interval inside another's session, which is read when that one ends
+        (:meth:`then`)."""
         # Reachable storages from before that are gone now were freed without a profiler event.
         after = storage_sizes(reachable_tensors(*self._roots), "cpu")
-        vanished = sum(n for ptr, n in self._before.items() if ptr not in after)
-        return PeakMeasurement(
-            resident + above, resident, "cpu", per_range, vanished, None, complete
-        )
+        self._vanished = sum(n for ptr, n in self._before.items() if ptr not in after)
+        _SESSION.close(self, read=True)
+        return self._result
+
+
+#: ``(name, start_ns, end_ns)`` of a ``memcompile:*`` profiler range.
+RangeSpan = tuple[str, int, int]
+
+
+class _Session:
+    """memcompile's one CPU profiler session: the interval that opened it, and those inside
+    it with their markers' sizes."""
+
+    def __init__(self) -> None:
+        self._prof: Any = None
+        self._owner: CpuInterval | None = None
+        self._inside: dict[CpuInterval, int] = {}  # open, by marker size
+        self._ended: dict[CpuInterval, int] = {}  # ended, to be read with the session
+        self._markers = 0
+
+    def alive(self) -> bool:
+        """The session runs (no other profiler stopped it)."""
+        return self._prof is not None and torch._C._autograd._profiler_enabled()
+
+    def open(self, interval: CpuInterval, *, inside: bool) -> None:
+        """Begin ``interval``: inside the session that runs (its markers), else a session."""
+        if inside and self.alive():
+            # An odd size no tensor of a model has, allocated at its start and at its end.
+            self._markers += 1
+            size = _CANARY_BYTES + 2 * self._markers
+            self._inside[interval] = size
+            torch.empty(size, dtype=torch.uint8)
+            return
+        self._drop()
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._owner = interval
+        self._prof.__enter__()
+        # A canary of a size nothing else allocates: if its events are missing, the profiler
+        # lost events and the peaks cannot be trusted.
+        torch.empty(_CANARY_BYTES, dtype=torch.uint8)
+
+    def close(self, interval: CpuInterval, *, read: bool) -> None:
+        """End ``interval``: its end marker, or (its own session) the session, read or not."""
+        if interval in self._inside:
+            size = self._inside.pop(interval)
+            if not read:
+                return
+            if self.alive():
+                torch.empty(size, dtype=torch.uint8)
+                self._ended[interval] = size
+            else:
+                interval._lost()
+        elif interval is self._owner:
+            if read:
+                self._read()
+            else:
+                self._drop()
+        elif read and interval._result is None:  # its session ended before it
+            interval._lost()
+
+    def _drop(self) -> None:
+        """End the session unread: the intervals in it are incomplete."""
+        prof, self._prof, self._owner = self._prof, None, None
+        if prof is not None and torch._C._autograd._profiler_enabled():
+            prof.__exit__(None, None, None)
+        inside = [*self._inside, *self._ended]
+        self._inside.clear()
+        self._ended.clear()
+        for interval in inside:
+            interval._lost()
+
+    def _read(self) -> None:
+        """End the session and give each interval its events: the owner all of them, each one
+        inside those between its markers; the markers and the canary in no one's."""
+        prof, owner = self._prof, self._owner
+        assert owner is not None
+        if not torch._C._autograd._profiler_enabled():  # stopped by another session: lost
+            owner._lost()
+            self._prof = None
+            self._drop()
+            return
+        prof.__exit__(None, None, None)
+        ended = self._ended
+        self._prof, self._owner, self._ended = None, None, {}
+        for interval in self._inside:  # the session ends under an open one
+            interval._lost()
+        self._inside.clear()
+        events, ranges = _allocations(prof)
+        ranges = [r for r in ranges if r[1] <= r[2]]
+        # Each marker's (and the canary's) allocation positions, and what no one counts:
+        # those and their frees.
+        sizes = {_CANARY_BYTES, *ended.values()}
+        marks: dict[int, list[int]] = {}
+        blips: set[int] = set()
+        for i, (_, size, ptr) in enumerate(events):
+            if size in sizes:
+                marks.setdefault(size, []).append(i)
+                blips.add(i)
+                free = next(
+                    (j for j in range(i + 1, len(events)) if events[j][1:] == (-size, ptr)), None
+                )
+                if free is not None:
+                    blips.add(free)
+        if _CANARY_BYTES not in marks:  # the profiler lost events
+            for interval in (owner, *ended):
+                interval._lost()
+            return
+        kept = [(i, e) for i, e in enumerate(events) if i not in blips]
+        owner._read([e for _, e in kept], ranges)
+        for interval, size in ended.items():
+            at = marks.get(size, [])
+            if len(at) != 2:
+                interval._lost()
+                continue
+            t0, t1 = events[at[0]][0], events[at[1]][0]
+            interval._read(
+                [e for i, e in kept if at[0] < i < at[1]],
+                [r for r in ranges if t0 <= r[1] and r[2] <= t1],
+            )
+
+
+_SESSION = _Session()
 
 
 def _measure_cpu(
@@ -355,6 +516,7 @@ def _measure_cpu(
         interval.cancel()
         raise
     m = interval.end()
+    assert m is not None  # (its own session)
     if not m.complete:
         warnings.warn(
             "measure_peak: the CPU profiler lost allocation events during this measurement; the "

@@ -12,8 +12,10 @@
                     (with eager frames, over the budget or not; a forward alone above the
                     forward's) -> StepBudget.unseen, which later predictions count. Between
                     samples the CPU pays nothing; the user's own profiling is never disturbed
-                    (no sample begins while a profiler runs, and without an optimizer none
-                    spans the user's code after the backward, or between calls)
+                    (no sample begins while another profiler runs; inside the user's
+                    measure_peak one reads that session and is read when it ends; without
+                    an optimizer none spans the user's code after the backward, or between
+                    calls)
     eager glue      a measured peak through the backward (CUDA's step, the CPU's sample of
                     an iteration) over the budget, with eager frames: first the glue's saved
                     tensors go to the host tier (runtime/glue.py) and the next iteration is
@@ -39,7 +41,7 @@ import torch
 from memcompile.config import MemConfig
 from memcompile.errors import GradientOrderWarning, MemoryBudgetWarning, format_bytes
 from memcompile.records import FragmentRecord, StepEvent, parameter_name
-from memcompile.runtime.measure import CpuInterval
+from memcompile.runtime.measure import CpuInterval, PeakMeasurement
 from memcompile.runtime.peakwatch import TOLERANCE, PeakWatch
 from memcompile.step.budget import MAX_CHECKED_STEPS, StepBudget
 from memcompile.step.monitor import StepMonitor
@@ -111,9 +113,11 @@ class StepChecks:
         # runs kernels on the device) and for those that did not: once each.
         self._peak_warned: set[bool] = set()
         self._order_checked_steps: set[tuple[StepEvent, ...]] = set()
+        self._epoch = 0
 
     def reset(self) -> None:
         """Forget what was checked (the fragments are gone)."""
+        self._epoch += 1  # (a sample read later is not of these plans)
         self.peak_watch = None
         self.sampled_peak = None
         self.last_sampled_peak = None
@@ -218,7 +222,8 @@ class StepChecks:
             return
         self._compiled_in_sample = False
         self._sample_steps = (1, micro_batches)
-        self._sample = CpuInterval.start(*roots)  # None while the user's profiler runs
+        # None while another profiler runs (inside measure_peak: read when that ends)
+        self._sample = CpuInterval.start(*roots)
 
     def step_began(self) -> None:
         """A later step of the iteration begins: a sample through more steps than the last
@@ -296,14 +301,35 @@ class StepChecks:
         ``backward``): read its sample, if one runs."""
         sample, self._sample = self._sample, None
         self._awaiting_backward = False
+        if sample is None or self._config.budget is None:
+            return
+        compiled, epoch = self._compiled_in_sample, self._epoch
+        m = sample.end()
+        if m is None:  # inside the user's own measure_peak: read when that ends
+
+            def read(m: PeakMeasurement) -> None:
+                if self._epoch == epoch:
+                    self._sampled(m, micro_batches, optimizer, backward, compiled)
+
+            sample.then(read)
+            return
+        self._sampled(m, micro_batches, optimizer, backward, compiled)
+
+    def _sampled(
+        self,
+        m: PeakMeasurement,
+        micro_batches: int,
+        optimizer: str,
+        backward: bool,
+        compiled: bool,
+    ) -> None:
+        """What the sample of an iteration (:meth:`iteration_ended`) measured: ``m``."""
         through_backward = bool(optimizer) or backward
         budget = self._config.budget
-        if sample is None or budget is None:
-            return
-        m = sample.end()
+        assert budget is not None
         # Incomplete (lost events; another session stopped it) or compiled in: the next
         # iteration is sampled instead.
-        if not m.complete or self._compiled_in_sample:
+        if not m.complete or compiled:
             return
         self._samples_left -= 1
         self.samples += 1

@@ -13,7 +13,10 @@ The budget cannot be known before the loop runs, so the first iterations run wit
     iteration 4        sampled against the budget (step/checks.py)
 
 The measured iteration must fit the device unplanned: to train a model that does not fit
-without a plan, give the budget in bytes.
+without a plan, give the budget in bytes. On the CPU it is measured inside the user's own
+``measure_peak`` too (its session, read when it ends: ``runtime/measure.py``), but never while
+another profiler runs: after :data:`PROFILED_ITERATIONS` such iterations in a row the user is
+told that the model runs without a budget.
 """
 
 from __future__ import annotations
@@ -29,13 +32,17 @@ import torch
 from memcompile.errors import MemoryBudgetWarning, format_bytes
 from memcompile.runtime.measure import CpuInterval
 
-__all__ = ["MAX_MEASURED_STEPS", "BudgetFraction", "MeasuredBudget"]
+__all__ = ["MAX_MEASURED_STEPS", "PROFILED_ITERATIONS", "BudgetFraction", "MeasuredBudget"]
 
 log = logging.getLogger(__name__)
 
 #: Steps the measured iteration may have: a loop that never ends one (no optimizer step, the
 #: gradients never zeroed) is given up on there, not profiled forever.
 MAX_MEASURED_STEPS = 64
+
+#: Iterations in a row begun under another profiler (the user's own, which memcompile never
+#: disturbs) after which the user is told that the budget waits for one without.
+PROFILED_ITERATIONS = 3
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,8 @@ class BudgetFraction:
         self._cuda: torch.device | None = None
         self._dirty = False
         self._steps = 0
+        self._profiled = 0  # iterations in a row that began under another profiler
+        self._told_profiled = False
 
     @property
     def measuring(self) -> bool:
@@ -105,6 +114,17 @@ class BudgetFraction:
             self._cuda = device
         elif device.type == "cpu":
             self._sample = CpuInterval.start(*roots)  # None while the user's profiler runs
+            self._profiled = 0 if self._sample is not None else self._profiled + 1
+            if self._profiled == PROFILED_ITERATIONS and not self._told_profiled:
+                self._told_profiled = True
+                warnings.warn(
+                    f"memcompile: budget={self.fraction:.0%} is measured over an iteration "
+                    f"that runs under no other profiler; the last {self._profiled} began under "
+                    "one (torch.profiler), so the model runs without a budget until an "
+                    "iteration does. Give the budget in bytes to profile every iteration",
+                    MemoryBudgetWarning,
+                    stacklevel=6,
+                )
 
     def step_began(self) -> None:
         """A step that does not begin an iteration begins (a later micro-batch). After
@@ -156,28 +176,37 @@ class BudgetFraction:
 
     def iteration_ended(self) -> MeasuredBudget | None:
         """The measured iteration ended: the budget, or ``None`` when this iteration cannot
-        tell it (it compiled, or the profiler lost events) and the next one is measured."""
+        tell it (it compiled, or the profiler lost events) and the next one is measured, or
+        when it is measured inside the user's own ``measure_peak``, whose session is read
+        when that ends (the budget is resolved then, before the model's next call)."""
         sample, cuda = self._sample, self._cuda
         if sample is None and cuda is None:
             return None
         self._sample = self._cuda = None
+        dirty, steps = self._dirty, self._steps
         if cuda is not None:
-            peak = torch.cuda.max_memory_allocated(cuda)
-            complete = True
-            device = "cuda"
-        else:
-            assert sample is not None
-            m = sample.end()  # incomplete if another profiling session stopped it
-            peak, complete, device = m.peak, m.complete, "cpu"
+            return self._measured(torch.cuda.max_memory_allocated(cuda), True, dirty, steps, "cuda")
+        assert sample is not None
+        m = sample.end()  # incomplete if another profiling session stopped it
+        if m is None:
+            sample.then(lambda m: self._measured(m.peak, m.complete, dirty, steps, "cpu"))
+            return None
+        return self._measured(m.peak, m.complete, dirty, steps, "cpu")
+
+    def _measured(
+        self, peak: int, complete: bool, dirty: bool, steps: int, device: str
+    ) -> MeasuredBudget | None:
+        if self.resolved is not None:  # (an iteration measured before, read later)
+            return None
         self.attempts += 1
-        if self._dirty or not complete:
+        if dirty or not complete:
             log.info(
                 "memcompile: budget %g%%: the measured iteration %s; measuring the next one",
                 100 * self.fraction,
-                "compiled" if self._dirty else "lost profiler events",
+                "compiled" if dirty else "lost profiler events",
             )
             return None
         budget = max(1, math.floor(self.fraction * peak))
-        self.resolved = MeasuredBudget(self.fraction, peak, budget, self._steps, device)
+        self.resolved = MeasuredBudget(self.fraction, peak, budget, steps, device)
         log.info("memcompile: budget resolved to %s", self.resolved.describe())
         return self.resolved
