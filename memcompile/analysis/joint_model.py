@@ -360,6 +360,60 @@ class JointModel:
                 out.update(s for s in self.storages[i] if s not in self.persistent)
         return frozenset(out)
 
+    def eager_saved(self) -> frozenset[int]:
+        """Storages eager autograd would keep running the user's code: :meth:`default_saved`,
+        less what the user's ``torch.utils.checkpoint`` makes again in the backward
+        (:meth:`checkpointed`), plus the checkpointed regions' inputs it makes them from."""
+        recomputed, inputs = self._checkpoint
+        return (self.default_saved() - recomputed) | inputs
+
+    def checkpointed(self) -> frozenset[int]:
+        """Storages the backward reads that the user's activation checkpointing recomputes:
+        forward values in a checkpointed region (``node.meta["recompute"]`` MUST_RECOMPUTE or
+        PREFER_RECOMPUTE, as torch's partitioners read the tags
+        ``torch.utils.checkpoint(use_reentrant=False)`` leaves under Dynamo), but a region's
+        last value a later region reads (saved between them, as torch's
+        ``cleanup_recompute_tags`` does). Every plan recomputes them, as eager does: the user
+        asked for it, and the planner's moves only recompute or swap more."""
+        return self._checkpoint[0]
+
+    @functools.cached_property
+    def _checkpoint(self) -> tuple[frozenset[int], frozenset[int]]:
+        """(:meth:`checkpointed`, the regions' inputs they are made from again)."""
+        nodes, kind = self.nodes, self.kind
+        tagged = [False] * len(nodes)
+        for i, n in enumerate(nodes):
+            if kind[i] != _FW or not P.must_recompute(n):
+                continue
+            region = n.meta.get("ac_graph_id")
+            tagged[i] = region is None or not any(
+                P.must_recompute(u) and u.meta.get("ac_graph_id", region) > region for u in n.users
+            )
+        if not any(tagged):
+            return frozenset(), frozenset()
+        read = [
+            i for i, k in enumerate(kind) if k == _FW and any(kind[u] != _FW for u in self.users[i])
+        ]
+        # From the tagged values the backward reads, back through their region to its inputs.
+        stack = [i for i in read if tagged[i]]
+        seen = set(stack)
+        inputs: set[int] = set()
+        while stack:
+            for a in self.inputs[stack.pop()]:
+                if a in seen or kind[a] != _FW:
+                    continue
+                seen.add(a)
+                if tagged[a]:
+                    stack.append(a)
+                else:
+                    inputs.update(self.storages[a])
+        kept = {s for i in read if not tagged[i] for s in self.storages[i]}
+        recomputed = {s for i in read if tagged[i] for s in self.storages[i]} - kept - inputs
+        return (
+            frozenset(recomputed - self.persistent),
+            frozenset(inputs - self.persistent),
+        )
+
     def fetched_copies(self) -> frozenset[int]:
         """Storages of device copies of host-placed parameters (``rewrites/params.py``'s fetches
         of a graph input): fetched again for the backward by default, as ZeRO-Offload does,

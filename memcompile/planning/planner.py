@@ -567,10 +567,11 @@ def search_saved_set(
     """
     if saved_cap is not None and saved_cap < 0:
         raise ValueError(f"saved_cap must be >= 0 bytes, got {saved_cap}")
-    # Eager's saved set, except the device copies of host-placed parameters: the backward
-    # fetches those again (ZeRO-Offload's schedule), or a recurrent cell would keep one copy of
-    # its weights per time step; no move of the search keeps one.
-    baseline = model.evaluate((model.default_saved() - model.fetched_copies()) | model.must_save())
+    # Eager's saved set (the user's activation checkpointing recomputing what it does), except
+    # the device copies of host-placed parameters: the backward fetches those again
+    # (ZeRO-Offload's schedule), or a recurrent cell would keep one copy of its weights per
+    # time step; no move of the search keeps one.
+    baseline = model.evaluate((model.eager_saved() - model.fetched_copies()) | model.must_save())
     best = _scheduled(model, baseline.saved) if reorder else baseline
     limit = _UNBOUNDED if target is None else target
 
@@ -759,7 +760,7 @@ def plan_fragment(
     refetched = model.default_saved() & model.fetched_copies()
     decisions = tuple(
         TensorDecision(tensor=model.describe(s), nbytes=model.nbytes[s], action=action(s))
-        for s in sorted(baseline.saved | final.saved | refetched)
+        for s in sorted(baseline.saved | final.saved | refetched | model.checkpointed())
     )
     return FragmentPlan(
         fragment="",

@@ -384,6 +384,24 @@ class IterationWatch:
                 self._tier,
             )
 
+    def _loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.load_state_dict`` made its state anew: into the tier now, if state goes
+        there (``offloading``)."""
+        if self.paused or not self.offloading:
+            return
+        mine = self._stepped(optimizer)
+        if not mine:
+            return
+        freed = self._offload(optimizer, mine)
+        self.optimizers[optimizer] = self._price(optimizer, mine)
+        if freed:
+            log.info(
+                "memcompile: %s's loaded state (%s) moved to the %s tier",
+                type(optimizer).__name__,
+                format_bytes(freed),
+                self._tier,
+            )
+
     def _after(self, optimizer: torch.optim.Optimizer) -> None:
         if self.paused:
             return
@@ -395,6 +413,14 @@ class IterationWatch:
         cost = self._price(optimizer, mine)
         new = optimizer not in self.optimizers
         self.optimizers[optimizer] = cost
+        if new:
+            # State loaded from a checkpoint (``load_state_dict``: torch makes it anew, where
+            # the parameters are) goes back to the tier at once, not after the next step: the
+            # iteration before it would run with the whole state on the device.
+            watch = weakref.ref(self)
+            optimizer.register_load_state_dict_post_hook(
+                lambda opt: None if (w := watch()) is None else w._loaded(opt)
+            )
         started = self._monitor.steps_started
         if started > self._started_at_step:  # the first optimizer of this iteration
             self.iterations += 1
