@@ -264,19 +264,9 @@ def _print_demo(r: dict[str, Any]) -> None:
 # -- inspection commands --------------------------------------------------------------------
 
 
-def _option_value(text: str) -> Any:
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low == "none":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        return text
-
-
 def _options(pairs: Sequence[str]) -> dict[str, Any]:
+    from memcompile.config import option_value
+
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -284,7 +274,7 @@ def _options(pairs: Sequence[str]) -> dict[str, Any]:
             raise CliError(f"--option {pair!r}: expected KEY=VALUE, e.g. swap=false")
         if key == "budget":
             raise CliError("--option budget=...: use --budget")
-        out[key] = _option_value(value)
+        out[key] = option_value(value)
     return out
 
 

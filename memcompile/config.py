@@ -25,8 +25,11 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "DEVICE_PROFILES",
+    "OPTIONS_ENV",
     "VERSION",
     "MemConfig",
+    "env_options",
+    "option_value",
     "parse_bytes",
     "parse_fraction",
     "resolve_inner",
@@ -35,6 +38,51 @@ __all__ = [
 #: memcompile's version (``memcompile.__version__``); here, in the lowest room, so that what
 #: records it (the plan cache's keys) need not import the package.
 VERSION = "0.1.0"
+
+#: Options for the ``torch.compile(backend="memcompile")`` calls of code the user does not write
+#: (a framework that takes the backend's name from its config and passes no options, as
+#: torchtitan's ``compile.backend``): ``KEY=VALUE`` pairs separated by commas, e.g.
+#: ``budget=60%,offload_params=true``. A key the call's own ``options`` give wins;
+#: ``memcompile.compile`` does not read it.
+OPTIONS_ENV = "MEMCOMPILE_OPTIONS"
+
+
+def option_value(text: str) -> Any:
+    """An option's value as typed on a command line or in :data:`OPTIONS_ENV`: ``true`` /
+    ``false``, ``none``, an integer, else the text."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def env_options(text: str | None = None) -> dict[str, Any]:
+    """The options :data:`OPTIONS_ENV` gives (``text``: its value; default: the environment's),
+    validated.
+
+    Raises:
+        ValueError, TypeError: a pair is not ``KEY=VALUE``, or ``MemConfig.from_options``
+            refuses it; the message names the variable.
+    """
+    if text is None:
+        text = os.environ.get(OPTIONS_ENV, "")
+    out: dict[str, Any] = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{OPTIONS_ENV}: {pair!r} is not KEY=VALUE (e.g. budget=6GiB)")
+        out[key.strip()] = option_value(value.strip())
+    try:
+        MemConfig.from_options(out)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{OPTIONS_ENV}={text!r}: {e}") from None
+    return out
+
 
 #: Cost-model profiles ``device_profile`` may name.
 DEVICE_PROFILES: tuple[str, ...] = ("auto", "cpu", "h100", "h200", "a100")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -79,6 +80,42 @@ def test_one_compiler_per_torch_compile_call() -> None:
     assert k1 is not k2 and mod1 is m1 and mod2 is m2
     assert [f.stats.forward_calls for f in k1.fragments] == [1]
     assert [f.stats.forward_calls for f in k2.fragments] == [2]
+
+
+def test_options_from_the_environment_for_compile_calls_the_user_does_not_write(
+    monkeypatch,
+) -> None:
+    # Hugging Face's Trainer (torch_compile_backend="memcompile") calls torch.compile with no
+    # options: MEMCOMPILE_OPTIONS gives them; a key the call gives wins; memcompile.compile's
+    # explicit options are not read from it.
+    monkeypatch.setenv("MEMCOMPILE_OPTIONS", "budget=1GiB, swap=false,prefetch_depth=3")
+    c1 = torch.compile(MLP(), backend="memcompile")
+    c2 = torch.compile(MLP(), backend="memcompile", options={"budget": "2GiB"})
+    c3 = memcompile.compile(MLP())
+    for c in (c1, c2, c3):
+        c(torch.randn(4, 32)).backward()
+    k1, k2, k3 = (find_compiler(c)[0].config for c in (c1, c2, c3))
+    assert (k1.budget, k1.swap, k1.prefetch_depth) == (2**30, False, 3)
+    assert (k2.budget, k2.swap) == (2 * 2**30, False)
+    assert k3.budget is None and k3.swap
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("budget", "'budget' is not KEY=VALUE"),
+        ("budgett=1GiB", "MEMCOMPILE_OPTIONS='budgett=1GiB': unknown memcompile option 'budgett'"),
+        ("prefetch_depth=0", "prefetch_depth' must be >= 1"),
+    ],
+)
+def test_bad_options_in_the_environment_name_the_variable(monkeypatch, text, message) -> None:
+    from memcompile.config import env_options
+
+    monkeypatch.setenv("MEMCOMPILE_OPTIONS", text)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        env_options()
+    with pytest.raises(Exception, match="MEMCOMPILE_OPTIONS"):  # Dynamo wraps it
+        torch.compile(MLP(), backend="memcompile")(torch.randn(4, 32))
 
 
 def test_fragment_record_describes_the_fragment() -> None:

@@ -70,7 +70,7 @@ from memcompile.backends.progress import slow_compile_notice
 from memcompile.backends.regions import RegionSet, eager_readers, find_regions, install_regions
 from memcompile.backends.sharded import RankCheck, ShardedModel
 from memcompile.backends.unplanned import UnplannedWatch
-from memcompile.config import MemConfig
+from memcompile.config import OPTIONS_ENV, MemConfig, env_options
 from memcompile.dynamic.prefetch import Prefetcher
 from memcompile.dynamic.trace import TraceRecorder
 from memcompile.errors import MemoryBudgetWarning, format_bytes
@@ -156,6 +156,13 @@ class MemCompiler:
     iteration: IterationWatch
 
     def __init__(self, options: Mapping[str, Any] | MemConfig | None = None) -> None:
+        if options is None or isinstance(options, Mapping):
+            # A torch.compile call's options (memcompile.compile passes a MemConfig): what
+            # MEMCOMPILE_OPTIONS gives, under the call's own.
+            env = env_options()
+            if env:
+                options = {**env, **(options or {})}
+                log.info("memcompile: options from %s: %s", OPTIONS_ENV, env)
         self.config = config = MemConfig.from_options(options)
         self.fragments: list[FragmentRecord] = []
         self.fallbacks: list[Fallback] = []
