@@ -219,6 +219,18 @@ def test_an_interval_begun_inside_a_measurement_is_read_when_it_ends() -> None:
     assert not torch._C._autograd._profiler_enabled()
 
 
+def test_a_cancelled_intervals_marker_is_counted_nowhere() -> None:
+    from memcompile.runtime.measure import CpuInterval
+
+    def fn() -> None:
+        big = _alloc(MB)  # the peak is where the marker comes
+        CpuInterval.start().cancel()
+        del big
+
+    m = measure(fn)
+    assert m.complete and m.peak == MB, m.peak - MB  # (before: + the marker's bytes)
+
+
 def test_an_interval_still_open_when_the_session_ends_is_incomplete() -> None:
     from memcompile.runtime.measure import CpuInterval
 

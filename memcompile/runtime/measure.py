@@ -399,6 +399,7 @@ class _Session:
         self._inside: dict[CpuInterval, int] = {}  # open, by marker size
         self._ended: dict[CpuInterval, int] = {}  # ended, to be read with the session
         self._markers = 0
+        self._sizes: set[int] = set()  # the session's markers (cancelled ones too)
 
     def alive(self) -> bool:
         """The session runs (no other profiler stopped it)."""
@@ -411,6 +412,7 @@ class _Session:
             self._markers += 1
             size = _CANARY_BYTES + 2 * self._markers
             self._inside[interval] = size
+            self._sizes.add(size)
             torch.empty(size, dtype=torch.uint8)
             return
         self._drop()
@@ -418,6 +420,7 @@ class _Session:
 
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._owner = interval
+        self._sizes = {_CANARY_BYTES}
         self._prof.__enter__()
         # A canary of a size nothing else allocates: if its events are missing, the profiler
         # lost events and the peaks cannot be trusted.
@@ -473,7 +476,7 @@ class _Session:
         ranges = [r for r in ranges if r[1] <= r[2]]
         # Each marker's (and the canary's) allocation positions, and what no one counts:
         # those and their frees.
-        sizes = {_CANARY_BYTES, *ended.values()}
+        sizes = self._sizes
         marks: dict[int, list[int]] = {}
         blips: set[int] = set()
         for i, (_, size, ptr) in enumerate(events):
