@@ -238,6 +238,13 @@ def allocation_events(
     running total would otherwise drift with whatever Python frees in between.
     """
     raw, ranges = _allocations(prof, range_prefix)
+    return _levels(raw), ranges
+
+
+def _levels(raw: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """``(time_ns, bytes, level)`` of each ``(time_ns, bytes, address)`` event: the bytes of
+    the blocks allocated since the first event still live after it (a free of an older block
+    does not count: see :func:`allocation_events`)."""
     live: dict[int, int] = {}
     level = 0
     events: list[tuple[int, int, int]] = []
@@ -248,7 +255,7 @@ def allocation_events(
         elif ptr in live:
             level -= live.pop(ptr)
         events.append((t, size, level))
-    return events, ranges
+    return events
 
 
 def _allocations(
@@ -334,17 +341,8 @@ class CpuInterval:
     def _read(self, events: Sequence[tuple[int, int, int]], ranges: Sequence[RangeSpan]) -> None:
         """The measurement from its piece of the session: the ``(time_ns, bytes, address)``
         allocation events in time order from its start to its end, and the ranges."""
-        live: dict[int, int] = {}  # blocks allocated since the start: address -> bytes
-        level = highest = 0
-        levels = []
-        for t, size, ptr in events:
-            if size > 0:
-                live[ptr] = live.get(ptr, 0) + size
-                level += size
-            elif ptr in live:
-                level -= live.pop(ptr)
-            levels.append((t, level))
-            highest = max(highest, level)
+        levels = [(t, level) for t, _, level in _levels(events)]
+        highest = max((level for _, level in levels), default=0)
         resident, per_range = self.resident, dict[str, int]()
         for name, t0, t1 in ranges:
             _, top = range_levels(levels, t0, t1)
