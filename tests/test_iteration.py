@@ -573,7 +573,7 @@ def test_state_loaded_from_a_checkpoint_goes_back_to_the_tier_at_once(tier, tmp_
     # Resuming from a checkpoint: optimizer.load_state_dict makes the state anew next to the
     # parameters (on the device). It goes back to the tier there and then; before, it stayed
     # on the device until the next optimizer step, and the iteration before it ran with the
-    # whole state there, over the budget (HF GPT-2 at 50 %: 27.95 MiB against 22.5 MiB).
+    # whole state there, over the budget (HF GPT-2 at 50 %: 27.95 MiB against 22.97 MiB).
     torch._dynamo.reset()
     eager, wl = zoo.build("gpt", size="tiny"), zoo.build("gpt", size="tiny")
     eager_opt = torch.optim.AdamW(eager.model.parameters(), lr=1e-3)
