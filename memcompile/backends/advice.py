@@ -63,6 +63,7 @@ def infeasible(
     untaken: int,
     inner_over: tuple[str, int] | None = None,
     quick_no: str = "",
+    fixed_peak: bool = False,
     inner_fallback: str = "",
     inner: str = "eager",
 ) -> None:
@@ -78,8 +79,10 @@ def infeasible(
     measured to need past the budget with the smallest plan found; ``quick_no``: no other
     plan was searched (pipeline/fragment.py's quick no: ``"built"``, the plan is the first
     one built; ``"planned"``, as planned, before the rewrites of its built graphs);
-    ``inner_fallback``: why ``inner="auto"`` planned it for eager kernels instead of
-    Inductor; ``inner``: the inner compiler it was planned for."""
+    ``fixed_peak``: no saved or recomputed value is live at the plan's peak (only values the
+    backward makes), so no plan of another saved set lowers it; ``inner_fallback``: why
+    ``inner="auto"`` planned it for eager kernels instead of Inductor; ``inner``: the inner
+    compiler it was planned for."""
     budget = config.budget
     assert budget is not None
     tips = []
@@ -95,6 +98,12 @@ def infeasible(
             f"{QUICK_NO_SHARE * (1 - LATE_CUT):.0%} of it, and the rewrites of a plan's built "
             f"graphs have taken off {LATE_CUT:.0%} at most, so neither they nor other plans "
             "were tried (on_infeasible='best_effort' tries them all and runs the smallest)"
+        )
+    if fixed_peak:
+        tips.append(
+            "no saved activation is live at that peak, only values the backward makes "
+            "(gradients and their temporaries), so recomputing or offloading activations "
+            "cannot lower it"
         )
     if inner_over is not None:
         inner, over = inner_over

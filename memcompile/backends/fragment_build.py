@@ -408,9 +408,10 @@ class FragmentBuild:
                     )
                     plan = dataclasses.replace(decided.plan, feasible=True)
                     return dataclasses.replace(decided, plan=plan), spec
-                # Its error names what the code of the smallest plan was measured to peak at.
+                # Its error names what the code of the smallest plan was measured to peak at
+                # (a moment of the code's own, not the one the planner saw).
                 plan = dataclasses.replace(decided.plan, predicted_peak=peak)
-                return dataclasses.replace(decided, plan=plan), spec
+                return dataclasses.replace(decided, plan=plan, fixed_peak=False), spec
             if over <= 0:
                 break
             # Plan again with the code's excess over these graphs' profile counted as resident
@@ -438,7 +439,7 @@ class FragmentBuild:
                 # measured peak of the one kept as the smallest found.
                 self.inner_over = over
                 plan = dataclasses.replace(decided.plan, feasible=False, predicted_peak=peak)
-                return dataclasses.replace(decided, plan=plan), spec
+                return dataclasses.replace(decided, plan=plan, fixed_peak=False), spec
             decided, spec = again, tighter
             self.inner_excess = tighter.inner_excess
         return decided, spec
@@ -505,6 +506,7 @@ class FragmentBuild:
                 untaken=resident.untaken_bytes(self.example_inputs),
                 inner_over=(self.inner, self.inner_over) if self.inner_over else None,
                 quick_no=decided.quick_no,
+                fixed_peak=decided.fixed_peak,
                 inner_fallback=self.inner_fallback,
                 inner=self.inner,
             )

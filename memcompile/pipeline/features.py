@@ -48,6 +48,11 @@ class Features:
             lowers the exact profile and each distinct chain probes bit-identical.
         rematerialize: a plan over its budget makes backward values again for their late
             readers where that lowers the backward's exact profile (rewrites/rematerialize.py).
+        fixed_peak: a plan over its budget whose predicted peak holds no saved or recomputed
+            value (``JointModel.decided_at_peak``: only the backward's own values, incoming
+            gradients, held outputs), where the late rewrites left it there, gets no other
+            saved sets searched (recompute only, swap only, the floors): none lowers that
+            moment; ``False`` searches them anyway (tests and benchmarks that compare).
         linear_ce_blocks: a fragment no plan fits makes its cross-entropy heads by blocks, the
             logits never whole (rewrites/linearce.py), where the blocks probe bit-identical; it
             costs two more matmuls of the head's size, so only then.
@@ -80,6 +85,7 @@ class Features:
     built_in_place: bool = True
     row_tiling: bool = True
     rematerialize: bool = True
+    fixed_peak: bool = True
     linear_ce_blocks: bool = True
     pilot_in_graph: bool = True
     fast_no: bool = True

@@ -20,6 +20,8 @@ and their plan. It changes nothing outside the graphs; the backend then applies 
     9  build            partition, swaps; late rewrites of built graphs   rewrites/; built.py
        quick no         a budget under 1/2 of the built plan: no alternatives (error)
     10 alternatives     recompute only, swap only, floors, heads by blocks; choose()  search.py
+                        (not the first three where only the backward's own values are live
+                        at the plan's peak: JointModel.decided_at_peak)
 
 The forward compiler then finishes both graphs (``finish.py``: where the pilot predicts, and
 reloads hoisted where their copies hide).
@@ -72,6 +74,8 @@ class Decided:
             :func:`_quick_no`), so a smaller plan may exist: ``"built"``, the first plan built;
             ``"planned"``, the first plan as planned, its graphs built without the late
             rewrites; ``""``: the search ran to its end.
+        fixed_peak: the plan peaks where no saved or recomputed value is live, as planned
+            (``JointModel.decided_at_peak``): no plan of another saved set goes lower.
     """
 
     fw: fx.GraphModule
@@ -85,6 +89,7 @@ class Decided:
     joint: fx.GraphModule
     cached: str | None = None
     quick_no: Literal["", "built", "planned"] = ""
+    fixed_peak: bool = False
 
 
 #: A quick "no" (:func:`_quick_no`) when the budget is under this share of the built plan's
@@ -590,4 +595,15 @@ def _decided(
         plan = dataclasses.replace(plan, host_params=tuple(names[i] for i in sorted(fetched)))
     held = sum(built.model.nbytes[s] for s in built.model.held_outputs)
     reserve = search.prefetch_reserve
-    return Decided(built.fw, built.bw, plan, hosted, tuple(placed), host_peak, reserve, held, joint)
+    return Decided(
+        built.fw,
+        built.bw,
+        plan,
+        hosted,
+        tuple(placed),
+        host_peak,
+        reserve,
+        held,
+        joint,
+        fixed_peak=built.peak_decided == 0,
+    )

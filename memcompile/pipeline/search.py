@@ -9,6 +9,8 @@ tries its orders::
     tried = [built plan]
           + recompute only, swap only            where the plan does both
           + the three searched for the smallest peak    while none fits
+                  (neither where no saved or recomputed value is live at the built plan's
+                   peak: another saved set cannot lower that moment)
           + the loss heads by blocks, and their alternatives   while none fits
     choose(tried): one that fits with the least predicted time, else the lowest peak
 
@@ -37,7 +39,7 @@ from memcompile.pipeline import features, stage
 from memcompile.pipeline.env import FragmentEnv, FragmentSpec
 from memcompile.pipeline.plan_cache import LATE, Step, derived
 from memcompile.planning.plan import FragmentPlan
-from memcompile.planning.planner import plan_fragment
+from memcompile.planning.planner import SearchResult, plan_fragment
 from memcompile.rewrites.context import PassContext
 from memcompile.rewrites.inplace import in_place_pass
 from memcompile.rewrites.losshead import loss_head_pass, min_block_bytes
@@ -53,23 +55,28 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Candidate:
-    """A plan of one joint graph, not built yet."""
+    """A plan of one joint graph, not built yet; ``peak_decided``: bytes live at its planned
+    peak that its saved set put there (``JointModel.decided_at_peak``; ``None``: not known, a
+    cached plan)."""
 
     joint: fx.GraphModule
     model: JointModel
     plan: FragmentPlan
+    peak_decided: int | None = None
 
 
 @dataclass(frozen=True)
 class Built:
     """A candidate's graphs as built; ``plan``'s peak is the built graphs' where the late
-    rewrites lowered it."""
+    rewrites lowered it. ``peak_decided``: the candidate's, where the built graphs peak as
+    planned (``None`` where the late rewrites moved the peak, or not known)."""
 
     joint: fx.GraphModule
     fw: fx.GraphModule
     bw: fx.GraphModule
     model: JointModel
     plan: FragmentPlan
+    peak_decided: int | None = None
 
 
 def choose(tried: Sequence[Built]) -> Built:
@@ -245,6 +252,7 @@ class FragmentSearch:
             reserve = self.reserve(host)
         resident = self.env.resident.resident_bytes(spec, host=host) + reserve
         target = None if config.budget is None else config.budget - resident
+        searched: list[SearchResult] = []
         plan = plan_fragment(
             model,
             target=0 if floor and target is not None else target,
@@ -255,7 +263,9 @@ class FragmentSearch:
             start=start,
             saved_cap=spec.replan_saved_cap,
             progress=lambda where: stage.say(f"{calling}; searching for {where}"),
+            searched=searched.append,
         )
+        decided = model.decided_at_peak(searched[0].final) if searched else None
         if floor and target is not None:
             plan = dataclasses.replace(
                 plan,
@@ -263,7 +273,7 @@ class FragmentSearch:
                 feasible=plan.predicted_peak - resident <= target
                 and (plan.saved_cap is None or plan.held_bytes <= plan.saved_cap),
             )
-        return Candidate(joint, model, plan)
+        return Candidate(joint, model, plan, decided)
 
     def _joint_model(self, joint: fx.GraphModule) -> JointModel:
         """The joint model of ``joint``, built once per graph in a partition: one graph is
@@ -374,7 +384,9 @@ class FragmentSearch:
                 if splits:
                     applied.append(("remat", [dataclasses.asdict(r) for r in splits]))
         fw.meta[LATE] = tuple(applied)
-        return Built(cand.joint, fw, bw, model, plan)
+        # Lowered by the late rewrites: the peak moved, to a moment the plan did not price.
+        decided = cand.peak_decided if plan.predicted_peak >= cand.plan.predicted_peak else None
+        return Built(cand.joint, fw, bw, model, plan, decided)
 
     # -- alternatives of a plan over its target -----------------------------------------------
     def with_alternatives(self, hosted: Sequence[int], first: Built) -> list[Built]:
@@ -382,6 +394,17 @@ class FragmentSearch:
         :meth:`alternatives`, then those searched for the smallest peak."""
         tried = [first]
         if first.plan.feasible:
+            return tried
+        if first.peak_decided == 0 and features.current().fixed_peak:
+            # Its peak moment holds only values every saved set has there: recomputing or
+            # swapping otherwise cannot lower it (the GRU small under 14.2 MiB: its 4 other
+            # plans, a minute of searching and building, all peaked at or above it).
+            log.info(
+                "F%d: the plan peaks at %s with no saved or recomputed value live there (the "
+                "backward's own values): no other saved set lowers it, none searched",
+                self.spec.index,
+                format_bytes(first.plan.predicted_peak),
+            )
             return tried
         tried += self.alternatives(first.joint, hosted, tried)
         # Also with no room at all (a target of 0 or less): the plan for such a target is

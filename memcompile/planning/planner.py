@@ -723,6 +723,7 @@ def plan_fragment(
     start: Collection[str] = (),
     saved_cap: int | None = None,
     progress: Callable[[str], None] | None = None,
+    searched: Callable[[SearchResult], None] | None = None,
 ) -> FragmentPlan:
     """Plan one fragment: the decisions, backward order and predictions for ``target``.
 
@@ -736,6 +737,8 @@ def plan_fragment(
         saved_cap: bytes the plan may hold from forward to backward (see
             :func:`search_saved_set`); the plan is feasible only within it too.
         progress: told where the search is (see :func:`search_saved_set`).
+        searched: given the search's result (the plan's evaluation: what is live at its
+            peak, ``JointModel.decided_at_peak``) before the plan is made of it.
     """
     result = search_saved_set(
         model,
@@ -747,6 +750,8 @@ def plan_fragment(
         saved_cap=saved_cap,
         progress=progress,
     )
+    if searched is not None:
+        searched(result)
     final, baseline = result.final, result.baseline
     swapped = dict(final.swapped)
     held = model.held_bytes(final)
