@@ -391,7 +391,8 @@ class FragmentSearch:
     # -- alternatives of a plan over its target -----------------------------------------------
     def with_alternatives(self, hosted: Sequence[int], first: Built) -> list[Built]:
         """``first`` (a plan built with the rewrites), and while it does not fit its
-        :meth:`alternatives`, then those searched for the smallest peak."""
+        :meth:`alternatives`, then those searched for the smallest peak; none where no saved
+        or recomputed value is live at ``first``'s peak (``Built.peak_decided``: 0)."""
         tried = [first]
         if first.plan.feasible:
             return tried
