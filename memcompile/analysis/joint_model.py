@@ -850,7 +850,8 @@ class JointModel:
         the backward (kept, or reloaded after a swap) and values the backward recomputes.
 
         0: the moment holds only what every saved set has there (the backward's own values,
-        incoming gradients, the outputs the caller holds). Another saved set drops none of
+        incoming gradients, the outputs the caller holds; the accumulation after the backward
+        holds nothing saved, as row tiling's skip counts it too). Another saved set drops none of
         those and only adds its own saved or recomputed values: no plan of this graph lowers
         that moment but by ordering the backward otherwise (the GRU small's plans under
         14.2 MiB all peak at one such moment, 18.87 MB of gradients, recomputing or swapping
