@@ -63,6 +63,7 @@ def test_decided_at_peak_counts_only_saved_and_recomputed_values() -> None:
 def _planned(fraction: float, **switches: bool) -> tuple[memcompile.MemReport, int, list[str]]:
     """EmbedNet compiled under ``fraction`` of its no-budget peak, one step: its report, the
     planner calls made, and the budget warnings."""
+    torch._dynamo.reset()
     torch.manual_seed(0)
     unplanned = memcompile.compile(EmbedNet())
     unplanned(_idx()).backward()
